@@ -1,0 +1,104 @@
+"""Who owns which KV blocks: the block manager at the heart of PagedAttention.
+
+An operating system gives a process virtual pages and maps each to any free physical frame, so
+memory need not be contiguous and is claimed only when touched. The block manager does the same
+for the KV cache: a request's tokens are its virtual pages (token i is in logical block
+i // block_size), the pool's blocks are the physical frames, and the block table is the page
+table. A request claims a new block only when its last one is full, so at most block_size - 1
+slots per request sit reserved but empty, and a finished request gives every block back at once.
+"""
+
+from collections import deque
+
+import numpy as np
+import torch
+
+
+class OutOfBlocks(Exception):
+    """The pool has fewer free blocks than asked for. Nothing was allocated."""
+
+    def __init__(self, needed: int, free: int, total: int, block_size: int):
+        self.needed, self.free, self.total, self.block_size = needed, free, total, block_size
+        super().__init__(f"needed {needed} blocks of {block_size} tokens, {free} of {total} free")
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, max_requests: int,
+                 max_blocks_per_request: int, device="cpu"):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks = deque(range(num_blocks))  # FIFO: the blocks freed longest ago go first
+        self.block_tables: dict[int, list[int]] = {}  # request -> its physical blocks, in order
+        self.num_tokens = np.zeros(max_requests, dtype=np.int64)  # slots reserved per request
+        # The same table as a padded tensor, for the attention kernel: [max_requests, max_blocks].
+        # Unused entries are 0, a valid block the kernel never reads (cache_seqlens stops it).
+        self.block_table = torch.zeros(max_requests, max_blocks_per_request, dtype=torch.int32,
+                                       device=device)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_prompt_tokens: int) -> bool:
+        return self.blocks_needed(num_prompt_tokens) <= len(self.free_blocks)
+
+    def allocate(self, request: int, num_prompt_tokens: int) -> None:
+        """Give a new request the blocks its prompt fills; the last one may be part empty."""
+        needed = self.blocks_needed(num_prompt_tokens)
+        if needed > self.block_table.shape[1]:
+            raise ValueError(f"{num_prompt_tokens} tokens exceed the table's "
+                             f"{self.block_table.shape[1]} blocks per request")
+        self._check_free(needed)
+        blocks = [self.free_blocks.popleft() for _ in range(needed)]
+        self.block_tables[request] = blocks
+        self.num_tokens[request] = num_prompt_tokens
+        self.block_table[request, :needed] = torch.tensor(blocks, dtype=torch.int32)
+
+    def append_token(self, requests: np.ndarray) -> None:
+        """Reserve a slot for one more token in each of `requests`.
+
+        Only a request whose last block is full gets a new one; that is one block per
+        `block_size` tokens, so the Python work here is for those few, not for every request."""
+        needs_block = requests[self.num_tokens[requests] % self.block_size == 0]
+        self._check_free(len(needs_block))
+        if len(needs_block):
+            new_blocks = [self.free_blocks.popleft() for _ in needs_block]
+            for request, block in zip(needs_block.tolist(), new_blocks):
+                self.block_tables[request].append(block)
+            columns = self.num_tokens[needs_block] // self.block_size
+            # One small copy updates every row that changed; the other rows are not touched.
+            self.block_table[torch.from_numpy(needs_block), torch.from_numpy(columns)] = (
+                torch.tensor(new_blocks, dtype=torch.int32).to(self.block_table.device))
+        self.num_tokens[requests] += 1
+
+    def free(self, request: int) -> None:
+        """A finished request returns every block it held."""
+        self.free_blocks.extend(self.block_tables.pop(request))
+        self.num_tokens[request] = 0
+        self.block_table[request] = 0
+
+    def slots(self, request: int, start: int, end: int) -> np.ndarray:
+        """Flat slot index of positions start..end-1 of a request: block * block_size + offset."""
+        positions = np.arange(start, end)
+        blocks = np.asarray(self.block_tables[request])[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def num_filled_slots(self) -> int:
+        """Slots holding a token's K/V (or about to, this step)."""
+        return int(self.num_tokens.sum())
+
+    @property
+    def num_unfilled_slots(self) -> int:
+        """Slots reserved by a request but empty: the fragmentation the paper is about."""
+        return self.num_used_blocks * self.block_size - self.num_filled_slots
+
+    def _check_free(self, needed: int) -> None:
+        if needed > len(self.free_blocks):
+            raise OutOfBlocks(needed, len(self.free_blocks), self.num_blocks, self.block_size)

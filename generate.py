@@ -1,0 +1,149 @@
+"""The generation loop both scripts share: admit, prefill, then decode one token per step.
+
+Host work per decode step does not grow with layers x requests: block bookkeeping touches only
+requests that cross a block boundary, per-request state lives in numpy arrays updated with one
+vectorised operation, and the only GPU-to-CPU copy is the sampled tokens, once per step.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kv_cache import DecodeBatch, PrefillBatch
+
+
+@dataclass
+class KVSnapshot:
+    """The cache at one decode step, in slots (multiply by kv_bytes_per_token for bytes)."""
+
+    step: int
+    live_requests: int
+    reserved_slots: int  # slots in blocks owned by live requests
+    filled_slots: int  # of those, slots holding a token
+
+
+@dataclass
+class Generation:
+    output_tokens: list[list[int]]  # per request, the stop token excluded
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    timeline: list[KVSnapshot] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(t) for t in self.output_tokens)
+
+    @property
+    def fullest(self) -> KVSnapshot:
+        """The step at which the cache held the most tokens."""
+        return max(self.timeline, key=lambda s: s.filled_slots)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(model, cache, manager, prompts: list[list[int]], chunk_tokens: int, device):
+    """Run whole prompts, packed into chunks of about `chunk_tokens`, writing every prompt
+    token's K/V into its slot. Returns each request's first generated token: [N] on device."""
+    first_tokens = torch.empty(len(prompts), dtype=torch.long, device=device)
+    chunk_start = 0
+    while chunk_start < len(prompts):
+        chunk_end, tokens_in_chunk = chunk_start, 0
+        while chunk_end < len(prompts) and (
+                chunk_end == chunk_start or tokens_in_chunk + len(prompts[chunk_end]) <= chunk_tokens):
+            tokens_in_chunk += len(prompts[chunk_end])
+            chunk_end += 1
+        chunk = range(chunk_start, chunk_end)
+        lengths = [len(prompts[r]) for r in chunk]
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        to_device = lambda a, dtype: torch.from_numpy(np.asarray(a)).to(device, dtype)
+        batch = PrefillBatch(
+            slot_mapping=to_device(np.concatenate([manager.slots(r, 0, len(prompts[r])) for r in chunk]),
+                                   torch.long),
+            cu_seqlens=to_device(cu_seqlens, torch.int32),
+            cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=max(lengths))
+        tokens = to_device(np.concatenate([prompts[r] for r in chunk]), torch.long)  # [T]
+        positions = to_device(np.concatenate([np.arange(n) for n in lengths]), torch.long)
+        last_token_rows = to_device(cu_seqlens[1:] - 1, torch.long)
+        logits = model(tokens, positions, cache, batch, logits_at=last_token_rows)  # [len(chunk), vocab]
+        first_tokens[chunk_start:chunk_end] = logits.argmax(-1)  # greedy
+        chunk_start = chunk_end
+    return first_tokens
+
+
+def decode_step(model, cache, block_table, tokens, positions, requests, max_cache_seqlen: int):
+    """One token for each live request. tokens, positions, requests: [B] on device."""
+    block_table = block_table[requests]  # [B, max_blocks]: the rows of the live requests
+    block_size = cache.block_size
+    # Where the new token's K/V go: the block that holds its position, at the offset within it.
+    blocks = block_table.gather(1, (positions // block_size)[:, None])[:, 0]
+    batch = DecodeBatch(slot_mapping=blocks.long() * block_size + positions % block_size,
+                        block_table=block_table, cache_seqlens=(positions + 1).int(),
+                        max_cache_seqlen=max_cache_seqlen)
+    return model(tokens, positions, cache, batch).argmax(-1)  # [B] greedy
+
+
+@torch.inference_mode()
+def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
+             max_seq_len: int, stop_ids: set[int], chunk_tokens: int = 8192,
+             progress: bool = True) -> Generation:
+    """Greedy-decode every prompt as one batch. Request r stops at a token in `stop_ids`, after
+    `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves the batch and
+    gives its blocks back. The caller has checked that every prompt is shorter than max_seq_len."""
+    device = cache.k.device
+    n = len(prompts)
+    prompt_lens = np.array([len(p) for p in prompts])
+    limits = np.minimum(np.array(max_new_tokens), max_seq_len - prompt_lens)  # [N] tokens to make
+    stop_ids_array = np.array(sorted(stop_ids), dtype=np.int64)
+    outputs = np.zeros((n, max(limits)), dtype=np.int64)
+    num_out = np.zeros(n, dtype=np.int64)
+
+    for r in range(n):  # admission: every prompt's blocks, or OutOfBlocks before any work
+        manager.allocate(r, len(prompts[r]))
+    t0 = time.perf_counter()
+    last_tokens = prefill(model, cache, manager, prompts, chunk_tokens, device)  # [N]
+    sync(device)
+    t1 = time.perf_counter()
+
+    live = np.arange(n)
+    new_tokens = last_tokens.cpu().numpy()
+    timeline, step = [], 0
+    bar = tqdm(desc="decode", unit="step", disable=not progress, leave=False)
+    while True:
+        # Record this step's tokens; retire requests that hit a stop token or their limit.
+        is_stop = np.isin(new_tokens, stop_ids_array)
+        outputs[live[~is_stop], num_out[live[~is_stop]]] = new_tokens[~is_stop]
+        num_out[live] += ~is_stop
+        done = is_stop | (num_out[live] >= limits[live])
+        for r in live[done].tolist():
+            manager.free(r)
+        live = live[~done]
+        if len(live) == 0:
+            break
+        # Every live request feeds its newest token, at position = tokens cached so far.
+        positions = manager.num_tokens[live].copy()
+        manager.append_token(live)
+        timeline.append(KVSnapshot(step, len(live), manager.num_used_blocks * manager.block_size,
+                                   manager.num_filled_slots))
+        live_on_device = torch.from_numpy(live).to(device)
+        next_tokens = decode_step(model, cache, manager.block_table, last_tokens[live_on_device],
+                                  torch.from_numpy(positions).to(device), live_on_device,
+                                  int(positions.max()) + 1)
+        last_tokens[live_on_device] = next_tokens
+        new_tokens = next_tokens.cpu().numpy()  # the one sync per step
+        step += 1
+        bar.update()
+        bar.set_postfix(live=len(live), blocks=manager.num_used_blocks)
+    bar.close()
+    sync(device)
+    t2 = time.perf_counter()
+    return Generation(output_tokens=[outputs[r, :num_out[r]].tolist() for r in range(n)],
+                      prompt_tokens=int(prompt_lens.sum()), prefill_seconds=t1 - t0,
+                      decode_seconds=t2 - t1, decode_steps=step, timeline=timeline)

@@ -1,0 +1,56 @@
+"""The KV cache both scripts use: one pool of fixed-size blocks per layer, addressed by slot.
+
+A slot is one token's K and V in one layer; slot `s` lives in block `s // block_size` at offset
+`s % block_size`. The naive script makes one block per request, `max_seq_len` slots long; the
+paged script makes many small blocks and hands them out as requests grow. The code is the same:
+only `num_blocks` and `block_size` differ, and who writes the block table.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillBatch:
+    """Whole prompts packed into one sequence of T tokens."""
+
+    slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
+    cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
+    cu_seqlens_host: list[int]
+    max_seqlen: int
+
+
+@dataclass
+class DecodeBatch:
+    """One new token for each of B requests."""
+
+    slot_mapping: torch.Tensor  # [B] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32: the physical blocks of each request
+    cache_seqlens: torch.Tensor  # [B] int32: tokens cached per request, the new one included
+    max_cache_seqlen: int
+
+
+class KVCache:
+    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
+        self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
+        self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_size)
+        # [n_layers, num_blocks * block_size, n_kv_heads, head_dim]: allocated once, up front.
+        # Zeroed, so that slots no token has written stay finite.
+        slots_shape = (args.n_layers, num_blocks * block_size, args.n_kv_heads, args.head_size)
+        self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+        """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in their slots, then attend."""
+        self.k[layer].index_copy_(0, batch.slot_mapping, k)
+        self.v[layer].index_copy_(0, batch.slot_mapping, v)
+        if isinstance(batch, PrefillBatch):
+            return self.attention_backend.prefill(q, k, v, batch)
+        key_blocks = self.k[layer].view(self.block_shape)  # same memory, seen as blocks
+        value_blocks = self.v[layer].view(self.block_shape)
+        return self.attention_backend.decode(q, key_blocks, value_blocks, batch)

@@ -1,0 +1,184 @@
+"""Llama 3 in plain PyTorch: the model both scripts share.
+
+The model knows nothing about how the KV cache is laid out. Each attention layer computes the
+query and the new token's key and value, then hands all three to `kv_cache.attention(...)`: the
+naive script passes a cache with one max-length block per request, the paged script one with a
+shared pool of small blocks. That call is the only place the two differ.
+
+Tokens arrive packed: a forward pass takes `[T]` token ids from any number of requests (a whole
+prompt per request in prefill, one token per request in decode), never a padded `[batch, seq]`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of RoPE to long contexts: slow frequencies are divided by `factor`."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = 128_256
+    head_dim: int | None = None  # dim // n_heads unless the checkpoint says otherwise
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False  # Llama 3.2 1B/3B reuse the embedding as the output head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token in every layer: what each cache slot costs."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_size * dtype.itemsize
+
+
+# Shapes for --random-weights. `tiny` keeps the real vocabulary and a head_dim (64) that the
+# flash-attn kernels support, so the CPU tests exercise the same shapes as the real thing.
+PRESETS = {
+    "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                    rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True),
+    "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512),
+}
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Rotation speed of each pair of head dimensions, in radians per position: [head_dim / 2]."""
+    d = args.head_size
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling
+    if s is None:
+        return freqs
+    # Keep fast rotations (short wavelengths), slow down long ones by `factor`, blend in between.
+    wavelen = 2 * math.pi / freqs
+    high_freq_wavelen = s.original_context_tokens / s.high_freq_factor
+    low_freq_wavelen = s.original_context_tokens / s.low_freq_factor
+    smooth = (s.original_context_tokens / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) by its position's angle (Meta's layout).
+
+    x: [T, heads, head_dim]; cos, sin: [T, head_dim / 2].
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # [T, heads, head_dim / 2, 2]
+    x0, x1 = pairs.unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32: bf16's 8-bit mantissa is too coarse for a mean of squares.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_size
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        # Q, K and V in one matmul: one kernel launch instead of three for every layer and step.
+        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=False, dtype=dtype)
+        self.wo = nn.Linear(q_size, args.dim, bias=False, dtype=dtype)
+
+    def forward(self, x, cos, sin, kv_cache, batch) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
+        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # [T, n_heads, head_dim]
+        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # [T, n_kv_heads, head_dim]
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        # The cache stores k and v where this batch's tokens belong, then attends over everything
+        # each request has cached so far. How it finds that memory is the whole lesson.
+        out = kv_cache.attention(self.layer_index, q, k, v, batch)  # [T, n_heads, head_dim]
+        return self.wo(out.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        # Gate and up projections merged into one matmul, split after: SwiGLU = silu(gate) * up.
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.ffn_dim, bias=False, dtype=dtype)
+        self.w_down = nn.Linear(args.ffn_dim, args.dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each [T, ffn_dim]
+        return self.w_down(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.attention = Attention(args, layer_index, dtype)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.feed_forward = FeedForward(args, dtype)
+
+    def forward(self, h, cos, sin, kv_cache, batch) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), cos, sin, kv_cache, batch)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Build on the `meta` device and materialise with `checkpoints.py`: no weights are
+    initialised twice, and an 8B model never passes through host memory as float32."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, dtype) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Precompute cos/sin for every position a request can reach: [max_positions, head_dim/2]."""
+        device = self.tok_embeddings.weight.device
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                             rope_frequencies(self.args)).to(device)
+        self.rope_cos, self.rope_sin = angles.cos(), angles.sin()
+
+    def forward(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
+        """tokens, positions: [T]. Returns logits [T, vocab], or only at rows `logits_at`:
+        prefill needs each prompt's last row, and all T rows of a 128K vocabulary would not fit."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim / 2]
+        h = self.tok_embeddings(tokens)  # [T, dim]
+        for layer in self.layers:
+            h = layer(h, cos, sin, kv_cache, batch)
+        if logits_at is not None:
+            h = h[logits_at]
+        return self.output(self.norm(h))  # [T or len(logits_at), vocab]

@@ -1,0 +1,70 @@
+"""Tiny Llama checkpoints written by transformers, in both layouts, for tests that need real files."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_hf_model(rope_scaling: bool, tied: bool, seed: int = 0, original_context: int = 64):
+    """A random transformers LlamaForCausalLM, small but with every feature of the real thing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    if rope_scaling:  # Llama 3.1's; a short original context makes all three bands matter
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": original_context}
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters=rope,
+        max_position_embeddings=1024, tie_word_embeddings=tied, attention_bias=False, mlp_bias=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # transformers initialises norms to 1: perturb them so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_to_meta(model, out_dir: Path) -> Path:
+    """Write the transformers model in Meta's layout (params.json + consolidated.00.pth), undoing
+    the q/k row permutation of transformers' convert_llama_weights_to_hf.py."""
+    c = model.config
+    sd = model.state_dict()
+    def unpermute(w, heads):
+        return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+    meta = {"tok_embeddings.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    if not c.tie_word_embeddings:
+        meta["output.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        meta |= {
+            f"layers.{i}.attention.wq.weight": unpermute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads),
+            f"layers.{i}.attention.wk.weight": unpermute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads),
+            f"layers.{i}.attention.wv.weight": sd[p + "self_attn.v_proj.weight"],
+            f"layers.{i}.attention.wo.weight": sd[p + "self_attn.o_proj.weight"],
+            f"layers.{i}.feed_forward.w1.weight": sd[p + "mlp.gate_proj.weight"],
+            f"layers.{i}.feed_forward.w3.weight": sd[p + "mlp.up_proj.weight"],
+            f"layers.{i}.feed_forward.w2.weight": sd[p + "mlp.down_proj.weight"],
+            f"layers.{i}.attention_norm.weight": sd[p + "input_layernorm.weight"],
+            f"layers.{i}.ffn_norm.weight": sd[p + "post_attention_layernorm.weight"],
+        }
+    # Meta's rule for the FFN width: 2/3 of 4*dim (=341 for dim 128), rounded up to multiple_of.
+    assert c.intermediate_size == 320
+    params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
+              "n_kv_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "multiple_of": 64,
+              "ffn_dim_multiplier": 0.9, "norm_eps": c.rms_norm_eps, "rope_theta": 500000.0}
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        assert rope["original_max_position_embeddings"] == 8192, "Meta's layout fixes it at 8192"
+        params |= {"use_scaled_rope": True, "rope_scaling_factor": rope["factor"]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "params.json").write_text(json.dumps(params))
+    torch.save({k: v.clone() for k, v in meta.items()}, out_dir / "consolidated.00.pth")
+    return out_dir

