@@ -14,6 +14,9 @@ from tqdm import tqdm
 
 from kv_cache import DecodeBatch, PrefillBatch
 
+PREFILL_CHUNK_TOKENS = 8192  # prompts per prefill pass: big enough for full-speed matmuls,
+                             # small enough that activations stay a small share of memory
+
 
 @dataclass
 class KVSnapshot:
@@ -92,7 +95,7 @@ def decode_step(model, cache, block_table, tokens, positions, requests, max_cach
 
 @torch.inference_mode()
 def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
-             max_seq_len: int, stop_ids: set[int], chunk_tokens: int = 8192,
+             max_seq_len: int, stop_ids: set[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS,
              progress: bool = True) -> Generation:
     """Greedy-decode every prompt as one batch. Request r stops at a token in `stop_ids`, after
     `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves the batch and

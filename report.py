@@ -1,0 +1,98 @@
+"""What a run prints: the answers, throughput, and where the KV cache's memory went.
+
+Reserved: KV slots in blocks owned by live requests. Holding tokens: the reserved slots that hold
+a token's K and V. Wasted: reserved minus holding, memory no one can use until its request ends.
+Fragmented Memory is the waste at the step the cache held the most tokens, in GB (10^9 bytes) and
+as a percentage of the device's total memory, as the original experiment printed it.
+"""
+
+import os
+
+import torch
+
+GB = 1e9
+ANSWERS_SHOWN = 3
+
+
+def device_total_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the CPU's: host memory
+
+
+def print_answers(requests, generation, tokenizer, show_all: bool) -> None:
+    shown = len(requests) if show_all else min(ANSWERS_SHOWN, len(requests))
+    for request, output in list(zip(requests, generation.output_tokens))[:shown]:
+        print(f"\n--- request {request.id} ---\n> {request.prompt.strip()[:300]}\n")
+        print(tokenizer.decode(output))
+    if shown < len(requests):
+        print(f"\n({len(requests) - shown} more answers; --show-all prints them)")
+
+
+def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
+    reserved = snapshot.reserved_slots * kv_bytes_per_token
+    holding = snapshot.filled_slots * kv_bytes_per_token
+    return {"step": snapshot.step, "live_requests": snapshot.live_requests,
+            "reserved_bytes": reserved, "holding_tokens_bytes": holding,
+            "wasted_bytes": reserved - holding,
+            "wasted_percent_of_reserved": 100 * (reserved - holding) / reserved if reserved else 0.0}
+
+
+def memory_report(setup, cache, manager, generation) -> dict:
+    kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
+    total = device_total_bytes(setup.device)
+    fullest = kv_snapshot_bytes(generation.fullest, kv_bytes_per_token) if generation.timeline else None
+    last = kv_snapshot_bytes(generation.timeline[-1], kv_bytes_per_token) if generation.timeline else None
+    wasted = fullest["wasted_bytes"] if fullest else 0
+    weights = sum(p.nbytes for p in setup.model.parameters())  # tied weights counted once
+    return {
+        "device_total_bytes": total,
+        "weights_bytes": weights,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_pool_bytes": cache.nbytes,
+        "kv_pool_blocks": manager.num_blocks,
+        "block_size_tokens": manager.block_size,
+        "peak_allocated_bytes": (torch.cuda.max_memory_allocated(setup.device)
+                                 if setup.device.type == "cuda" else None),
+        "at_fullest_step": fullest,
+        "at_last_step": last,
+        "fragmented_bytes": wasted,
+        "fragmented_percent_of_device": 100 * wasted / total,
+    }
+
+
+def throughput_report(generation) -> dict:
+    decode_tokens = generation.generated_tokens - len(generation.output_tokens)  # first came from prefill
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "generated_tokens": generation.generated_tokens,
+        "prefill_seconds": generation.prefill_seconds,
+        "prefill_tokens_per_second": generation.prompt_tokens / generation.prefill_seconds,
+        "decode_seconds": generation.decode_seconds,
+        "decode_steps": generation.decode_steps,
+        "decode_tokens_per_second": decode_tokens / generation.decode_seconds
+        if generation.decode_seconds else 0.0,
+        "output_tokens_per_second": generation.generated_tokens
+        / (generation.prefill_seconds + generation.decode_seconds),
+    }
+
+
+def print_report(script: str, memory: dict, throughput: dict) -> None:
+    m, t = memory, throughput
+    gb = lambda b: f"{b / GB:.2f} GB" if b >= GB / 10 else f"{b / 1e6:.2f} MB"
+    print(f"\n=== {script} ===")
+    print(f"Tokens: {t['prompt_tokens']:,} prompt, {t['generated_tokens']:,} generated")
+    print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
+    print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps, "
+          f"{t['decode_seconds']:.2f} s); end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
+    print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
+          + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
+    print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} blocks "
+          f"x {m['block_size_tokens']:,} tokens x {m['kv_bytes_per_token'] // 1024} KiB per token")
+    for label, s in (("fullest step", m["at_fullest_step"]), ("last step", m["at_last_step"])):
+        if s:
+            print(f"  at the {label} ({s['step']}, {s['live_requests']} live requests): reserved "
+                  f"{gb(s['reserved_bytes'])}, holding tokens {gb(s['holding_tokens_bytes'])}, "
+                  f"wasted {gb(s['wasted_bytes'])} ({s['wasted_percent_of_reserved']:.1f}% of reserved)")
+    print(f"Fragmented Memory: {m['fragmented_bytes'] / GB:.2f} GB "
+          f"({m['fragmented_percent_of_device']:.2f}%)")
