@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def tiny_hf_model(rope_scaling: bool, tied: bool, seed: int = 0, original_context: int = 64):
+def tiny_hf_model(rope_scaling: bool, tied: bool, seed: int = 0, original_context: int = 64,
+                  vocab_size: int = 512):
     """A random transformers LlamaForCausalLM, small but with every feature of the real thing."""
     from transformers import LlamaConfig, LlamaForCausalLM
     rope = {"rope_type": "default", "rope_theta": 500000.0}
@@ -20,7 +21,7 @@ def tiny_hf_model(rope_scaling: bool, tied: bool, seed: int = 0, original_contex
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": original_context}
     config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_parameters=rope,
         max_position_embeddings=1024, tie_word_embeddings=tied, attention_bias=False, mlp_bias=False)
     torch.manual_seed(seed)

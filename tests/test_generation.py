@@ -1,0 +1,99 @@
+"""The generation loop: naive and paged caches give the same tokens, at every block boundary."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attention import TorchAttention
+from block_manager import BlockManager, OutOfBlocks
+from checkpoints import random_model
+from generate import generate
+from kv_cache import KVCache
+
+MAX_SEQ_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=3)
+
+
+def run(model, prompts, budgets, num_blocks, block_size, stop_ids=frozenset(), chunk_tokens=64):
+    cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
+    manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
+                           max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
+    result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(stop_ids),
+                      chunk_tokens=chunk_tokens, progress=False)
+    return result, manager
+
+
+def naive(model, prompts, budgets, **kw):
+    return run(model, prompts, budgets, num_blocks=len(prompts), block_size=MAX_SEQ_LEN, **kw)
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+
+
+# Around the block size of 8: exactly one block, exactly three, one past, one short, one token.
+LENGTHS = [8, 24, 9, 7, 1, 40, 16, 15, 33]
+
+
+def test_paged_and_naive_generate_the_same_tokens(model):
+    prompts = random_prompts(LENGTHS)
+    budgets = [5, 17, 9, 1, 30, 12, 8, 16, 20]  # several requests cross block boundaries mid-decode
+    paged, manager = run(model, prompts, budgets, num_blocks=64, block_size=8)
+    reference, _ = naive(model, prompts, budgets)
+    assert paged.output_tokens == reference.output_tokens
+    assert [len(t) for t in paged.output_tokens] == budgets
+    assert manager.num_free_blocks == 64, "every block comes back when requests finish"
+
+
+def test_blocks_freed_mid_run_are_reused_without_changing_tokens(model):
+    prompts = random_prompts([8, 8, 8, 8], seed=1)
+    budgets = [1, 2, 30, 30]  # the short ones free their blocks early; the long ones take them
+    paged, _ = run(model, prompts, budgets, num_blocks=2 * 4 + 4, block_size=8)
+    reference, _ = naive(model, prompts, budgets)
+    assert paged.output_tokens == reference.output_tokens
+
+
+def test_every_request_finishing_on_the_same_step(model):
+    prompts = random_prompts([5, 12, 8], seed=2)
+    # Cached at the end: 10, 17 and 13 tokens = 3 + 5 + 4 blocks of 4, exactly the pool.
+    paged, manager = run(model, prompts, [6, 6, 6], num_blocks=12, block_size=4)
+    assert [len(t) for t in paged.output_tokens] == [6, 6, 6]
+    assert paged.decode_steps == 5 and manager.num_free_blocks == 12
+
+
+def test_a_stop_token_ends_a_request_and_is_not_returned(model):
+    prompts = random_prompts([10, 11], seed=4)
+    free_run, _ = naive(model, prompts, [12, 12])
+    stop = free_run.output_tokens[0][3]
+    stopped, _ = naive(model, prompts, [12, 12], stop_ids={stop})
+    assert stopped.output_tokens[0] == free_run.output_tokens[0][:3]
+
+
+def test_requests_stop_at_max_seq_len(model):
+    prompts = random_prompts([MAX_SEQ_LEN - 3], seed=5)
+    result, _ = run(model, prompts, [50], num_blocks=16, block_size=8)
+    assert len(result.output_tokens[0]) == 3
+
+
+def test_a_pool_too_small_for_decoding_raises_out_of_blocks(model):
+    prompts = random_prompts([8, 8], seed=6)
+    with pytest.raises(OutOfBlocks):
+        run(model, prompts, [20, 20], num_blocks=3, block_size=8)
+
+
+def test_timeline_matches_the_block_tables(model):
+    prompts = random_prompts([3, 9, 17], seed=7)
+    result, _ = run(model, prompts, [4, 10, 7], num_blocks=16, block_size=4)
+    lengths = np.array([3, 9, 17])
+    for s in result.timeline:  # at step k, live requests hold prompt + k + 1 tokens
+        live = [r for r, b in enumerate([4, 10, 7]) if b > s.step + 1]
+        filled = sum(lengths[r] + s.step + 1 for r in live)
+        assert s.live_requests == len(live) and s.filled_slots == filled
+        assert s.reserved_slots == sum(math.ceil((lengths[r] + s.step + 1) / 4) * 4 for r in live)

@@ -1,0 +1,96 @@
+"""Both scripts end to end, as a user runs them: answers, report, exit codes, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, hf_to_meta, tiny_hf_model
+
+TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
+
+
+def run_script(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("script", ["llama3_naive.py", "llama3_paged.py"])
+def test_script_runs_end_to_end_and_reports_memory(script, tmp_path):
+    out = run_script(script, 3, *TINY, "--max-new-tokens", 12, "--max-seq-len", 1536,
+                     "--json", tmp_path / "run.json")
+    assert out.returncode == 0, out.stderr
+    assert "Fragmented Memory:" in out.stdout and "Random weights" in out.stdout
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert [len(r["output_tokens"]) for r in record["requests"]] == [
+        min(12, n) for n in (len(r["output_tokens"]) for r in record["requests"])]
+    m = record["memory"]
+    fullest = m["at_fullest_step"]
+    assert fullest["reserved_bytes"] - fullest["holding_tokens_bytes"] == fullest["wasted_bytes"]
+    assert m["fragmented_bytes"] == fullest["wasted_bytes"]
+    assert max(s["filled_slots"] for s in record["timeline"]) * m["kv_bytes_per_token"] == \
+        fullest["holding_tokens_bytes"]
+
+
+def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_path):
+    runs = {}
+    for script in ["llama3_naive.py", "llama3_paged.py"]:
+        out = run_script(script, 4, *TINY, "--max-new-tokens", 6, "--max-seq-len", 2048,
+                         "--json", tmp_path / f"{script}.json")
+        assert out.returncode == 0, out.stderr
+        runs[script] = json.loads((tmp_path / f"{script}.json").read_text())
+    naive, paged = runs["llama3_naive.py"], runs["llama3_paged.py"]
+    assert [r["output_tokens"] for r in naive["requests"]] == [r["output_tokens"] for r in paged["requests"]]
+    per_token = naive["memory"]["kv_bytes_per_token"]
+    first = naive["timeline"][0]
+    assert naive["memory"]["at_fullest_step"]["reserved_bytes"] == first["live_requests"] * 2048 * per_token
+    fullest = paged["memory"]["at_fullest_step"]
+    assert fullest["wasted_bytes"] < fullest["live_requests"] * 256 * per_token  # < 1 block each
+
+
+@pytest.mark.parametrize("layout", ["hugging_face", "meta"])
+def test_tokens_match_transformers_greedy_generation(tmp_path, layout):
+    hf = tiny_hf_model(rope_scaling=(layout == "hugging_face"), tied=False, vocab_size=128_256,
+                       original_context=64 if layout == "hugging_face" else 8192)
+    ckpt = tmp_path / "ckpt"
+    if layout == "hugging_face":
+        hf.save_pretrained(ckpt)
+    else:
+        hf_to_meta(hf, ckpt)
+    for script in ["llama3_naive.py", "llama3_paged.py"]:
+        out = run_script(script, 4, "--ckpt-dir", ckpt, "--device", "cpu", "--max-new-tokens", 10,
+                         "--max-seq-len", 1024, "--json", tmp_path / "run.json")
+        assert out.returncode == 0, out.stderr
+        for request in json.loads((tmp_path / "run.json").read_text())["requests"]:
+            with torch.no_grad():
+                expected = hf.generate(torch.tensor([request["prompt_tokens"]]), do_sample=False,
+                                       max_new_tokens=10, eos_token_id=[128001, 128009],
+                                       pad_token_id=0)[0, len(request["prompt_tokens"]):].tolist()
+            if expected and expected[-1] in (128001, 128009):
+                expected = expected[:-1]
+            assert request["output_tokens"] == expected
+
+
+def test_too_few_blocks_exits_1_with_the_numbers():
+    out = run_script("llama3_paged.py", 4, *TINY, "--block-size", 16, "--num-blocks", 5,
+                     "--max-new-tokens", 8)
+    assert out.returncode == 1
+    assert "KV block pool ran out" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["0", *TINY], "positive whole number"),
+    (["abc", *TINY], "positive whole number"),
+    (["99999", *TINY], "N must be between 1 and"),
+    (["2", *TINY, "--max-seq-len", "20"], "Raise --max-seq-len"),
+    (["2", "--device", "cpu", "--ckpt-dir", "/nonexistent"], "huggingface-cli download"),
+    (["2", *TINY, "--tokenizer", "/nonexistent/tokenizer.model"], "no such file"),
+    (["2", *TINY, "--attn", "flash"], "needs a CUDA device"),
+    (["2", *TINY, "--device", "cuda:0"] if not torch.cuda.is_available() else ["0"], ""),
+])
+@pytest.mark.parametrize("script", ["llama3_naive.py", "llama3_paged.py"])
+def test_bad_arguments_exit_2_without_a_traceback(script, args, message):
+    out = run_script(script, *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
