@@ -1,0 +1,65 @@
+"""flash-attn against the PyTorch reference, on the GPU. Skipped where CUDA or flash-attn is missing."""
+
+import math
+
+import pytest
+import torch
+
+from attention import FlashAttention, TorchAttention, flash_attn_available
+from block_manager import BlockManager
+from checkpoints import random_model
+from generate import generate
+from kv_cache import DecodeBatch, KVCache, PrefillBatch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and flash_attn_available()), reason="needs CUDA and flash-attn")]
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_flash_paged_decode_matches_the_reference(gqa):
+    g = torch.Generator(device="cuda").manual_seed(gqa)
+    batch, n_kv, d, block_size, num_blocks = 24, 8, 128, 256, 200
+    lengths = torch.randint(1, 3000, (batch,), device="cuda", generator=g)
+    max_blocks = math.ceil(3000 / block_size)
+    table = torch.randint(0, num_blocks, (batch, max_blocks), device="cuda", generator=g).int()
+    keys = torch.randn(num_blocks, block_size, n_kv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    values = torch.randn(num_blocks, block_size, n_kv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(batch, n_kv * gqa, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    info = DecodeBatch(None, table, lengths.int(), int(lengths.max()))
+    flash = FlashAttention().decode(q, keys, values, info)
+    reference = TorchAttention().decode(q.float(), keys.float(), values.float(), info)
+    assert relative_error(flash, reference) < 2e-2
+
+
+def test_flash_varlen_prefill_matches_the_reference():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [1, 77, 256, 513, 1000]
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    T = bounds[-1]
+    q = torch.randn(T, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    info = PrefillBatch(None, torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths))
+    flash = FlashAttention().prefill(q, k, v, info)
+    reference = TorchAttention().prefill(q.float(), k.float(), v.float(), info)
+    assert relative_error(flash, reference) < 2e-2
+
+
+def test_naive_and_paged_generate_the_same_tokens_with_flash_attn():
+    max_seq_len, n = 2048, 8
+    model = random_model("1b", "cuda", torch.bfloat16, max_seq_len, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128_000, (int(length),), generator=g).tolist()
+               for length in torch.randint(20, 700, (n,), generator=g)]
+    budgets = [32] * n
+    outputs = []
+    for num_blocks, block_size in [(n, max_seq_len), (64, 256)]:
+        cache = KVCache(model.args, num_blocks, block_size, torch.bfloat16, "cuda", FlashAttention())
+        manager = BlockManager(num_blocks, block_size, n, math.ceil(max_seq_len / block_size), "cuda")
+        outputs.append(generate(model, cache, manager, prompts, budgets, max_seq_len, set(),
+                                progress=False).output_tokens)
+    assert outputs[0] == outputs[1]
