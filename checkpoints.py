@@ -55,10 +55,14 @@ def random_model(preset: str, device, dtype, max_positions: int, seed: int = 0) 
 
 def load_model(ckpt_dir: Path, device, dtype, max_positions: int) -> Llama:
     ckpt_dir = Path(ckpt_dir)
-    if (ckpt_dir / "params.json").exists():
-        return _load_meta(ckpt_dir, device, dtype, max_positions)
-    if (ckpt_dir / "config.json").exists():
-        return _load_hugging_face(ckpt_dir, device, dtype, max_positions)
+    try:
+        if (ckpt_dir / "params.json").exists():
+            return _load_meta(ckpt_dir, device, dtype, max_positions)
+        if (ckpt_dir / "config.json").exists():
+            return _load_hugging_face(ckpt_dir, device, dtype, max_positions)
+    except KeyError as e:
+        raise UserError(f"The checkpoint in {ckpt_dir} is malformed: its params.json or "
+                        f"config.json has no {e}.\n" + DOWNLOAD_HINT) from e
     raise UserError(
         f"No Llama 3 checkpoint in {ckpt_dir}: expected Meta's layout (params.json, "
         f"consolidated.00.pth, tokenizer.model) or Hugging Face's (config.json, *.safetensors).\n"
@@ -102,29 +106,8 @@ def _load_meta(ckpt_dir: Path, device, dtype, max_positions: int) -> Llama:
     if "output.weight" not in state:  # Llama 3.2 1B/3B
         args = ModelArgs(**{**args.__dict__, "tie_embeddings": True})
     model = build_model(args, device, dtype, max_positions)
-    _fill(model, _meta_names(args), state.__getitem__, state.keys(), shard)
+    _fill(model, tensor_names(args, "meta"), state.__getitem__, state.keys(), shard)
     return model
-
-
-def _meta_names(args: ModelArgs) -> dict[str, tuple[str, int]]:
-    """Meta's tensor name -> (our parameter, the part of it: 0, 1, 2 for q, k, v or gate, up)."""
-    names = {"tok_embeddings.weight": ("tok_embeddings.weight", 0), "norm.weight": ("norm.weight", 0)}
-    if not args.tie_embeddings:
-        names["output.weight"] = ("output.weight", 0)
-    for i in range(args.n_layers):
-        ours, theirs = f"layers.{i}.", f"layers.{i}."
-        names |= {
-            theirs + "attention.wq.weight": (ours + "attention.wqkv.weight", 0),
-            theirs + "attention.wk.weight": (ours + "attention.wqkv.weight", 1),
-            theirs + "attention.wv.weight": (ours + "attention.wqkv.weight", 2),
-            theirs + "attention.wo.weight": (ours + "attention.wo.weight", 0),
-            theirs + "feed_forward.w1.weight": (ours + "feed_forward.w_gate_up.weight", 0),
-            theirs + "feed_forward.w3.weight": (ours + "feed_forward.w_gate_up.weight", 1),
-            theirs + "feed_forward.w2.weight": (ours + "feed_forward.w_down.weight", 0),
-            theirs + "attention_norm.weight": (ours + "attention_norm.weight", 0),
-            theirs + "ffn_norm.weight": (ours + "ffn_norm.weight", 0),
-        }
-    return names
 
 
 # --- Hugging Face layout: config.json + *.safetensors ----------------------------------------
@@ -156,7 +139,7 @@ def _load_hugging_face(ckpt_dir: Path, device, dtype, max_positions: int) -> Lla
     if not files:
         raise UserError(f"{ckpt_dir} has config.json but no *.safetensors files.\n" + DOWNLOAD_HINT)
     model = build_model(args, device, dtype, max_positions)
-    names = _hugging_face_names(args)
+    names = tensor_names(args, "hf")
     seen = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -170,24 +153,35 @@ def _load_hugging_face(ckpt_dir: Path, device, dtype, max_positions: int) -> Lla
     return model
 
 
-def _hugging_face_names(args: ModelArgs) -> dict[str, tuple[str, int]]:
-    names = {"model.embed_tokens.weight": ("tok_embeddings.weight", 0),
-             "model.norm.weight": ("norm.weight", 0)}
-    if not args.tie_embeddings:
-        names["lm_head.weight"] = ("output.weight", 0)
+# Each tensor's name in Meta's and Hugging Face's checkpoints -> (our parameter, which part of it:
+# 0, 1, 2 for q, k, v of the merged wqkv, or gate, up of the merged w_gate_up).
+TOP_TENSORS = [  # (ours, Meta's, Hugging Face's)
+    ("tok_embeddings.weight", "tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "norm.weight", "model.norm.weight"),
+    ("output.weight", "output.weight", "lm_head.weight"),
+]
+LAYER_TENSORS = [  # (ours, part, Meta's, Hugging Face's), under layers.{i}. / model.layers.{i}.
+    ("attention.wqkv.weight", 0, "attention.wq.weight", "self_attn.q_proj.weight"),
+    ("attention.wqkv.weight", 1, "attention.wk.weight", "self_attn.k_proj.weight"),
+    ("attention.wqkv.weight", 2, "attention.wv.weight", "self_attn.v_proj.weight"),
+    ("attention.wo.weight", 0, "attention.wo.weight", "self_attn.o_proj.weight"),
+    ("feed_forward.w_gate_up.weight", 0, "feed_forward.w1.weight", "mlp.gate_proj.weight"),
+    ("feed_forward.w_gate_up.weight", 1, "feed_forward.w3.weight", "mlp.up_proj.weight"),
+    ("feed_forward.w_down.weight", 0, "feed_forward.w2.weight", "mlp.down_proj.weight"),
+    ("attention_norm.weight", 0, "attention_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", 0, "ffn_norm.weight", "post_attention_layernorm.weight"),
+]
+
+
+def tensor_names(args: ModelArgs, layout: str) -> dict[str, tuple[str, int]]:
+    """The checkpoint's tensor names in `layout` ("meta" or "hf") -> (our parameter, part)."""
+    column = 1 if layout == "meta" else 2
+    names = {row[column]: (row[0], 0) for row in TOP_TENSORS
+             if not (args.tie_embeddings and row[0] == "output.weight")}
+    prefix = "layers.{}." if layout == "meta" else "model.layers.{}."
     for i in range(args.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        names |= {
-            theirs + "self_attn.q_proj.weight": (ours + "attention.wqkv.weight", 0),
-            theirs + "self_attn.k_proj.weight": (ours + "attention.wqkv.weight", 1),
-            theirs + "self_attn.v_proj.weight": (ours + "attention.wqkv.weight", 2),
-            theirs + "self_attn.o_proj.weight": (ours + "attention.wo.weight", 0),
-            theirs + "mlp.gate_proj.weight": (ours + "feed_forward.w_gate_up.weight", 0),
-            theirs + "mlp.up_proj.weight": (ours + "feed_forward.w_gate_up.weight", 1),
-            theirs + "mlp.down_proj.weight": (ours + "feed_forward.w_down.weight", 0),
-            theirs + "input_layernorm.weight": (ours + "attention_norm.weight", 0),
-            theirs + "post_attention_layernorm.weight": (ours + "ffn_norm.weight", 0),
-        }
+        for ours, part, meta, hf in LAYER_TENSORS:
+            names[prefix.format(i) + (meta if layout == "meta" else hf)] = (f"layers.{i}.{ours}", part)
     return names
 
 

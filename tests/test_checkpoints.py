@@ -45,3 +45,10 @@ def test_random_weights_stay_finite_in_bf16_through_every_layer():
     model = random_model("tiny", "cpu", torch.bfloat16, max_positions=64)
     logits = our_logits(model, [list(range(1000, 1040))])[0]
     assert torch.isfinite(logits).all() and logits.float().std() > 0.1
+
+
+def test_a_config_missing_fields_is_reported(tmp_path):
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64}))
+    torch.save({}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(UserError, match="malformed"):
+        load_model(tmp_path, "cpu", torch.float32, 16)
