@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
-from attention import choose_attention
-from block_manager import OutOfBlocks
+from attention import FLASH_BLOCK_MULTIPLE, choose_attention
+from block_manager import BlockManager, OutOfBlocks
 from checkpoints import load_model, random_model
 from errors import OUT_OF_MEMORY, UserError
 from generate import generate
+from kv_cache import KVCache
 from prompts import load_requests
-from report import memory_report, print_answers, print_report, throughput_report
+from report import GB, memory_report, print_answers, print_report, throughput_report
 from tokenizer import load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -96,6 +97,30 @@ def prepare(args) -> Setup:
     else:
         model = load_model(args.ckpt_dir, device, dtype, args.max_seq_len)
     return Setup(args, device, dtype, model, attention, tokenizer, requests)
+
+
+def allocate_kv_cache(setup, num_blocks: int, block_size: int, block_size_flag: str, advice: str):
+    """The pool and the manager that hands it out. Both scripts call this; they differ only in
+    the two numbers. `block_size_flag` names the flag that set block_size, for the messages."""
+    if setup.attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
+        raise UserError(f"{block_size_flag} {block_size}: this script's KV blocks are that long, and "
+                        f"flash-attn 2's paged kernel needs blocks of a multiple of "
+                        f"{FLASH_BLOCK_MULTIPLE} tokens. Use a multiple of {FLASH_BLOCK_MULTIPLE}, "
+                        f"or --attn torch for any size.")
+    per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
+    try:  # [n_layers, num_blocks * block_size, n_kv_heads, head_dim] for K and for V
+        cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
+                        setup.attention)
+    except torch.OutOfMemoryError as e:
+        free = torch.cuda.mem_get_info(setup.device)[0]
+        raise UserError(
+            f"Out of GPU memory reserving the KV cache: {num_blocks:,} blocks x {block_size:,} "
+            f"tokens x {per_token // 1024} KiB per token = {num_blocks * block_size * per_token / GB:.1f} "
+            f"GB needed, {free / GB:.1f} GB free after the weights. {advice}", OUT_OF_MEMORY) from e
+    manager = BlockManager(num_blocks, block_size, max_requests=setup.args.num_requests,
+                           max_blocks_per_request=-(-setup.args.max_seq_len // block_size),
+                           device=setup.device)
+    return cache, manager
 
 
 def run(args, reserve_kv_cache, script: str) -> None:

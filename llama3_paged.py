@@ -14,7 +14,6 @@ import torch
 
 import cli
 from attention import FLASH_BLOCK_MULTIPLE
-from block_manager import BlockManager
 from errors import OUT_OF_MEMORY, UserError
 from generate import PREFILL_CHUNK_TOKENS
 from kv_cache import KVCache, PrefillBatch
@@ -53,7 +52,6 @@ def activation_peak_bytes(setup) -> int:
         model(tokens, positions, scratch, batch,
               logits_at=torch.tensor(bounds[1:], device=setup.device) - 1)
     prefill_peak = torch.cuda.max_memory_allocated(setup.device) - before
-    del scratch
     decode_logits = setup.args.num_requests * model.args.vocab_size * (setup.dtype.itemsize + 4)
     return max(prefill_peak, decode_logits)
 
@@ -76,25 +74,12 @@ def blocks_that_fit(setup, block_size: int) -> int:
 
 
 def reserve_kv_cache(setup):
+    # Many small blocks, as many as memory allows; requests claim them one at a time as they grow.
     args = setup.args
-    if setup.attention.name == "flash" and args.block_size % FLASH_BLOCK_MULTIPLE:
-        raise UserError(f"--block-size {args.block_size}: flash-attn 2's paged kernel needs blocks "
-                        f"of a multiple of {FLASH_BLOCK_MULTIPLE} tokens. Use --block-size 256, or "
-                        f"--attn torch for any size.")
-    num_blocks = args.num_blocks or blocks_that_fit(setup, args.block_size)
-    try:  # [n_layers, num_blocks * block_size, n_kv_heads, head_dim] for K and for V
-        cache = KVCache(setup.model.args, num_blocks, args.block_size, setup.dtype, setup.device,
-                        setup.attention)
-    except torch.OutOfMemoryError as e:
-        need = num_blocks * args.block_size * setup.model.args.kv_bytes_per_token(setup.dtype)
-        raise UserError(f"Out of GPU memory allocating the KV pool: {num_blocks:,} blocks = "
-                        f"{need / GB:.1f} GB needed, {torch.cuda.mem_get_info(setup.device)[0] / GB:.1f} "
-                        f"GB free. Use a smaller --num-blocks or --gpu-memory-utilization.",
-                        OUT_OF_MEMORY) from e
-    manager = BlockManager(num_blocks, args.block_size, max_requests=args.num_requests,
-                           max_blocks_per_request=math.ceil(args.max_seq_len / args.block_size),
-                           device=setup.device)
-    return cache, manager
+    return cli.allocate_kv_cache(
+        setup, num_blocks=args.num_blocks or blocks_that_fit(setup, args.block_size),
+        block_size=args.block_size, block_size_flag="--block-size",
+        advice="Use a smaller --num-blocks or --gpu-memory-utilization.")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

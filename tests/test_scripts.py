@@ -8,6 +8,9 @@ import pytest
 import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
 
+from prompts import load_requests
+from tokenizer import load_tokenizer
+
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
 
 
@@ -23,8 +26,9 @@ def test_script_runs_end_to_end_and_reports_memory(script, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "Fragmented Memory:" in out.stdout and "Random weights" in out.stdout
     record = json.loads((tmp_path / "run.json").read_text())
-    assert [len(r["output_tokens"]) for r in record["requests"]] == [
-        min(12, n) for n in (len(r["output_tokens"]) for r in record["requests"])]
+    # Random weights: each request generates its ShareGPT reply's length, capped by the flag.
+    expected = [min(12, r.reply_tokens) for r in load_requests(3, load_tokenizer())]
+    assert [len(r["output_tokens"]) for r in record["requests"]] == expected
     m = record["memory"]
     fullest = m["at_fullest_step"]
     assert fullest["reserved_bytes"] - fullest["holding_tokens_bytes"] == fullest["wasted_bytes"]
