@@ -20,6 +20,7 @@ class TorchAttention:
     It runs anywhere (CPU included) and is the oracle the tests hold flash-attn to."""
 
     name = "torch"
+    cuda_graphs = False  # its gather is sized by the longest request, a number on the host
 
     def prefill(self, q, k, v, batch):
         """Causal attention within each packed prompt. q: [T, n_heads, d]; k, v: [T, n_kv_heads, d].
@@ -51,6 +52,7 @@ class FlashAttention:
     block_table inside the kernel, reading each block once, never gathering."""
 
     name = "flash"
+    cuda_graphs = True  # reads block_table and cache_seqlens on the GPU: no host numbers
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

@@ -7,6 +7,7 @@ only place where naive and paged differ.
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,11 +16,14 @@ import torch
 from attention import FLASH_BLOCK_MULTIPLE, choose_attention
 from block_manager import BlockManager, OutOfBlocks
 from checkpoints import load_model, random_model
+from cuda_graphs import GraphDecoder
 from errors import OUT_OF_MEMORY, UserError
 from generate import generate
 from kv_cache import KVCache
+from max_batch import find_max_batch
 from prompts import load_requests
-from report import GB, memory_report, print_answers, print_report, throughput_report
+from report import (GB, kv_snapshot_bytes, memory_report, print_answers, print_report,
+                    throughput_report)
 from tokenizer import load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -39,7 +43,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("num_requests", metavar="N", type=positive_int,
-                   help="decode the first N prompts of sharegpt_filtered.json as one batch")
+                   help="decode the first N prompts of sharegpt_filtered.json as one batch "
+                        "(with --find-max-batch: the largest batch to try)")
     p.add_argument("--ckpt-dir", type=Path, default=Path("Meta-Llama-3-8B-Instruct/original"),
                    help="Meta layout (params.json, consolidated.00.pth) or Hugging Face layout "
                         "(config.json, *.safetensors)")
@@ -59,7 +64,12 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
+    p.add_argument("--eager", action="store_true",
+                   help="decode kernel by kernel from Python instead of replaying CUDA graphs")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
+    p.add_argument("--find-max-batch", action="store_true",
+                   help="find the largest batch (at most N) that completes with the other flags "
+                        "as given: bisection over real runs, one line per attempt")
     p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help="write arguments, token ids, memory and throughput here")
@@ -123,44 +133,77 @@ def allocate_kv_cache(setup, num_blocks: int, block_size: int, block_size_flag: 
     return cache, manager
 
 
+def make_decoder(setup, cache, manager, announce: bool = True):
+    """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
+    unless --eager; None means generate's eager decoder."""
+    if setup.args.eager or setup.device.type != "cuda" or not setup.attention.cuda_graphs:
+        return None
+    start = time.perf_counter()
+    decoder = GraphDecoder(setup.model, cache, manager.block_table, len(setup.requests))
+    if announce:
+        print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
+              f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    return decoder
+
+
+def generate_answers(setup, reserve_kv_cache, progress: bool = True):
+    """The run both scripts make: reserve the KV cache, then generate every request. Returns the
+    generation and the memory report; the cache is freed on return."""
+    cache, manager = reserve_kv_cache(setup)
+    decoder = make_decoder(setup, cache, manager, announce=progress)
+    if setup.args.random_weights:  # text is nonsense: stop where the ShareGPT reply stopped
+        budgets = [min(r.reply_tokens, setup.args.max_new_tokens) for r in setup.requests]
+        stop_ids = set()
+    else:
+        budgets = [setup.args.max_new_tokens] * len(setup.requests)
+        stop_ids = setup.tokenizer.stop_ids
+    generation = generate(setup.model, cache, manager, [r.prompt_tokens for r in setup.requests],
+                          budgets, setup.args.max_seq_len, stop_ids, progress=progress,
+                          decoder=decoder)
+    return generation, memory_report(setup, cache, manager, generation)
+
+
+def out_of_blocks_error(e: OutOfBlocks) -> UserError:
+    return UserError(
+        f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} tokens were "
+        f"needed with {e.free} of {e.total} free. The paged script admits every prompt up "
+        f"front and never preempts, so the whole batch must fit. Try fewer requests, a "
+        f"larger --num-blocks or --gpu-memory-utilization, or a smaller --block-size "
+        f"(with --attn torch).", OUT_OF_MEMORY)
+
+
 def run(args, reserve_kv_cache, script: str) -> None:
     setup = prepare(args)
-    cache, manager = reserve_kv_cache(setup)
     if args.random_weights:
         print("Random weights: end-of-text is ignored and each request generates as many tokens "
               "as its ShareGPT reply (at most --max-new-tokens).")
-        budgets = [min(r.reply_tokens, args.max_new_tokens) for r in setup.requests]
-        stop_ids = set()
-    else:
-        budgets = [args.max_new_tokens] * len(setup.requests)
-        stop_ids = setup.tokenizer.stop_ids
+    if args.find_max_batch:
+        largest, attempts = find_max_batch(setup, lambda s: generate_answers(s, reserve_kv_cache, False))
+        if args.json:
+            write_json(args, {"script": script, "largest_batch_that_completes": largest,
+                              "attempts": [asdict(a) for a in attempts]})
+        return
     try:
-        generation = generate(setup.model, cache, manager, [r.prompt_tokens for r in setup.requests],
-                              budgets, args.max_seq_len, stop_ids)
+        generation, memory = generate_answers(setup, reserve_kv_cache)
     except OutOfBlocks as e:
-        raise UserError(
-            f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} tokens were "
-            f"needed with {e.free} of {e.total} free. The paged script admits every prompt up "
-            f"front and never preempts, so the whole batch must fit. Try fewer requests, a "
-            f"larger --num-blocks or --gpu-memory-utilization, or a smaller --block-size "
-            f"(with --attn torch).", OUT_OF_MEMORY) from e
+        raise out_of_blocks_error(e) from e
     print_answers(setup.requests, generation, setup.tokenizer, args.show_all)
-    memory = memory_report(setup, cache, manager, generation)
     throughput = throughput_report(generation)
     print_report(script, memory, throughput)
     if args.json:
-        write_json(args, setup, generation, memory, throughput)
+        kv_bytes_per_token = memory["kv_bytes_per_token"]
+        write_json(args, {
+            "script": script,
+            "requests": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": out}
+                         for r, out in zip(setup.requests, generation.output_tokens)],
+            "memory": memory, "throughput": throughput,
+            "timeline": [kv_snapshot_bytes(s, kv_bytes_per_token) | {"seconds": s.seconds}
+                         for s in generation.timeline]})
 
 
-def write_json(args, setup, generation, memory, throughput) -> None:
-    record = {
-        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "requests": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": out}
-                     for r, out in zip(setup.requests, generation.output_tokens)],
-        "memory": memory, "throughput": throughput,
-        "timeline": [asdict(s) for s in generation.timeline],
-    }
-    args.json.write_text(json.dumps(record))
+def write_json(args, record: dict) -> None:
+    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    args.json.write_text(json.dumps({"arguments": arguments} | record))
 
 
 def main(script: str, description: str, reserve_kv_cache, extra_arguments=None) -> None:

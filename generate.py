@@ -26,6 +26,7 @@ class KVSnapshot:
     live_requests: int
     reserved_slots: int  # slots in blocks owned by live requests
     filled_slots: int  # of those, slots holding a token
+    seconds: float = 0.0  # the step's time on the GPU (CUDA events), or wall time on the CPU
 
 
 @dataclass
@@ -82,25 +83,80 @@ def prefill(model, cache, manager, prompts: list[list[int]], chunk_tokens: int, 
 
 
 def decode_step(model, cache, block_table, tokens, positions, requests, max_cache_seqlen: int):
-    """One token for each live request. tokens, positions, requests: [B] on device."""
+    """One token for each of B requests. tokens, positions, requests: [B] on device.
+
+    A row at position -1 is padding (a CUDA graph runs a fixed batch size): it writes its K/V to
+    the cache's spare slot, reads one slot of block 0, and its output is ignored."""
+    is_padding = positions < 0
+    positions = positions.clamp(min=0)
     block_table = block_table[requests]  # [B, max_blocks]: the rows of the live requests
     block_size = cache.block_size
     # Where the new token's K/V go: the block that holds its position, at the offset within it.
     blocks = block_table.gather(1, (positions // block_size)[:, None])[:, 0]
-    batch = DecodeBatch(slot_mapping=blocks.long() * block_size + positions % block_size,
-                        block_table=block_table, cache_seqlens=(positions + 1).int(),
-                        max_cache_seqlen=max_cache_seqlen)
+    slot_mapping = torch.where(is_padding, cache.spare_slot,
+                               blocks.long() * block_size + positions % block_size)
+    batch = DecodeBatch(slot_mapping=slot_mapping, block_table=block_table,
+                        cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
     return model(tokens, positions, cache, batch).argmax(-1)  # [B] greedy
+
+
+class EagerDecoder:
+    """Runs decode_step from Python, kernel by kernel: the readable path, and the one --eager
+    takes. `cuda_graphs.GraphDecoder` replays the same function as CUDA graphs."""
+
+    def __init__(self, model, cache, block_table):
+        self.model, self.cache, self.block_table = model, cache, block_table
+
+    def step(self, last_tokens, live: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Feed each live request its newest token (`last_tokens[live]`, at `positions`) and
+        return the next ones, [B] on device; `last_tokens[live]` is updated to them."""
+        device = last_tokens.device
+        live_on_device = torch.from_numpy(live).to(device)
+        next_tokens = decode_step(self.model, self.cache, self.block_table,
+                                  last_tokens[live_on_device], torch.from_numpy(positions).to(device),
+                                  live_on_device, int(positions.max()) + 1)
+        last_tokens[live_on_device] = next_tokens
+        return next_tokens
+
+
+class StepTimer:
+    """Each step's GPU time from CUDA events, read once at the end so that timing adds no sync;
+    wall time on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.starts, self.stops = [], []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.starts.append(self._now())
+
+    def stop(self) -> None:
+        self.stops.append(self._now())
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return [stop - start for start, stop in zip(self.starts, self.stops)]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(stop) / 1000 for start, stop in zip(self.starts, self.stops)]
 
 
 @torch.inference_mode()
 def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
              max_seq_len: int, stop_ids: set[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-             progress: bool = True) -> Generation:
+             progress: bool = True, decoder=None) -> Generation:
     """Greedy-decode every prompt as one batch. Request r stops at a token in `stop_ids`, after
     `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves the batch and
-    gives its blocks back. The caller has checked that every prompt is shorter than max_seq_len."""
+    gives its blocks back. The caller has checked that every prompt is shorter than max_seq_len.
+    `decoder` runs each step: an EagerDecoder unless the caller passes CUDA graphs."""
     device = cache.k.device
+    decoder = decoder or EagerDecoder(model, cache, manager.block_table)
     n = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts])
     limits = np.minimum(np.array(max_new_tokens), max_seq_len - prompt_lens)  # [N] tokens to make
@@ -117,7 +173,7 @@ def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: li
 
     live = np.arange(n)
     new_tokens = last_tokens.cpu().numpy()
-    timeline, step = [], 0
+    timeline, timer, step = [], StepTimer(device), 0
     bar = tqdm(desc="decode", unit="step", disable=not progress, leave=False)
     while True:
         # Record this step's tokens; retire requests that hit a stop token or their limit.
@@ -135,18 +191,18 @@ def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: li
         manager.append_token(live)
         timeline.append(KVSnapshot(step, len(live), manager.num_used_blocks * manager.block_size,
                                    manager.num_filled_slots))
-        live_on_device = torch.from_numpy(live).to(device)
-        next_tokens = decode_step(model, cache, manager.block_table, last_tokens[live_on_device],
-                                  torch.from_numpy(positions).to(device), live_on_device,
-                                  int(positions.max()) + 1)
-        last_tokens[live_on_device] = next_tokens
+        timer.start()
+        next_tokens = decoder.step(last_tokens, live, positions)
+        timer.stop()
         new_tokens = next_tokens.cpu().numpy()  # the one sync per step
         step += 1
         bar.update()
-        bar.set_postfix(live=len(live), blocks=manager.num_used_blocks)
+        bar.set_postfix(live=len(live), blocks=manager.num_used_blocks, refresh=False)
     bar.close()
     sync(device)
     t2 = time.perf_counter()
+    for snapshot, seconds in zip(timeline, timer.seconds()):
+        snapshot.seconds = seconds
     return Generation(output_tokens=[outputs[r, :num_out[r]].tolist() for r in range(n)],
                       prompt_tokens=int(prompt_lens.sum()), prefill_seconds=t1 - t0,
                       decode_seconds=t2 - t1, decode_steps=step, timeline=timeline)

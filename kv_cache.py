@@ -4,6 +4,9 @@ A slot is one token's K and V in one layer; slot `s` lives in block `s // block_
 `s % block_size`. The naive script makes one block per request, `max_seq_len` slots long; the
 paged script makes many small blocks and hands them out as requests grow. The code is the same:
 only `num_blocks` and `block_size` differ, and who writes the block table.
+
+One spare slot sits past the last block. No request owns it: the padding rows of a CUDA-graph
+decode step (`cuda_graphs.py`) write their K and V there, where no one reads.
 """
 
 from dataclasses import dataclass
@@ -35,9 +38,10 @@ class KVCache:
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
         self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
         self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_size)
-        # [n_layers, num_blocks * block_size, n_kv_heads, head_dim]: allocated once, up front.
+        # [n_layers, num_blocks * block_size + 1, n_kv_heads, head_dim]: allocated once, up front.
         # Zeroed, so that slots no token has written stay finite.
-        slots_shape = (args.n_layers, num_blocks * block_size, args.n_kv_heads, args.head_size)
+        self.spare_slot = num_blocks * block_size
+        slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_size)
         self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
         self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
 
@@ -51,6 +55,6 @@ class KVCache:
         self.v[layer].index_copy_(0, batch.slot_mapping, v)
         if isinstance(batch, PrefillBatch):
             return self.attention_backend.prefill(q, k, v, batch)
-        key_blocks = self.k[layer].view(self.block_shape)  # same memory, seen as blocks
-        value_blocks = self.v[layer].view(self.block_shape)
+        key_blocks = self.k[layer, :self.spare_slot].view(self.block_shape)  # same memory, as blocks
+        value_blocks = self.v[layer, :self.spare_slot].view(self.block_shape)
         return self.attention_backend.decode(q, key_blocks, value_blocks, batch)

@@ -7,6 +7,7 @@ as a percentage of the device's total memory, as the original experiment printed
 """
 
 import os
+import statistics
 
 import torch
 
@@ -70,6 +71,8 @@ def throughput_report(generation) -> dict:
         "prefill_tokens_per_second": generation.prompt_tokens / generation.prefill_seconds,
         "decode_seconds": generation.decode_seconds,
         "decode_steps": generation.decode_steps,
+        "decode_step_median_seconds": statistics.median(s.seconds for s in generation.timeline)
+        if generation.timeline else 0.0,
         "decode_tokens_per_second": decode_tokens / generation.decode_seconds
         if generation.decode_seconds else 0.0,
         "output_tokens_per_second": generation.generated_tokens
@@ -83,8 +86,8 @@ def print_report(script: str, memory: dict, throughput: dict) -> None:
     print(f"\n=== {script} ===")
     print(f"Tokens: {t['prompt_tokens']:,} prompt, {t['generated_tokens']:,} generated")
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
-    print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps, "
-          f"{t['decode_seconds']:.2f} s); end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
+    print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps in "
+          f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
     print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
     print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} blocks "

@@ -9,7 +9,7 @@ import torch
 from attention import TorchAttention
 from block_manager import BlockManager, OutOfBlocks
 from checkpoints import random_model
-from generate import generate
+from generate import decode_step, generate
 from kv_cache import KVCache
 
 MAX_SEQ_LEN = 96
@@ -97,3 +97,26 @@ def test_timeline_matches_the_block_tables(model):
         filled = sum(lengths[r] + s.step + 1 for r in live)
         assert s.live_requests == len(live) and s.filled_slots == filled
         assert s.reserved_slots == sum(math.ceil((lengths[r] + s.step + 1) / 4) * 4 for r in live)
+
+
+def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
+    # CUDA graphs pad a batch up to a fixed size with rows at position -1.
+    cache = KVCache(model.args, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu",
+                    attention=TorchAttention())
+    manager = BlockManager(8, 4, max_requests=2, max_blocks_per_request=4)
+    torch.manual_seed(8)
+    cache.k.normal_(), cache.v.normal_()  # stand-ins for the tokens cached so far
+    manager.allocate(0, 7), manager.allocate(1, 4)  # 6 and 3 cached, plus this step's token
+    tokens, positions, requests = torch.tensor([11, 12]), torch.tensor([6, 3]), torch.tensor([0, 1])
+    before = cache.k.clone()
+    with torch.inference_mode():
+        plain = decode_step(model, cache, manager.block_table, tokens, positions, requests, 7)
+        written = cache.k.clone()
+        cache.k.copy_(before)
+        padded = decode_step(model, cache, manager.block_table, torch.cat([tokens, tokens]),
+                             torch.cat([positions, torch.tensor([-1, -1])]),
+                             torch.cat([requests, torch.tensor([0, 1])]), 7)
+    assert padded[:2].tolist() == plain.tolist()
+    spare = cache.spare_slot
+    torch.testing.assert_close(cache.k[:, :spare], written[:, :spare])
+    assert not torch.equal(cache.k[:, spare], before[:, spare]), "padding wrote to the spare slot"

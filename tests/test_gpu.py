@@ -12,6 +12,7 @@ from conftest import ROOT
 from attention import FlashAttention, TorchAttention, flash_attn_available
 from block_manager import BlockManager
 from checkpoints import random_model
+from cuda_graphs import GraphDecoder
 from generate import generate
 from kv_cache import DecodeBatch, KVCache, PrefillBatch
 
@@ -53,20 +54,42 @@ def test_flash_varlen_prefill_matches_the_reference():
     assert relative_error(flash, reference) < 2e-2
 
 
+MAX_SEQ_LEN = 2048
+
+
+def generate_with_flash(model, prompts, budgets, num_blocks, block_size, graphs=False):
+    n = len(prompts)
+    cache = KVCache(model.args, num_blocks, block_size, torch.bfloat16, "cuda", FlashAttention())
+    manager = BlockManager(num_blocks, block_size, n, math.ceil(MAX_SEQ_LEN / block_size), "cuda")
+    decoder = GraphDecoder(model, cache, manager.block_table, n) if graphs else None
+    return generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(), progress=False,
+                    decoder=decoder)
+
+
+def random_prompts(n, generator):
+    return [torch.randint(0, 128_000, (int(length),), generator=generator).tolist()
+            for length in torch.randint(20, 700, (n,), generator=generator)]
+
+
 def test_naive_and_paged_generate_the_same_tokens_with_flash_attn():
-    max_seq_len, n = 2048, 8
-    model = random_model("1b", "cuda", torch.bfloat16, max_seq_len, seed=0)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 128_000, (int(length),), generator=g).tolist()
-               for length in torch.randint(20, 700, (n,), generator=g)]
-    budgets = [32] * n
-    outputs = []
-    for num_blocks, block_size in [(n, max_seq_len), (64, 256)]:
-        cache = KVCache(model.args, num_blocks, block_size, torch.bfloat16, "cuda", FlashAttention())
-        manager = BlockManager(num_blocks, block_size, n, math.ceil(max_seq_len / block_size), "cuda")
-        outputs.append(generate(model, cache, manager, prompts, budgets, max_seq_len, set(),
-                                progress=False).output_tokens)
-    assert outputs[0] == outputs[1]
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
+    prompts = random_prompts(8, torch.Generator().manual_seed(0))
+    naive = generate_with_flash(model, prompts, [32] * 8, num_blocks=8, block_size=MAX_SEQ_LEN)
+    paged = generate_with_flash(model, prompts, [32] * 8, num_blocks=64, block_size=256)
+    assert naive.output_tokens == paged.output_tokens
+
+
+def test_cuda_graphs_generate_the_same_tokens_as_eager_decoding():
+    # Budgets from 1 to 40: the batch shrinks from 20 through buckets 24, 16, 8, 4, 2 and 1,
+    # so most steps run padding rows.
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=1)
+    g = torch.Generator().manual_seed(1)
+    prompts = random_prompts(20, g)
+    budgets = torch.randint(1, 41, (20,), generator=g).tolist()
+    eager = generate_with_flash(model, prompts, budgets, num_blocks=64, block_size=256)
+    graphs = generate_with_flash(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
+    assert graphs.output_tokens == eager.output_tokens
+    assert all(s.seconds > 0 for s in graphs.timeline)
 
 
 @pytest.mark.parametrize("script, args", [

@@ -1,6 +1,7 @@
 """Both scripts end to end, as a user runs them: answers, report, exit codes, never a traceback."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -33,8 +34,11 @@ def test_script_runs_end_to_end_and_reports_memory(script, tmp_path):
     fullest = m["at_fullest_step"]
     assert fullest["reserved_bytes"] - fullest["holding_tokens_bytes"] == fullest["wasted_bytes"]
     assert m["fragmented_bytes"] == fullest["wasted_bytes"]
-    assert max(s["filled_slots"] for s in record["timeline"]) * m["kv_bytes_per_token"] == \
-        fullest["holding_tokens_bytes"]
+    # The timeline is what the report summarises: its peak is the report's fullest step.
+    assert max(s["holding_tokens_bytes"] for s in record["timeline"]) == fullest["holding_tokens_bytes"]
+    assert max(s["wasted_bytes"] for s in record["timeline"]) >= m["fragmented_bytes"]
+    assert all(s["reserved_bytes"] - s["holding_tokens_bytes"] == s["wasted_bytes"]
+               for s in record["timeline"])
 
 
 def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_path):
@@ -51,6 +55,12 @@ def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_
     assert naive["memory"]["at_fullest_step"]["reserved_bytes"] == first["live_requests"] * 2048 * per_token
     fullest = paged["memory"]["at_fullest_step"]
     assert fullest["wasted_bytes"] < fullest["live_requests"] * 256 * per_token  # < 1 block each
+    # The picture of the two runs, as the README shows it.
+    png = tmp_path / "kv_memory.png"
+    out = subprocess.run([sys.executable, str(ROOT / "plot_memory.py"), tmp_path / "llama3_naive.py.json",
+                          tmp_path / "llama3_paged.py.json", "-o", png], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
 
 
 @pytest.mark.parametrize("layout", ["hugging_face", "meta"])
@@ -74,6 +84,23 @@ def test_tokens_match_transformers_greedy_generation(tmp_path, layout):
             if expected and expected[-1] in (128001, 128009):
                 expected = expected[:-1]
             assert request["output_tokens"] == expected
+
+
+def test_find_max_batch_returns_the_batch_the_pool_fits_exactly(tmp_path):
+    # Each request generates 3 tokens: its prompt plus 2 decode inputs are cached when it ends,
+    # all at the same step. A pool of exactly the first k requests' blocks fits k and not k + 1.
+    block_size, k = 16, 5
+    requests = load_requests(9, load_tokenizer())
+    assert all(r.reply_tokens >= 3 for r in requests)
+    blocks = [math.ceil((len(r.prompt_tokens) + 2) / block_size) for r in requests]
+    out = run_script("llama3_paged.py", 9, *TINY, "--max-new-tokens", 3, "--block-size", block_size,
+                     "--num-blocks", sum(blocks[:k]), "--find-max-batch", "--json", tmp_path / "f.json")
+    assert out.returncode == 0, out.stderr
+    record = json.loads((tmp_path / "f.json").read_text())
+    assert record["largest_batch_that_completes"] == k
+    outcomes = {a["num_requests"]: a["outcome"] for a in record["attempts"]}
+    assert outcomes[k] == "completes" and outcomes[k + 1] == "out of KV blocks"
+    assert f"Largest batch that completes: {k} requests" in out.stdout
 
 
 def test_too_few_blocks_exits_1_with_the_numbers():

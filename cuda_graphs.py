@@ -1,0 +1,78 @@
+"""Decode as CUDA graphs: one launch replays a whole step's ~700 kernels.
+
+Eager decoding launches every kernel of every layer from Python. At the batch sizes people run,
+the GPU finishes a kernel sooner than the host launches the next, so the step takes as long as the
+launches (about 30 ms for the 8b model, at batch 1 or batch 256). A CUDA graph records one step's
+kernels with their arguments and replays them all with one call.
+
+A graph replays exactly what it recorded: the same shapes, reading and writing the same
+addresses. So the step's inputs live in static buffers that each step overwrites, and there is
+one graph per batch-size bucket: a batch of 37 runs the bucket-40 graph with 3 padding rows, which
+`decode_step` sends to the cache's spare slot. The block table and the KV pool are already
+static: the block manager edits the table in place. Batches above the largest bucket run eagerly;
+their kernels are long enough to hide the launches.
+"""
+
+import bisect
+
+import numpy as np
+import torch
+
+from generate import EagerDecoder, decode_step
+
+BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
+
+
+class GraphDecoder:
+    def __init__(self, model, cache, block_table, max_batch: int):
+        self.eager = EagerDecoder(model, cache, block_table)
+        self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
+        largest, device = self.buckets[-1], block_table.device
+        # The graphs' inputs, [largest] each; a step fills the first B rows (or all of them).
+        self.requests = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.full((largest,), -1, dtype=torch.long, device=device)  # all padding
+        self.tokens = torch.zeros(largest, dtype=torch.long, device=device)
+        self.host_requests = torch.zeros(largest, dtype=torch.long).pin_memory()
+        self.host_positions = torch.zeros(largest, dtype=torch.long).pin_memory()
+        # The attention kernel reads block_table and cache_seqlens on the GPU; the host-side
+        # longest length would be frozen into the graph, so it is given as the table's width.
+        max_cache_seqlen = block_table.shape[1] * cache.block_size
+
+        def step(batch_size):
+            return decode_step(model, cache, block_table, self.tokens[:batch_size],
+                               self.positions[:batch_size], self.requests[:batch_size],
+                               max_cache_seqlen)
+
+        with torch.inference_mode():
+            # Warm up on a side stream (library handles and workspaces are created here, not in
+            # the graph), then capture largest first so smaller graphs reuse its memory pool.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(largest)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graphs, self.next_tokens, pool = {}, {}, None
+            for batch_size in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.next_tokens[batch_size] = step(batch_size)  # [batch_size], static
+                self.graphs[batch_size], pool = graph, graph.pool()
+
+    def step(self, last_tokens, live: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Same contract as EagerDecoder.step."""
+        batch = len(live)
+        if batch > self.buckets[-1]:
+            return self.eager.step(last_tokens, live, positions)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        self.host_requests[:batch] = torch.from_numpy(live)
+        self.host_requests[batch:bucket] = 0  # padding reads request 0's table row, harmlessly
+        self.host_positions[:batch] = torch.from_numpy(positions)
+        self.host_positions[batch:bucket] = -1  # padding: see decode_step
+        self.requests[:bucket].copy_(self.host_requests[:bucket], non_blocking=True)
+        self.positions[:bucket].copy_(self.host_positions[:bucket], non_blocking=True)
+        requests = self.requests[:batch]
+        torch.index_select(last_tokens, 0, requests, out=self.tokens[:batch])
+        self.graphs[bucket].replay()
+        next_tokens = self.next_tokens[bucket][:batch]
+        last_tokens[requests] = next_tokens
+        return next_tokens
