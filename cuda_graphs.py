@@ -44,13 +44,11 @@ class GraphDecoder:
                                max_cache_seqlen)
 
         with torch.inference_mode():
-            # Warm up on a side stream (library handles and workspaces are created here, not in
-            # the graph), then capture largest first so smaller graphs reuse its memory pool.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step(largest)
-            torch.cuda.current_stream().wait_stream(side)
+            # One eager step first, so that kernels are loaded and cuBLAS has chosen its
+            # algorithms before capture; then capture largest first, so that smaller graphs
+            # reuse its memory pool. (No new side stream for the warm-up: cuBLAS keeps a
+            # workspace per stream for good, which would leak with every decoder made.)
+            step(largest)
             self.graphs, self.next_tokens, pool = {}, {}, None
             for batch_size in reversed(self.buckets):
                 graph = torch.cuda.CUDAGraph()

@@ -24,6 +24,7 @@ class Attempt:
     num_requests: int
     outcome: str  # "completes", "out of KV blocks" or "out of GPU memory"
     seconds: float
+    kv_pool_blocks: int | None = None  # the paged pool is sized anew each attempt
     fragmented_bytes: int | None = None  # of a run that completes
     fragmented_percent_of_device: float | None = None
 
@@ -34,10 +35,10 @@ def attempt(setup, num_requests: int, generate_answers) -> Attempt:
     start = time.perf_counter()
     try:
         _, memory = generate_answers(batch)
-        result = Attempt(num_requests, "completes", 0.0, memory["fragmented_bytes"],
-                         memory["fragmented_percent_of_device"])
-    except OutOfBlocks:
-        result = Attempt(num_requests, "out of KV blocks", 0.0)
+        result = Attempt(num_requests, "completes", 0.0, memory["kv_pool_blocks"],
+                         memory["fragmented_bytes"], memory["fragmented_percent_of_device"])
+    except OutOfBlocks as e:
+        result = Attempt(num_requests, "out of KV blocks", 0.0, kv_pool_blocks=e.total)
     except torch.OutOfMemoryError:
         result = Attempt(num_requests, "out of GPU memory", 0.0)
     except UserError as e:
@@ -48,9 +49,11 @@ def attempt(setup, num_requests: int, generate_answers) -> Attempt:
     if setup.device.type == "cuda":
         torch.cuda.empty_cache()
     result.seconds = time.perf_counter() - start
+    pool = f", pool of {result.kv_pool_blocks:,} blocks" if result.kv_pool_blocks else ""
     fragmented = (f", Fragmented Memory {result.fragmented_bytes / GB:.2f} GB "
                   f"({result.fragmented_percent_of_device:.2f}%)" if result.fragmented_bytes is not None else "")
-    print(f"  N={num_requests:<6,} {result.outcome} in {result.seconds:.1f} s{fragmented}", flush=True)
+    print(f"  N={num_requests:<6,} {result.outcome} in {result.seconds:.1f} s{pool}{fragmented}",
+          flush=True)
     return result
 
 

@@ -36,7 +36,8 @@ def draw(ax, run: dict) -> None:
     ax.annotate(f"fullest step {peak['step']}: {peak['holding_tokens_bytes'] / GB:.1f} GB holding,\n"
                 f"{peak['wasted_bytes'] / GB:.1f} GB wasted ({peak['wasted_percent_of_reserved']:.0f}% "
                 f"of reserved)", (peak["step"], peak["holding_tokens_bytes"] / GB),
-                textcoords="axes fraction", xytext=(0.25, 0.55), fontsize=8,
+                textcoords="axes fraction", xytext=(0.3, 0.6), fontsize=8,
+                bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9},
                 arrowprops={"arrowstyle": "->", "color": "black"})
     ax.set_ylim(bottom=0)
     arguments = run["arguments"]
