@@ -34,6 +34,7 @@ import llama3_paged
 from block_manager import BlockManager
 from errors import UserError
 from generate import KVSnapshot, generate
+from kv_cache import DecodeBatch
 from report import GB
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged}
@@ -109,6 +110,23 @@ def bookkeeping_seconds_per_step(block_size: int, live: int = 1000, steps: int =
     return statistics.median(times)
 
 
+def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> float:
+    """One layer's decode attention alone, for requests cached to `lengths`, over the pool's
+    current contents: the kernel that --attn chooses, without the rest of the step."""
+    block_size, device = cache.block_size, setup.device
+    manager = BlockManager(cache.num_blocks, block_size, len(lengths),
+                           -(-max(lengths) // block_size), device)
+    for r, n in enumerate(lengths):
+        manager.allocate(r, n)
+    args = setup.model.args
+    q = torch.randn(len(lengths), args.n_heads, args.head_size, dtype=setup.dtype, device=device)
+    batch = DecodeBatch(None, manager.block_table, torch.tensor(lengths, dtype=torch.int32,
+                                                                device=device), max(lengths))
+    key_blocks = cache.k[0, :cache.spare_slot].view(cache.block_shape)
+    value_blocks = cache.v[0, :cache.spare_slot].view(cache.block_shape)
+    return median_cuda_seconds(lambda: setup.attention.decode(q, key_blocks, value_blocks, batch))
+
+
 def parse_arguments():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -121,7 +139,7 @@ def parse_arguments():
                         "the scripts do with --random-weights, instead of exactly --new-tokens")
     p.add_argument("--max-seq-len", type=cli.positive_int, default=1536)
     p.add_argument("--block-size", type=cli.positive_int, default=256, help="paged only")
-    p.add_argument("--attn", choices=["flash", "torch"], default="flash")
+    p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -164,6 +182,9 @@ def bench(a) -> dict:
         raise UserError(f"{result.generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
 
+    # The attention kernel alone, halfway through: every request at its prompt + half its tokens.
+    attention_seconds = attention_seconds_per_layer(
+        setup, cache, [len(p) + b // 2 for p, b in zip(prompts, budgets)])
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     weights_read = weight_bytes_read_per_step(setup.model)
     bounds = [(weights_read + s.filled_slots * kv_bytes_per_token) / bandwidth for s in result.timeline]
@@ -192,6 +213,7 @@ def bench(a) -> dict:
                         "kv_bytes": result.timeline[median_step].filled_slots * kv_bytes_per_token,
                         "bound_seconds": bounds[median_step],
                         "ratio_to_bound": step_seconds / bounds[median_step]},
+        "attention_seconds_per_layer_halfway": attention_seconds,
         "median_ratio_to_bound": statistics.median(
             s.seconds / b for s, b in zip(result.timeline, bounds)),
         "step_seconds": [s.seconds for s in result.timeline],
@@ -218,6 +240,8 @@ def print_table(r: dict) -> None:
     print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['live_requests']}; bound "
           f"{m['bound_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
           f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_bound']:.2f}x the bound")
+    print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per layer, "
+          f"every request at its prompt + half its new tokens")
     for size, seconds in r["bookkeeping_seconds_per_step_1000_live"].items():
         print(f"  block manager       {seconds * 1e3:.3f} ms per step, 1,000 live, block {size} (CPU)")
 

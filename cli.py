@@ -58,8 +58,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="shapes for --random-weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--attn", choices=["auto", "flash", "torch"], default="auto",
-                   help="auto: flash-attn on CUDA when installed, else the PyTorch reference")
+    p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
+                   help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
+                        "else the PyTorch reference")
     p.add_argument("--max-seq-len", type=positive_int, default=8192,
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
@@ -116,7 +117,7 @@ def allocate_kv_cache(setup, num_blocks: int, block_size: int, block_size_flag: 
         raise UserError(f"{block_size_flag} {block_size}: this script's KV blocks are that long, and "
                         f"flash-attn 2's paged kernel needs blocks of a multiple of "
                         f"{FLASH_BLOCK_MULTIPLE} tokens. Use a multiple of {FLASH_BLOCK_MULTIPLE}, "
-                        f"or --attn torch for any size.")
+                        f"or --attn triton or torch for any size.")
     per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     try:  # [n_layers, num_blocks * block_size, n_kv_heads, head_dim] for K and for V
         cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
@@ -163,15 +164,6 @@ def generate_answers(setup, reserve_kv_cache, progress: bool = True):
     return generation, memory_report(setup, cache, manager, generation)
 
 
-def out_of_blocks_error(e: OutOfBlocks) -> UserError:
-    return UserError(
-        f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} tokens were "
-        f"needed with {e.free} of {e.total} free. The paged script admits every prompt up "
-        f"front and never preempts, so the whole batch must fit. Try fewer requests, a "
-        f"larger --num-blocks or --gpu-memory-utilization, or a smaller --block-size "
-        f"(with --attn torch).", OUT_OF_MEMORY)
-
-
 def run(args, reserve_kv_cache, script: str) -> None:
     setup = prepare(args)
     if args.random_weights:
@@ -186,7 +178,12 @@ def run(args, reserve_kv_cache, script: str) -> None:
     try:
         generation, memory = generate_answers(setup, reserve_kv_cache)
     except OutOfBlocks as e:
-        raise out_of_blocks_error(e) from e
+        raise UserError(
+            f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} tokens were "
+            f"needed with {e.free} of {e.total} free. The paged script admits every prompt up "
+            f"front and never preempts, so the whole batch must fit. Try fewer requests, a "
+            f"larger --num-blocks or --gpu-memory-utilization, or a smaller --block-size "
+            f"(with --attn triton or torch).", OUT_OF_MEMORY) from e
     print_answers(setup.requests, generation, setup.tokenizer, args.show_all)
     throughput = throughput_report(generation)
     print_report(script, memory, throughput)

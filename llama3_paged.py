@@ -21,9 +21,10 @@ from report import GB
 
 
 def add_pool_arguments(parser) -> None:
-    parser.add_argument("--block-size", type=cli.positive_int, default=256,
-                        help=f"tokens per KV block; flash-attn needs a multiple of "
-                             f"{FLASH_BLOCK_MULTIPLE}, --attn torch takes any size")
+    parser.add_argument("--block-size", type=cli.positive_int,
+                        help=f"tokens per KV block (default: {FLASH_BLOCK_MULTIPLE} with "
+                             f"flash-attn, which needs a multiple of that; 16, as vLLM, with "
+                             f"--attn triton or torch)")
     parser.add_argument("--num-blocks", type=cli.positive_int,
                         help="blocks in the pool (default: as many as fit in "
                              "--gpu-memory-utilization; on the CPU, enough for every request to "
@@ -76,9 +77,10 @@ def blocks_that_fit(setup, block_size: int) -> int:
 def reserve_kv_cache(setup):
     # Many small blocks, as many as memory allows; requests claim them one at a time as they grow.
     args = setup.args
+    block_size = args.block_size or (FLASH_BLOCK_MULTIPLE if setup.attention.name == "flash" else 16)
     return cli.allocate_kv_cache(
-        setup, num_blocks=args.num_blocks or blocks_that_fit(setup, args.block_size),
-        block_size=args.block_size, block_size_flag="--block-size",
+        setup, num_blocks=args.num_blocks or blocks_that_fit(setup, block_size),
+        block_size=block_size, block_size_flag="--block-size",
         advice="Use a smaller --num-blocks or --gpu-memory-utilization.")
 
 

@@ -27,6 +27,7 @@ class Attempt:
     kv_pool_blocks: int | None = None  # the paged pool is sized anew each attempt
     fragmented_bytes: int | None = None  # of a run that completes
     fragmented_percent_of_device: float | None = None
+    output_tokens_per_second: float | None = None
 
 
 def attempt(setup, num_requests: int, generate_answers) -> Attempt:
@@ -34,9 +35,11 @@ def attempt(setup, num_requests: int, generate_answers) -> Attempt:
     batch = dataclasses.replace(setup, args=args, requests=setup.requests[:num_requests])
     start = time.perf_counter()
     try:
-        _, memory = generate_answers(batch)
+        generation, memory = generate_answers(batch)
         result = Attempt(num_requests, "completes", 0.0, memory["kv_pool_blocks"],
-                         memory["fragmented_bytes"], memory["fragmented_percent_of_device"])
+                         memory["fragmented_bytes"], memory["fragmented_percent_of_device"],
+                         generation.generated_tokens
+                         / (generation.prefill_seconds + generation.decode_seconds))
     except OutOfBlocks as e:
         result = Attempt(num_requests, "out of KV blocks", 0.0, kv_pool_blocks=e.total)
     except torch.OutOfMemoryError:

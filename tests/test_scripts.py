@@ -118,6 +118,7 @@ def test_too_few_blocks_exits_1_with_the_numbers():
     (["2", "--device", "cpu", "--ckpt-dir", "/nonexistent"], "huggingface-cli download"),
     (["2", *TINY, "--tokenizer", "/nonexistent/tokenizer.model"], "no such file"),
     (["2", *TINY, "--attn", "flash"], "needs a CUDA device"),
+    (["2", *TINY, "--attn", "triton"], "needs a CUDA device"),
     (["2", *TINY, "--device", "cuda:0"] if not torch.cuda.is_available() else ["0"], ""),
 ])
 @pytest.mark.parametrize("script", ["llama3_naive.py", "llama3_paged.py"])

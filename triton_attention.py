@@ -1,0 +1,79 @@
+"""Paged attention for one new token per request, in Triton: what flash-attn does with a block table.
+
+One program handles one request and one KV head. It walks the request's row of the block table,
+loads the keys and values a tile of tokens at a time from wherever their blocks sit in the pool,
+and keeps an online softmax: the running maximum score `m`, the running denominator `l` and the
+running weighted sum of values `acc`, rescaled by exp(m_old - m_new) whenever the maximum grows.
+So every cached K and V is read once, and the scores never leave the chip. The query heads that
+share the KV head (GQA) are handled together, so one read of a block serves all of them.
+
+Triton comes with PyTorch on CUDA: this kernel needs no package beyond torch.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+TOKENS_PER_TILE = 64  # tokens loaded per loop step, whatever the block size: a tile of 64 tokens
+                      # spans four blocks of 16, or a quarter of a block of 256
+NUM_WARPS = 4
+
+
+@triton.jit
+def paged_decode_kernel(
+        q_ptr, key_blocks_ptr, value_blocks_ptr, block_table_ptr, cache_seqlens_ptr, out_ptr,
+        scale, q_stride_request, q_stride_head, kv_stride_block, kv_stride_slot, kv_stride_head,
+        table_stride_request, out_stride_request, out_stride_head,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_PADDED: tl.constexpr, TILE: tl.constexpr):
+    request, kv_head = tl.program_id(0), tl.program_id(1)
+    seqlen = tl.load(cache_seqlens_ptr + request)
+    # The query heads of this KV head, padded to 16 rows for tl.dot: [GROUP_PADDED, HEAD_DIM].
+    group_rows = tl.arange(0, GROUP_PADDED)
+    heads = kv_head * GROUP + group_rows
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = request * q_stride_request + heads[:, None] * q_stride_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=group_rows[:, None] < GROUP, other=0.0)
+
+    m = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PADDED], tl.float32)
+    acc = tl.zeros([GROUP_PADDED, HEAD_DIM], tl.float32)
+    for tile in range(0, tl.cdiv(seqlen, TILE)):
+        tokens = tile * TILE + tl.arange(0, TILE)
+        cached = tokens < seqlen
+        # Logical block token // BLOCK_SIZE of this request lives in physical block `blocks`.
+        blocks = tl.load(block_table_ptr + request * table_stride_request + tokens // BLOCK_SIZE,
+                         mask=cached, other=0)
+        kv_offsets = (blocks.to(tl.int64) * kv_stride_block + (tokens % BLOCK_SIZE) * kv_stride_slot
+                      + kv_head * kv_stride_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM]
+        k = tl.load(key_blocks_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PADDED, TILE], float32
+        scores = tl.where(cached[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        rescale = tl.exp(m - m_new)  # how much the old sums shrink under the new maximum
+        l = l * rescale + tl.sum(p, 1)
+        v = tl.load(value_blocks_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a request with nothing cached gets zeros
+    out_offsets = request * out_stride_request + heads[:, None] * out_stride_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=group_rows[:, None] < GROUP)
+
+
+def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens) -> torch.Tensor:
+    """q: [B, n_heads, d]; key_blocks, value_blocks: [num_blocks, block_size, n_kv_heads, d];
+    block_table: [B, max_blocks] int32; cache_seqlens: [B] int32. Returns [B, n_heads, d]."""
+    batch, n_heads, head_dim = q.shape
+    _, block_size, n_kv_heads, _ = key_blocks.shape
+    group = n_heads // n_kv_heads
+    out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    paged_decode_kernel[(batch, n_kv_heads)](
+        q, key_blocks, value_blocks, block_table, cache_seqlens, out, head_dim ** -0.5,
+        q.stride(0), q.stride(1), key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
+        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=TOKENS_PER_TILE,
+        num_warps=NUM_WARPS)
+    return out
