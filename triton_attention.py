@@ -16,7 +16,7 @@ import triton.language as tl
 
 TOKENS_PER_TILE = 64  # tokens loaded per loop step, whatever the block size: a tile of 64 tokens
                       # spans four blocks of 16, or a quarter of a block of 256
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 
 @triton.jit
