@@ -6,6 +6,7 @@ same `block_table` (`[batch, max_blocks]`: row r lists the physical blocks of re
 and `cache_seqlens` (`[batch]`: how many of those slots hold tokens).
 """
 
+import importlib
 import math
 
 import torch
@@ -99,17 +100,10 @@ class TritonAttention:
         return self.paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)
 
 
-def triton_available() -> bool:
+def importable(module: str) -> bool:
+    """Whether an optional package (flash_attn, triton) is installed and loads."""
     try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
+        importlib.import_module(module)
         return True
     except ImportError:
         return False
@@ -119,18 +113,18 @@ def choose_attention(name: str, device: torch.device):
     """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
     PyTorch reference."""
     if name == "auto":
-        name = ("torch" if device.type != "cuda" else "flash" if flash_attn_available()
-                else "triton" if triton_available() else "torch")
+        name = ("torch" if device.type != "cuda" else "flash" if importable("flash_attn")
+                else "triton" if importable("triton") else "torch")
     if name == "torch":
         return TorchAttention()
     if device.type != "cuda":
         raise UserError(f"--attn {name} needs a CUDA device; use --attn torch on the CPU.")
     if name == "triton":
-        if not triton_available():
+        if not importable("triton"):
             raise UserError("--attn triton: Triton is not installed (it comes with PyTorch's CUDA "
                             "builds); use --attn torch.")
         return TritonAttention()
-    if not flash_attn_available():
+    if not importable("flash_attn"):
         raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
                         "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
     return FlashAttention()

@@ -33,7 +33,7 @@ import llama3_naive
 import llama3_paged
 from block_manager import BlockManager
 from errors import UserError
-from generate import KVSnapshot, generate
+from generate import generate, reserve_next_slots
 from kv_cache import DecodeBatch
 from report import GB
 
@@ -85,8 +85,8 @@ def weight_bytes_read_per_step(model) -> int:
 
 
 def bookkeeping_seconds_per_step(block_size: int, live: int = 1000, steps: int = 500) -> float:
-    """Median host time of the block manager's part of a decode step: positions, one slot per
-    request, the snapshot, and freeing and re-admitting requests that finish (so `live` stay
+    """Median host time of the block manager's part of a decode step: `reserve_next_slots`, as
+    generate calls it, then freeing and re-admitting the requests that finish (so `live` stay
     live). On the CPU, as the scripts do it between two GPU steps."""
     rng = np.random.default_rng(0)
     max_seq_len = 4096
@@ -98,9 +98,7 @@ def bookkeeping_seconds_per_step(block_size: int, live: int = 1000, steps: int =
     requests, times = np.arange(live), []
     for step in range(steps):
         start = time.perf_counter()
-        manager.num_tokens[requests].copy()  # the positions the step is fed
-        manager.append_token(requests)
-        KVSnapshot(step, live, manager.num_used_blocks * block_size, manager.num_filled_slots)
+        reserve_next_slots(manager, requests, step)
         remaining -= 1
         for r in np.flatnonzero(remaining == 0).tolist():
             manager.free(r)

@@ -100,6 +100,16 @@ def decode_step(model, cache, block_table, tokens, positions, requests, max_cach
     return model(tokens, positions, cache, batch).argmax(-1)  # [B] greedy
 
 
+def reserve_next_slots(manager, live: np.ndarray, step: int):
+    """The block manager's part of a decode step, on the host: each live request feeds its
+    newest token at position = tokens cached so far, and gets a slot for it (a new block only
+    at a block boundary). Returns the positions and the cache's snapshot for this step."""
+    positions = manager.num_tokens[live].copy()
+    manager.append_token(live)
+    return positions, KVSnapshot(step, len(live), manager.num_used_blocks * manager.block_size,
+                                 manager.num_filled_slots)
+
+
 class EagerDecoder:
     """Runs decode_step from Python, kernel by kernel: the readable path, and the one --eager
     takes. `cuda_graphs.GraphDecoder` replays the same function as CUDA graphs."""
@@ -187,10 +197,8 @@ def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: li
         if len(live) == 0:
             break
         # Every live request feeds its newest token, at position = tokens cached so far.
-        positions = manager.num_tokens[live].copy()
-        manager.append_token(live)
-        timeline.append(KVSnapshot(step, len(live), manager.num_used_blocks * manager.block_size,
-                                   manager.num_filled_slots))
+        positions, snapshot = reserve_next_slots(manager, live, step)
+        timeline.append(snapshot)
         timer.start()
         next_tokens = decoder.step(last_tokens, live, positions)
         timer.stop()

@@ -87,7 +87,8 @@ def print_report(script: str, memory: dict, throughput: dict) -> None:
     print(f"Tokens: {t['prompt_tokens']:,} prompt, {t['generated_tokens']:,} generated")
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
     print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps in "
-          f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
+          f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); "
+          f"end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
     print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
     print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} blocks "

@@ -9,8 +9,7 @@ import torch
 
 from conftest import ROOT
 
-from attention import (FlashAttention, TorchAttention, TritonAttention, flash_attn_available,
-                       triton_available)
+from attention import FlashAttention, TorchAttention, TritonAttention, importable
 from block_manager import BlockManager
 from checkpoints import random_model
 from cuda_graphs import GraphDecoder
@@ -18,7 +17,7 @@ from generate import generate
 from kv_cache import DecodeBatch, KVCache, PrefillBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() and flash_attn_available()), reason="needs CUDA and flash-attn")]
+    not (torch.cuda.is_available() and importable("flash_attn")), reason="needs CUDA and flash-attn")]
 
 
 def relative_error(a, b):
@@ -107,7 +106,7 @@ def test_a_block_size_flash_attn_cannot_use_exits_2(script, args):
     assert out.returncode == 2 and "multiple of 256" in out.stderr and "Traceback" not in out.stderr
 
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="needs Triton")
+needs_triton = pytest.mark.skipif(not importable("triton"), reason="needs Triton")
 
 
 @needs_triton
