@@ -13,13 +13,7 @@ from collections import deque
 import numpy as np
 import torch
 
-
-class OutOfBlocks(Exception):
-    """The pool has fewer free blocks than asked for. Nothing was allocated."""
-
-    def __init__(self, needed: int, free: int, total: int, block_size: int):
-        self.needed, self.free, self.total, self.block_size = needed, free, total, block_size
-        super().__init__(f"needed {needed} blocks of {block_size} tokens, {free} of {total} free")
+from engine.errors import OutOfBlocks
 
 
 class BlockManager:
@@ -27,8 +21,9 @@ class BlockManager:
                  max_blocks_per_request: int, device="cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_blocks = deque(range(num_blocks))  # FIFO: the blocks freed longest ago go first
-        self.block_tables: dict[int, list[int]] = {}  # request -> its physical blocks, in order
-        self.num_tokens = np.zeros(max_requests, dtype=np.int64)  # slots reserved per request
+        self.owned_blocks: dict[int, list[int]] = {}  # request -> its physical blocks, in order
+        # Tokens each request has cached (or is about to, this step): the slots it fills.
+        self.num_tokens = np.zeros(max_requests, dtype=np.int64)
         # The same table as a padded tensor, for the attention kernel: [max_requests, max_blocks].
         # Unused entries are 0, a valid block the kernel never reads (cache_seqlens stops it).
         self.block_table = torch.zeros(max_requests, max_blocks_per_request, dtype=torch.int32,
@@ -48,7 +43,7 @@ class BlockManager:
                              f"{self.block_table.shape[1]} blocks per request")
         self._check_free(needed)
         blocks = [self.free_blocks.popleft() for _ in range(needed)]
-        self.block_tables[request] = blocks
+        self.owned_blocks[request] = blocks
         self.num_tokens[request] = num_prompt_tokens
         self.block_table[request, :needed] = torch.tensor(blocks, dtype=torch.int32)
 
@@ -62,7 +57,7 @@ class BlockManager:
         if len(needs_block):
             new_blocks = [self.free_blocks.popleft() for _ in needs_block]
             for request, block in zip(needs_block.tolist(), new_blocks):
-                self.block_tables[request].append(block)
+                self.owned_blocks[request].append(block)
             columns = self.num_tokens[needs_block] // self.block_size
             # One small copy updates every row that changed; the other rows are not touched.
             self.block_table[torch.from_numpy(needs_block), torch.from_numpy(columns)] = (
@@ -71,14 +66,14 @@ class BlockManager:
 
     def free(self, request: int) -> None:
         """A finished request returns every block it held."""
-        self.free_blocks.extend(self.block_tables.pop(request))
+        self.free_blocks.extend(self.owned_blocks.pop(request))
         self.num_tokens[request] = 0
         self.block_table[request] = 0
 
     def slots(self, request: int, start: int, end: int) -> np.ndarray:
         """Flat slot index of positions start..end-1 of a request: block * block_size + offset."""
         positions = np.arange(start, end)
-        blocks = np.asarray(self.block_tables[request])[positions // self.block_size]
+        blocks = np.asarray(self.owned_blocks[request])[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
 
     @property
@@ -90,6 +85,11 @@ class BlockManager:
         return self.num_blocks - len(self.free_blocks)
 
     @property
+    def num_reserved_slots(self) -> int:
+        """Slots in blocks that requests own, filled or not."""
+        return self.num_used_blocks * self.block_size
+
+    @property
     def num_filled_slots(self) -> int:
         """Slots holding a token's K/V (or about to, this step)."""
         return int(self.num_tokens.sum())
@@ -97,7 +97,7 @@ class BlockManager:
     @property
     def num_unfilled_slots(self) -> int:
         """Slots reserved by a request but empty: the fragmentation the paper is about."""
-        return self.num_used_blocks * self.block_size - self.num_filled_slots
+        return self.num_reserved_slots - self.num_filled_slots
 
     def _check_free(self, needed: int) -> None:
         if needed > len(self.free_blocks):

@@ -7,17 +7,39 @@ a single column and request r's row is [r]. A request that stops after 300 token
 8,192 of its slots, which is why this script runs out of memory at a small batch.
 """
 
-import cli
+from engine.errors import exit_quietly_on_ctrl_c
+
+SCRIPT = "llama3_naive.py"
+exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
+
+from block_manager import BlockManager
+from engine.generate import generate
+from engine.kv_cache import KVCache
+from engine.max_batch import find_max_batch
+from engine.report import report
+from engine.setup import argument_parser, load, one_paragraph_errors
 
 
-def reserve_kv_cache(setup):
-    # N blocks of max_seq_len tokens: every request's worst case, reserved before its first token.
-    return cli.allocate_kv_cache(
-        setup, num_blocks=setup.args.num_requests, block_size=setup.args.max_seq_len,
-        block_size_flag="--max-seq-len",
-        advice="Try fewer requests or a smaller --max-seq-len, or llama3_paged.py, which "
-               "reserves only the blocks requests fill.")
+def allocate_kv_cache(setup):
+    """N blocks of max_seq_len tokens: every request's worst case, reserved before its first
+    token, whether or not it will ever use it."""
+    args = setup.args
+    block_size, num_blocks = args.max_seq_len, args.num_requests
+    cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
+                    setup.attention)
+    # The block table the kernel reads: [N, 1], one column; request r's row is [r].
+    manager = BlockManager(num_blocks, block_size, max_requests=args.num_requests,
+                           max_blocks_per_request=1, device=setup.device)
+    return cache, manager
+
+
+def main(argv=None) -> None:
+    with one_paragraph_errors(SCRIPT):
+        setup = load(argument_parser(SCRIPT, __doc__).parse_args(argv))  # the model, the first N prompts
+        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
+        cache, manager = allocate_kv_cache(setup)  # the one place the two scripts differ
+        report(setup, cache, manager, generate(setup, cache, manager))
 
 
 if __name__ == "__main__":
-    cli.main("llama3_naive.py", __doc__.splitlines()[0], reserve_kv_cache)
+    main()

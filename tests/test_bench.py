@@ -3,10 +3,10 @@
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attention import TorchAttention
-from bench import prefill_flops, weight_bytes_read_per_step
-from checkpoints import random_model
-from kv_cache import KVCache, PrefillBatch
+from engine.attention import TorchAttention
+from tools.bench import prefill_flops, weight_bytes_read_per_step
+from engine.checkpoints import random_model
+from engine.kv_cache import KVCache, PrefillBatch
 
 
 def test_prefill_flops_match_pytorchs_count():

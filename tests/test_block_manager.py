@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_manager import BlockManager, OutOfBlocks
+from block_manager import BlockManager
+from engine.errors import OutOfBlocks
 
 
 def manager(num_blocks=8, block_size=4, max_requests=4, max_blocks=6):
@@ -13,13 +14,13 @@ def manager(num_blocks=8, block_size=4, max_requests=4, max_blocks=6):
 
 
 def check_invariants(m: BlockManager):
-    owned = [b for blocks in m.block_tables.values() for b in blocks]
+    owned = [b for blocks in m.owned_blocks.values() for b in blocks]
     assert len(owned) == len(set(owned)), "a block is owned twice"
     assert set(owned).isdisjoint(m.free_blocks), "a block is both owned and free"
     assert len(owned) + len(m.free_blocks) == m.num_blocks
     table = m.block_table.numpy()
     assert ((0 <= table) & (table < m.num_blocks)).all(), "a table entry points outside the pool"
-    for request, blocks in m.block_tables.items():
+    for request, blocks in m.owned_blocks.items():
         assert table[request, :len(blocks)].tolist() == blocks
         assert len(blocks) == m.blocks_needed(int(m.num_tokens[request]))
 
@@ -28,16 +29,16 @@ def test_a_prompt_that_exactly_fills_blocks_takes_no_extra_block():
     m = manager()
     m.allocate(0, 4)  # one full block
     m.allocate(1, 8)  # two full blocks
-    assert m.block_tables == {0: [0], 1: [1, 2]} and m.num_unfilled_slots == 0
+    assert m.owned_blocks == {0: [0], 1: [1, 2]} and m.num_unfilled_slots == 0
 
 
 def test_the_token_after_a_full_block_opens_a_new_one():
     m = manager()
     m.allocate(0, 4)
     m.append_token(np.array([0]))  # position 4: block 0 is full
-    assert m.block_tables[0] == [0, 1] and m.num_unfilled_slots == 3
+    assert m.owned_blocks[0] == [0, 1] and m.num_unfilled_slots == 3
     m.append_token(np.array([0]))  # position 5: fits in block 1
-    assert m.block_tables[0] == [0, 1] and m.num_unfilled_slots == 2
+    assert m.owned_blocks[0] == [0, 1] and m.num_unfilled_slots == 2
     check_invariants(m)
 
 
@@ -46,7 +47,7 @@ def test_freeing_a_sequence_returns_every_block():
     m.allocate(0, 9)
     m.allocate(1, 3)
     m.free(0)
-    assert m.num_free_blocks == 8 - 1 and 0 not in m.block_tables
+    assert m.num_free_blocks == 8 - 1 and 0 not in m.owned_blocks
     assert m.block_table[0].tolist() == [0] * 6
     check_invariants(m)
 
@@ -58,18 +59,18 @@ def test_freed_blocks_are_reused():
     m.free(0)
     assert m.can_allocate(8)
     m.allocate(1, 8)
-    assert sorted(m.block_tables[1]) == [0, 1]
+    assert sorted(m.owned_blocks[1]) == [0, 1]
 
 
 def test_running_out_raises_with_the_numbers_and_changes_nothing():
     m = manager(num_blocks=3)
     m.allocate(0, 4)
     m.allocate(1, 8)
-    before = (dict(m.block_tables), m.num_tokens.copy(), m.block_table.clone())
+    before = (dict(m.owned_blocks), m.num_tokens.copy(), m.block_table.clone())
     with pytest.raises(OutOfBlocks) as e:
         m.append_token(np.array([0, 1]))  # both need a block, none is free
     assert (e.value.needed, e.value.free, e.value.total, e.value.block_size) == (2, 0, 3, 4)
-    assert m.block_tables == before[0] and (m.num_tokens == before[1]).all()
+    assert m.owned_blocks == before[0] and (m.num_tokens == before[1]).all()
     assert (m.block_table == before[2]).all()
     with pytest.raises(OutOfBlocks):
         m.allocate(2, 1)
@@ -85,7 +86,7 @@ def test_slots_follow_the_block_table():
     m.append_token(np.array([1]))
     m.append_token(np.array([1]))
     m.append_token(np.array([1]))  # position 8 opens a block: the first free one, block 3
-    assert m.block_tables[1] == [1, 2, 3] and m.slots(1, 7, 9).tolist() == [11, 12]
+    assert m.owned_blocks[1] == [1, 2, 3] and m.slots(1, 7, 9).tolist() == [11, 12]
 
 
 operations = st.lists(st.tuples(st.sampled_from(["admit", "append", "free"]),
@@ -98,18 +99,18 @@ def test_invariants_hold_under_any_sequence_of_operations(ops, block_size, num_b
     m = BlockManager(num_blocks, block_size, max_requests=6, max_blocks_per_request=64)
     for op, request, count in ops:
         try:
-            if op == "admit" and request not in m.block_tables:
+            if op == "admit" and request not in m.owned_blocks:
                 m.allocate(request, count)
             elif op == "append":
-                live = np.array(sorted(m.block_tables), dtype=np.int64)
+                live = np.array(sorted(m.owned_blocks), dtype=np.int64)
                 for _ in range(count % 5):
                     m.append_token(live)
-            elif op == "free" and request in m.block_tables:
+            elif op == "free" and request in m.owned_blocks:
                 m.free(request)
         except OutOfBlocks:
             pass  # must leave the manager consistent, checked next
         check_invariants(m)
-    for request in list(m.block_tables):
+    for request in list(m.owned_blocks):
         m.free(request)
     assert m.num_free_blocks == num_blocks and m.num_filled_slots == 0
     assert (m.block_table == 0).all()

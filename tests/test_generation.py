@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from attention import TorchAttention
-from block_manager import BlockManager, OutOfBlocks
-from checkpoints import random_model
-from generate import decode_step, generate
-from kv_cache import KVCache
+from engine.attention import TorchAttention
+from block_manager import BlockManager
+from engine.errors import OutOfBlocks
+from engine.checkpoints import random_model
+from engine.generate import decode_step, generate_tokens
+from engine.kv_cache import KVCache
 
 MAX_SEQ_LEN = 96
 
@@ -24,8 +25,8 @@ def run(model, prompts, budgets, num_blocks, block_size, stop_ids=frozenset(), c
     cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
     manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
                            max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
-    result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(stop_ids),
-                      chunk_tokens=chunk_tokens, progress=False)
+    result = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(stop_ids),
+                             chunk_tokens=chunk_tokens, progress=False)
     return result, manager
 
 
@@ -88,7 +89,7 @@ def test_a_pool_too_small_for_decoding_raises_out_of_blocks(model):
         run(model, prompts, [20, 20], num_blocks=3, block_size=8)
 
 
-def test_timeline_matches_the_block_tables(model):
+def test_timeline_matches_the_owned_blocks(model):
     prompts = random_prompts([3, 9, 17], seed=7)
     result, _ = run(model, prompts, [4, 10, 7], num_blocks=16, block_size=4)
     lengths = np.array([3, 9, 17])

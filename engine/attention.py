@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from errors import UserError
+from engine.errors import UserError
 
 FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
 
@@ -79,7 +79,7 @@ class TritonAttention:
     cuda_graphs = True  # the kernel reads block_table and cache_seqlens on the GPU
 
     def __init__(self):
-        from triton_attention import paged_decode
+        from engine.triton_attention import paged_decode
         self.paged_decode = paged_decode
 
     def prefill(self, q, k, v, batch):

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from block_manager import OutOfBlocks
-from errors import OUT_OF_MEMORY, UserError
-from report import GB
+from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError
+from engine.generate import generate
+from engine.report import GB, memory_report, write_json
 
 
 @dataclasses.dataclass
@@ -30,15 +30,24 @@ class Attempt:
     output_tokens_per_second: float | None = None
 
 
-def attempt(setup, num_requests: int, generate_answers) -> Attempt:
+def run_batch(setup, allocate_kv_cache):
+    """One run as the script's main() makes it. The cache lives in this frame only, so it is
+    freed on return, or with the traceback when the run fails."""
+    cache, manager = allocate_kv_cache(setup)
+    generation = generate(setup, cache, manager, progress=False)
+    return generation, memory_report(setup, cache, manager, generation)
+
+
+def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
+    """One run of the first `num_requests` prompts, in this process."""
     args = argparse.Namespace(**vars(setup.args) | {"num_requests": num_requests})
     batch = dataclasses.replace(setup, args=args, requests=setup.requests[:num_requests])
     start = time.perf_counter()
     try:
-        generation, memory = generate_answers(batch)
+        generation, memory = run_batch(batch, allocate_kv_cache)
         result = Attempt(num_requests, "completes", 0.0, memory["kv_pool_blocks"],
                          memory["fragmented_bytes"], memory["fragmented_percent_of_device"],
-                         generation.generated_tokens
+                         generation.num_generated_tokens
                          / (generation.prefill_seconds + generation.decode_seconds))
     except OutOfBlocks as e:
         result = Attempt(num_requests, "out of KV blocks", 0.0, kv_pool_blocks=e.total)
@@ -60,17 +69,19 @@ def attempt(setup, num_requests: int, generate_answers) -> Attempt:
     return result
 
 
-def find_max_batch(setup, generate_answers) -> tuple[int, list[Attempt]]:
-    """Largest n <= N (the command line's) whose run completes; 0 if not even one request fits.
-    `generate_answers(setup)` is one run, raising when it runs out of memory."""
+def find_max_batch(setup, allocate_kv_cache) -> None:
+    """Print (and write to --json) the largest n <= N, the command line's, whose run completes;
+    0 if not even one request fits. `allocate_kv_cache` is the script's."""
     upper = setup.args.num_requests
     print(f"Bisecting for the largest batch of at most {upper:,} requests that completes:")
-    attempts = [attempt(setup, upper, generate_answers)]
+    attempts = [attempt(setup, upper, allocate_kv_cache)]
     fits, fails = (upper, upper + 1) if attempts[-1].outcome == "completes" else (0, upper)
     while fails - fits > 1:  # invariant: `fits` completes (0 trivially), `fails` does not
         middle = (fits + fails) // 2
-        attempts.append(attempt(setup, middle, generate_answers))
+        attempts.append(attempt(setup, middle, allocate_kv_cache))
         fits, fails = (middle, fails) if attempts[-1].outcome == "completes" else (fits, middle)
     print(f"Largest batch that completes: {fits:,} requests "
           f"({len(attempts)} runs, {sum(a.seconds for a in attempts):.0f} s)")
-    return fits, attempts
+    if setup.args.json:
+        write_json(setup.args, {"script": setup.args.script, "largest_batch_that_completes": fits,
+                                "attempts": [dataclasses.asdict(a) for a in attempts]})

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import FLASH_BLOCK_MULTIPLE
+from engine.errors import OUT_OF_MEMORY, UserError
+
 
 @dataclass
 class PrefillBatch:
@@ -36,14 +39,29 @@ class DecodeBatch:
 
 class KVCache:
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
+        if attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
+            raise UserError(
+                f"KV blocks of {block_size} tokens (the paged script's --block-size; the naive "
+                f"script's block is --max-seq-len long): flash-attn 2's paged kernel needs blocks "
+                f"of a multiple of {FLASH_BLOCK_MULTIPLE} tokens. Use a multiple of "
+                f"{FLASH_BLOCK_MULTIPLE}, or --attn triton or torch for any size.")
         self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
-        self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_size)
+        self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_dim)
         # [n_layers, num_blocks * block_size + 1, n_kv_heads, head_dim]: allocated once, up front.
         # Zeroed, so that slots no token has written stay finite.
         self.spare_slot = num_blocks * block_size
-        slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_size)
-        self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
-        self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
+        slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_dim)
+        try:
+            self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
+            self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
+        except torch.OutOfMemoryError as e:
+            per_token = args.kv_bytes_per_token(dtype)
+            free = torch.cuda.mem_get_info(device)[0]
+            raise UserError(
+                f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "
+                f"{block_size:,} tokens x {per_token // 1024} KiB per token = "
+                f"{num_blocks * block_size * per_token / 1e9:.1f} GB needed, {free / 1e9:.1f} GB "
+                f"free after the weights. Try fewer requests or a smaller cache.", OUT_OF_MEMORY) from e
 
     @property
     def nbytes(self) -> int:

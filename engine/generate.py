@@ -1,5 +1,7 @@
 """The generation loop both scripts share: admit, prefill, then decode one token per step.
 
+`generate(setup, cache, manager)` is what the scripts call; `generate_tokens` is the loop itself.
+
 Host work per decode step does not grow with layers x requests: block bookkeeping touches only
 requests that cross a block boundary, per-request state lives in numpy arrays updated with one
 vectorised operation, and the only GPU-to-CPU copy is the sampled tokens, once per step.
@@ -12,7 +14,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kv_cache import DecodeBatch, PrefillBatch
+from engine.cuda_graphs import GraphDecoder
+from engine.kv_cache import DecodeBatch, PrefillBatch
 
 PREFILL_CHUNK_TOKENS = 8192  # prompts per prefill pass: big enough for full-speed matmuls,
                              # small enough that activations stay a small share of memory
@@ -20,26 +23,31 @@ PREFILL_CHUNK_TOKENS = 8192  # prompts per prefill pass: big enough for full-spe
 
 @dataclass
 class KVSnapshot:
-    """The cache at one decode step, in slots (multiply by kv_bytes_per_token for bytes)."""
+    """The cache at one decode step, in slots (multiply by kv_bytes_per_token for bytes), as the
+    block manager counts them."""
 
     step: int
     live_requests: int
     reserved_slots: int  # slots in blocks owned by live requests
-    filled_slots: int  # of those, slots holding a token
+    unfilled_slots: int  # of those, slots holding no token: the fragmentation
     seconds: float = 0.0  # the step's time on the GPU (CUDA events), or wall time on the CPU
+
+    @property
+    def filled_slots(self) -> int:
+        return self.reserved_slots - self.unfilled_slots
 
 
 @dataclass
 class Generation:
     output_tokens: list[list[int]]  # per request, the stop token excluded
-    prompt_tokens: int
+    num_prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
     decode_steps: int
     timeline: list[KVSnapshot] = field(default_factory=list)
 
     @property
-    def generated_tokens(self) -> int:
+    def num_generated_tokens(self) -> int:
         return sum(len(t) for t in self.output_tokens)
 
     @property
@@ -100,14 +108,14 @@ def decode_step(model, cache, block_table, tokens, positions, requests, max_cach
     return model(tokens, positions, cache, batch).argmax(-1)  # [B] greedy
 
 
-def reserve_next_slots(manager, live: np.ndarray, step: int):
+def append_slots(manager, live: np.ndarray, step: int):
     """The block manager's part of a decode step, on the host: each live request feeds its
     newest token at position = tokens cached so far, and gets a slot for it (a new block only
     at a block boundary). Returns the positions and the cache's snapshot for this step."""
     positions = manager.num_tokens[live].copy()
     manager.append_token(live)
-    return positions, KVSnapshot(step, len(live), manager.num_used_blocks * manager.block_size,
-                                 manager.num_filled_slots)
+    return positions, KVSnapshot(step, len(live), manager.num_reserved_slots,
+                                 manager.num_unfilled_slots)
 
 
 class EagerDecoder:
@@ -117,13 +125,16 @@ class EagerDecoder:
     def __init__(self, model, cache, block_table):
         self.model, self.cache, self.block_table = model, cache, block_table
 
+    def decode(self, tokens, positions, requests, max_cache_seqlen: int) -> torch.Tensor:
+        return decode_step(self.model, self.cache, self.block_table, tokens, positions, requests,
+                           max_cache_seqlen)
+
     def step(self, last_tokens, live: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Feed each live request its newest token (`last_tokens[live]`, at `positions`) and
         return the next ones, [B] on device; `last_tokens[live]` is updated to them."""
         device = last_tokens.device
         live_on_device = torch.from_numpy(live).to(device)
-        next_tokens = decode_step(self.model, self.cache, self.block_table,
-                                  last_tokens[live_on_device], torch.from_numpy(positions).to(device),
+        next_tokens = self.decode(last_tokens[live_on_device], torch.from_numpy(positions).to(device),
                                   live_on_device, int(positions.max()) + 1)
         last_tokens[live_on_device] = next_tokens
         return next_tokens
@@ -157,10 +168,38 @@ class StepTimer:
         return [start.elapsed_time(stop) / 1000 for start, stop in zip(self.starts, self.stops)]
 
 
+def make_decoder(model, cache, manager, max_batch: int, cuda_graphs: bool):
+    """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
+    else the eager decoder."""
+    eager = EagerDecoder(model, cache, manager.block_table)
+    if not (cuda_graphs and cache.k.is_cuda and cache.attention_backend.cuda_graphs):
+        return eager
+    return GraphDecoder(eager, max_batch)
+
+
+def generate(setup, cache, manager, progress: bool = True) -> Generation:
+    """Every request of the run through `cache`: what both scripts call."""
+    args = setup.args
+    start = time.perf_counter()
+    decoder = make_decoder(setup.model, cache, manager, len(setup.requests), not args.eager)
+    if progress and isinstance(decoder, GraphDecoder):
+        print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
+              f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    if args.random_weights:  # text is nonsense: stop where the ShareGPT reply stopped
+        max_new_tokens = [min(r.num_reply_tokens, args.max_new_tokens) for r in setup.requests]
+        stop_ids = set()
+    else:
+        max_new_tokens = [args.max_new_tokens] * len(setup.requests)
+        stop_ids = setup.tokenizer.stop_ids
+    return generate_tokens(setup.model, cache, manager, [r.prompt_tokens for r in setup.requests],
+                           max_new_tokens, args.max_seq_len, stop_ids, progress=progress,
+                           decoder=decoder)
+
+
 @torch.inference_mode()
-def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
-             max_seq_len: int, stop_ids: set[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-             progress: bool = True, decoder=None) -> Generation:
+def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
+                    max_seq_len: int, stop_ids: set[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                    progress: bool = True, decoder=None) -> Generation:
     """Greedy-decode every prompt as one batch. Request r stops at a token in `stop_ids`, after
     `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves the batch and
     gives its blocks back. The caller has checked that every prompt is shorter than max_seq_len.
@@ -197,7 +236,7 @@ def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: li
         if len(live) == 0:
             break
         # Every live request feeds its newest token, at position = tokens cached so far.
-        positions, snapshot = reserve_next_slots(manager, live, step)
+        positions, snapshot = append_slots(manager, live, step)
         timeline.append(snapshot)
         timer.start()
         next_tokens = decoder.step(last_tokens, live, positions)
@@ -212,5 +251,5 @@ def generate(model, cache, manager, prompts: list[list[int]], max_new_tokens: li
     for snapshot, seconds in zip(timeline, timer.seconds()):
         snapshot.seconds = seconds
     return Generation(output_tokens=[outputs[r, :num_out[r]].tolist() for r in range(n)],
-                      prompt_tokens=int(prompt_lens.sum()), prefill_seconds=t1 - t0,
+                      num_prompt_tokens=int(prompt_lens.sum()), prefill_seconds=t1 - t0,
                       decode_seconds=t2 - t1, decode_steps=step, timeline=timeline)

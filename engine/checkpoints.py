@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from errors import UserError
-from llama3 import PRESETS, Llama, ModelArgs, RopeScaling
+from engine.errors import UserError
+from engine.model import PRESETS, Llama, ModelArgs, RopeScaling
 
 DOWNLOAD_HINT = (
     "Download Meta's checkpoint with\n"
@@ -211,7 +211,7 @@ def _fill(model: Llama, names: dict, get_tensor, keys, source: Path) -> None:
         target = params[ours]
         if ours.endswith("wqkv.weight"):
             a = model.args
-            sizes = [a.n_heads * a.head_size, a.n_kv_heads * a.head_size, a.n_kv_heads * a.head_size]
+            sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
             target = target.split(sizes)[part]
         elif ours.endswith("w_gate_up.weight"):
             target = target.chunk(2)[part]

@@ -41,13 +41,13 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False  # Llama 3.2 1B/3B reuse the embedding as the output head
 
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:  # frozen, so set through object; never None after this
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token in every layer: what each cache slot costs."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_size * dtype.itemsize
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.itemsize
 
 
 # Shapes for --random-weights. `tiny` keeps the real vocabulary and a head_dim (64) that the
@@ -62,7 +62,7 @@ PRESETS = {
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """Rotation speed of each pair of head dimensions, in radians per position: [head_dim / 2]."""
-    d = args.head_size
+    d = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = args.rope_scaling
     if s is None:
@@ -105,7 +105,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_index: int, dtype: torch.dtype):
         super().__init__()
         self.layer_index = layer_index
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_size
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         # Q, K and V in one matmul: one kernel launch instead of three for every layer and step.
         self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=False, dtype=dtype)

