@@ -38,7 +38,7 @@ def positive_int(text: str) -> int:
 def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     """The flags both scripts take. `script` names the program in messages and reports; the
     first line of `description` (the script's docstring) heads --help."""
-    p = argparse.ArgumentParser(prog=script, description=description.splitlines()[0],
+    p = argparse.ArgumentParser(prog=script, description=description.strip().split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.set_defaults(script=script)
     p.add_argument("num_requests", metavar="N", type=positive_int,

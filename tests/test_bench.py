@@ -4,7 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.attention import TorchAttention
-from tools.bench import prefill_flops, weight_bytes_read_per_step
+from tools.bench import parse_arguments, prefill_flops, script_arguments, weight_bytes_read_per_step
 from engine.checkpoints import random_model
 from engine.kv_cache import KVCache, PrefillBatch
 
@@ -28,3 +28,11 @@ def test_decode_reads_every_weight_but_the_embedding_table():
     params = sum(p.numel() for p in untied.parameters())
     embedding = untied.args.vocab_size * untied.args.dim
     assert weight_bytes_read_per_step(untied) == 4 * (params - embedding)
+
+
+def test_workload_w_is_what_the_paged_script_would_run():
+    w = script_arguments(parse_arguments(["paged"]))
+    assert (w.num_requests, w.max_new_tokens, w.max_seq_len, w.block_size) == (256, 256, 1536, 256)
+    assert w.random_weights and w.model == "8b" and w.attn == "flash" and w.script == "llama3_paged.py"
+    naive = script_arguments(parse_arguments(["naive", "--eager", "--num-requests", "49"]))
+    assert naive.eager and naive.num_requests == 49 and not hasattr(naive, "block_size")

@@ -127,7 +127,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> float:
     return median_cuda_seconds(lambda: setup.attention.decode(q, key_blocks, value_blocks, batch))
 
 
-def parse_arguments():
+def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("script", choices=SCRIPTS, help="whose KV cache: llama3_naive.py's or llama3_paged.py's")
@@ -144,7 +144,7 @@ def parse_arguments():
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--json", type=Path, metavar="PATH", help="write every figure here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def script_arguments(bench_args):
@@ -153,7 +153,7 @@ def script_arguments(bench_args):
     argv = [str(a.num_requests), "--random-weights", "--model", a.model, "--dtype", a.dtype,
             "--attn", a.attn, "--max-seq-len", str(a.max_seq_len),
             "--max-new-tokens", str(a.new_tokens)] + (["--eager"] if a.eager else [])
-    p = argument_parser(f"llama3_{a.script}.py", "")
+    p = argument_parser(f"llama3_{a.script}.py", __doc__)
     if a.script == "paged":
         llama3_paged.add_pool_arguments(p)
         argv += ["--block-size", str(a.block_size)]
