@@ -16,8 +16,9 @@ from block_manager import BlockManager
 from engine.generate import generate
 from engine.kv_cache import KVCache
 from engine.max_batch import find_max_batch
-from engine.report import report
-from engine.setup import argument_parser, load, one_paragraph_errors
+from engine.errors import OUT_OF_MEMORY, UserError
+from engine.report import GB, report
+from engine.setup import argument_parser, kv_budget_bytes, load, one_paragraph_errors
 
 
 def allocate_kv_cache(setup):
@@ -25,6 +26,15 @@ def allocate_kv_cache(setup):
     token, whether or not it will ever use it."""
     args = setup.args
     block_size, num_blocks = args.max_seq_len, args.num_requests
+    budget, reserved = kv_budget_bytes(setup), num_blocks * block_size * setup.kv_bytes_per_token
+    if reserved > budget:
+        raise UserError(
+            f"Out of memory: {num_blocks:,} requests x {block_size:,} tokens x "
+            f"{setup.kv_bytes_per_token // 1024} KiB per token = {reserved / GB:,.2f} GB of KV cache "
+            f"to reserve up front, and the KV budget is {budget / GB:,.3f} GB: "
+            f"{int(budget // (reserved / num_blocks))} requests fit. Try fewer requests or a smaller "
+            f"--max-seq-len, or llama3_paged.py, which reserves only the blocks requests fill.",
+            OUT_OF_MEMORY)
     cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
                     setup.attention)
     # The block table the kernel reads: [N, 1], one column; request r's row is [r].

@@ -2,7 +2,8 @@
 
     python llama3_paged.py 49 --random-weights
 
-The pool is sized once from the GPU memory left after the weights and the activations. The block
+The pool is sized once from the KV budget (on a GPU, the memory left after the weights and the
+activations; on the CPU, --kv-budget-gb). The block
 manager gives each prompt the blocks it fills, one more block whenever a request's last block is
 full, and takes every block back the moment the request finishes. flash-attn's paged kernel finds
 each request's blocks through the block table, so they need not be contiguous.
@@ -21,7 +22,7 @@ from engine.errors import OUT_OF_MEMORY, UserError
 from engine.generate import generate
 from engine.kv_cache import KVCache
 from engine.max_batch import find_max_batch
-from engine.report import report
+from engine.report import GB, report
 from engine.setup import (argument_parser, kv_budget_bytes, load, one_paragraph_errors,
                           positive_int)
 
@@ -32,11 +33,8 @@ def add_pool_arguments(parser) -> None:
                              f"flash-attn, which needs a multiple of that; 16, as vLLM, with "
                              f"--attn triton or torch)")
     parser.add_argument("--num-blocks", type=positive_int,
-                        help="blocks in the pool (default: as many as fit in "
-                             "--gpu-memory-utilization; on the CPU, enough for every request to "
-                             "reach --max-seq-len)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of the GPU's memory for weights, activations and KV pool")
+                        help="blocks in the pool (default: as many as fit in the KV budget, "
+                             "--kv-budget-gb)")
 
 
 def allocate_kv_cache(setup):
@@ -44,16 +42,14 @@ def allocate_kv_cache(setup):
     only when its last block is full, so at most block_size - 1 of its slots sit empty."""
     args = setup.args
     block_size = args.block_size or (FLASH_BLOCK_MULTIPLE if setup.attention.name == "flash" else 16)
-    max_blocks_per_request = math.ceil(args.max_seq_len / block_size)
-    if args.num_blocks:
-        num_blocks = args.num_blocks
-    elif setup.device.type != "cuda":  # no fixed memory to fill: room for every request's maximum
-        num_blocks = args.num_requests * max_blocks_per_request
-    else:
-        num_blocks = int(kv_budget_bytes(setup) // (block_size * setup.kv_bytes_per_token))
+    block_bytes = block_size * setup.kv_bytes_per_token
+    num_blocks = args.num_blocks or int(kv_budget_bytes(setup) // block_bytes)
     if num_blocks == 0:
-        raise UserError(f"Not one KV block of {block_size} tokens fits in the GPU memory left. "
-                        f"Raise --gpu-memory-utilization or use a smaller --model.", OUT_OF_MEMORY)
+        raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
+                        f"{block_bytes / GB:,.3f} GB, more than the KV budget of "
+                        f"{kv_budget_bytes(setup) / GB:,.3f} GB. Use a smaller --block-size or a "
+                        f"larger --kv-budget-gb.", OUT_OF_MEMORY)
+    max_blocks_per_request = math.ceil(args.max_seq_len / block_size)
     cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
                     setup.attention)
     # The block table the kernel reads: [N, max_blocks_per_request], row r = request r's blocks.

@@ -10,9 +10,9 @@ import pickle
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from engine.errors import UserError
+from engine.errors import OUT_OF_MEMORY, UserError, check_host_memory
 from engine.model import PRESETS, Llama, ModelArgs, RopeScaling
 
 DOWNLOAD_HINT = (
@@ -27,7 +27,17 @@ def build_model(args: ModelArgs, device, dtype, max_positions: int) -> Llama:
     """An uninitialised model on `device`: parameters allocated once, never filled twice."""
     with torch.device("meta"):
         model = Llama(args, dtype)
-    model.to_empty(device=device)
+    weights = sum(p.nbytes for p in model.parameters())  # tied weights counted once
+    rope_table = max_positions * args.head_dim * 8  # complex64 per pair, float32 scratch as much
+    advice = "Use a smaller --model or --dtype bf16, or a GPU."
+    if torch.device(device).type == "cpu":
+        check_host_memory(weights + rope_table, "the model's weights", advice)
+    try:
+        model.to_empty(device=device)
+    except torch.OutOfMemoryError as e:
+        free = torch.cuda.mem_get_info(device)[0]
+        raise UserError(f"Out of GPU memory: the model's weights need {weights / 1e9:.1f} GB, "
+                        f"{free / 1e9:.1f} GB are free. {advice}", OUT_OF_MEMORY) from e
     if args.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
         model.output.weight = model.tok_embeddings.weight
     model.set_max_positions(max_positions)
@@ -55,14 +65,10 @@ def random_model(preset: str, device, dtype, max_positions: int, seed: int = 0) 
 
 def load_model(ckpt_dir: Path, device, dtype, max_positions: int) -> Llama:
     ckpt_dir = Path(ckpt_dir)
-    try:
-        if (ckpt_dir / "params.json").exists():
-            return _load_meta(ckpt_dir, device, dtype, max_positions)
-        if (ckpt_dir / "config.json").exists():
-            return _load_hugging_face(ckpt_dir, device, dtype, max_positions)
-    except KeyError as e:
-        raise UserError(f"The checkpoint in {ckpt_dir} is malformed: its params.json or "
-                        f"config.json has no {e}.\n" + DOWNLOAD_HINT) from e
+    if (ckpt_dir / "params.json").exists():
+        return _load_meta(ckpt_dir, device, dtype, max_positions)
+    if (ckpt_dir / "config.json").exists():
+        return _load_hugging_face(ckpt_dir, device, dtype, max_positions)
     raise UserError(
         f"No Llama 3 checkpoint in {ckpt_dir}: expected Meta's layout (params.json, "
         f"consolidated.00.pth, tokenizer.model) or Hugging Face's (config.json, *.safetensors).\n"
@@ -93,16 +99,17 @@ def _load_meta(ckpt_dir: Path, device, dtype, max_positions: int) -> Llama:
     shard = ckpt_dir / "consolidated.00.pth"
     if not shard.exists():
         raise UserError(f"{ckpt_dir} has params.json but no consolidated.00.pth.\n" + DOWNLOAD_HINT)
-    params = _read_json(ckpt_dir / "params.json")
+    args = _model_args(meta_args, _read_json(ckpt_dir / "params.json"), ckpt_dir / "params.json")
     try:
         # weights_only: the unpickler rebuilds tensors and plain containers, nothing that runs code.
         state = torch.load(shard, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UserError(f"Refused to load {shard}: it holds more than plain tensors (a pickle that "
                         f"would run code is never executed here).\n{str(e).splitlines()[0]}") from e
-    except (RuntimeError, EOFError) as e:
+    except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"{shard} is not a readable PyTorch checkpoint: {e}") from e
-    args = meta_args(params)
+    if not isinstance(state, dict):
+        raise UserError(f"{shard} holds a {type(state).__name__}, not a dict of named tensors.")
     if "output.weight" not in state:  # Llama 3.2 1B/3B
         args = ModelArgs(**{**args.__dict__, "tie_embeddings": True})
     model = build_model(args, device, dtype, max_positions)
@@ -130,10 +137,15 @@ def hugging_face_args(config: dict) -> ModelArgs:
 
 
 def _load_hugging_face(ckpt_dir: Path, device, dtype, max_positions: int) -> Llama:
-    args = hugging_face_args(_read_json(ckpt_dir / "config.json"))
+    config = ckpt_dir / "config.json"
+    args = _model_args(hugging_face_args, _read_json(config), config)
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted({ckpt_dir / f for f in _read_json(index)["weight_map"].values()})
+        try:
+            files = sorted({ckpt_dir / f for f in _read_json(index)["weight_map"].values()})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{index} is malformed: it has no weight_map of tensor names to "
+                            f"files.") from e
     else:
         files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
@@ -142,11 +154,15 @@ def _load_hugging_face(ckpt_dir: Path, device, dtype, max_positions: int) -> Lla
     names = tensor_names(args, "hf")
     seen = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            keys = set(f.keys())
-            seen |= keys
-            get = lambda name, f=f: _unpermute_rope_rows(name, f.get_tensor(name), args)
-            _fill(model, {k: v for k, v in names.items() if k in keys}, get, keys, file)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                seen |= keys
+                get = lambda name, f=f: _unpermute_rope_rows(name, f.get_tensor(name), args)
+                _fill(model, {k: v for k, v in names.items() if k in keys}, get, keys, file)
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{file} is not a readable safetensors file (truncated or damaged?): "
+                            f"{e}") from e
     missing = sorted(set(names) - seen)
     if missing:
         raise UserError(f"{ckpt_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}.")
@@ -208,6 +224,8 @@ def _fill(model: Llama, names: dict, get_tensor, keys, source: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (ours, part) in names.items():
         tensor = get_tensor(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise UserError(f"{source}: {name} is a {type(tensor).__name__}, not a tensor.")
         target = params[ours]
         if ours.endswith("wqkv.weight"):
             a = model.args
@@ -224,5 +242,15 @@ def _fill(model: Llama, names: dict, get_tensor, keys, source: Path) -> None:
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"Could not read {path}: {e}") from e
+
+
+def _model_args(to_args, config, source: Path) -> ModelArgs:
+    """The config's numbers as ModelArgs, or one paragraph on what is wrong with them."""
+    try:
+        return to_args(config)
+    except KeyError as e:
+        raise UserError(f"{source} is malformed: it has no {e}.\n" + DOWNLOAD_HINT) from e
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        raise UserError(f"{source} is malformed: {e}.\n" + DOWNLOAD_HINT) from e

@@ -223,29 +223,29 @@ def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tok
     live = np.arange(n)
     new_tokens = last_tokens.cpu().numpy()
     timeline, timer, step = [], StepTimer(device), 0
-    bar = tqdm(desc="decode", unit="step", disable=not progress, leave=False)
-    while True:
-        # Record this step's tokens; retire requests that hit a stop token or their limit.
-        is_stop = np.isin(new_tokens, stop_ids_array)
-        outputs[live[~is_stop], num_out[live[~is_stop]]] = new_tokens[~is_stop]
-        num_out[live] += ~is_stop
-        done = is_stop | (num_out[live] >= limits[live])
-        for r in live[done].tolist():
-            manager.free(r)
-        live = live[~done]
-        if len(live) == 0:
-            break
-        # Every live request feeds its newest token, at position = tokens cached so far.
-        positions, snapshot = append_slots(manager, live, step)
-        timeline.append(snapshot)
-        timer.start()
-        next_tokens = decoder.step(last_tokens, live, positions)
-        timer.stop()
-        new_tokens = next_tokens.cpu().numpy()  # the one sync per step
-        step += 1
-        bar.update()
-        bar.set_postfix(live=len(live), blocks=manager.num_used_blocks, refresh=False)
-    bar.close()
+    # A context, so that the bar is gone before an error message (out of blocks) is printed.
+    with tqdm(desc="decode", unit="step", disable=not progress, leave=False) as bar:
+        while True:
+            # Record this step's tokens; retire requests that hit a stop token or their limit.
+            is_stop = np.isin(new_tokens, stop_ids_array)
+            outputs[live[~is_stop], num_out[live[~is_stop]]] = new_tokens[~is_stop]
+            num_out[live] += ~is_stop
+            done = is_stop | (num_out[live] >= limits[live])
+            for r in live[done].tolist():
+                manager.free(r)
+            live = live[~done]
+            if len(live) == 0:
+                break
+            # Every live request feeds its newest token, at position = tokens cached so far.
+            positions, snapshot = append_slots(manager, live, step)
+            timeline.append(snapshot)
+            timer.start()
+            next_tokens = decoder.step(last_tokens, live, positions)
+            timer.stop()
+            new_tokens = next_tokens.cpu().numpy()  # the one sync per step
+            step += 1
+            bar.update()
+            bar.set_postfix(live=len(live), blocks=manager.num_used_blocks, refresh=False)
     sync(device)
     t2 = time.perf_counter()
     for snapshot, seconds in zip(timeline, timer.seconds()):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import FLASH_BLOCK_MULTIPLE
-from engine.errors import OUT_OF_MEMORY, UserError
+from engine.errors import OUT_OF_MEMORY, UserError, check_host_memory
 
 
 @dataclass
@@ -51,11 +51,14 @@ class KVCache:
         # Zeroed, so that slots no token has written stay finite.
         self.spare_slot = num_blocks * block_size
         slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_dim)
+        per_token = args.kv_bytes_per_token(dtype)
+        if torch.device(device).type == "cpu":
+            check_host_memory((self.spare_slot + 1) * per_token, "the KV cache",
+                              "Ask for a smaller cache (--kv-budget-gb, --num-blocks).")
         try:
             self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
             self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
         except torch.OutOfMemoryError as e:
-            per_token = args.kv_bytes_per_token(dtype)
             free = torch.cuda.mem_get_info(device)[0]
             raise UserError(
                 f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "

@@ -22,7 +22,7 @@ from engine.report import GB, memory_report, write_json
 @dataclasses.dataclass
 class Attempt:
     num_requests: int
-    outcome: str  # "completes", "out of KV blocks" or "out of GPU memory"
+    outcome: str  # "completes", "out of KV blocks" or "out of memory"
     seconds: float
     kv_pool_blocks: int | None = None  # the paged pool is sized anew each attempt
     fragmented_bytes: int | None = None  # of a run that completes
@@ -52,11 +52,11 @@ def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
     except OutOfBlocks as e:
         result = Attempt(num_requests, "out of KV blocks", 0.0, kv_pool_blocks=e.total)
     except torch.OutOfMemoryError:
-        result = Attempt(num_requests, "out of GPU memory", 0.0)
+        result = Attempt(num_requests, "out of memory", 0.0)
     except UserError as e:
         if e.exit_code != OUT_OF_MEMORY:
             raise
-        result = Attempt(num_requests, "out of GPU memory", 0.0)
+        result = Attempt(num_requests, "out of memory", 0.0)
     gc.collect()  # the failed run's tensors, held by its traceback until now
     if setup.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -85,3 +85,8 @@ def find_max_batch(setup, allocate_kv_cache) -> None:
     if setup.args.json:
         write_json(setup.args, {"script": setup.args.script, "largest_batch_that_completes": fits,
                                 "attempts": [dataclasses.asdict(a) for a in attempts]})
+    if fits == 0:
+        raise UserError(f"Not even one request completes: the first alone ran {attempts[-1].outcome}. "
+                        f"Give the KV cache more memory (--kv-budget-gb, or "
+                        f"--gpu-memory-utilization on a GPU), or ask for less: a smaller "
+                        f"--max-seq-len (naive), --block-size or --model.", OUT_OF_MEMORY)

@@ -17,6 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def check_positive(owner, names: list[str], whole: bool) -> None:
+    """A checkpoint's config is user input: refuse wrong types here, not deep inside torch."""
+    for name in names:
+        value = getattr(owner, name)
+        kind = int if whole else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+            raise ValueError(f"{name} must be a positive {'whole ' if whole else ''}number, "
+                             f"not {value!r}")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1's stretch of RoPE to long contexts: slow frequencies are divided by `factor`."""
@@ -25,6 +35,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context_tokens: int = 8192
+
+    def __post_init__(self):
+        check_positive(self, ["factor", "low_freq_factor", "high_freq_factor"], whole=False)
+        check_positive(self, ["original_context_tokens"], whole=True)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("high_freq_factor must be larger than low_freq_factor")
 
 
 @dataclass(frozen=True)
@@ -42,8 +58,15 @@ class ModelArgs:
     tie_embeddings: bool = False  # Llama 3.2 1B/3B reuse the embedding as the output head
 
     def __post_init__(self):
+        check_positive(self, ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"],
+                       whole=True)
         if self.head_dim is None:  # frozen, so set through object; never None after this
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        check_positive(self, ["head_dim"], whole=True)
+        check_positive(self, ["norm_eps", "rope_theta"], whole=False)
+        if self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                             f"({self.n_kv_heads}) and head_dim ({self.head_dim}) even")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token in every layer: what each cache slot costs."""

@@ -10,7 +10,6 @@ original experiment printed it.
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -42,8 +41,8 @@ def report(setup, cache, manager, generation) -> None:
 
 
 def write_json(args, record: dict) -> None:
-    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    args.json.write_text(json.dumps({"arguments": arguments} | record))
+    arguments = vars(args)  # paths and the device are written as text
+    args.json.write_text(json.dumps({"arguments": arguments} | record, default=str))
 
 
 def print_answers(requests, generation, tokenizer, show_all: bool) -> None:

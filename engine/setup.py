@@ -7,6 +7,7 @@ The paged script then asks `kv_budget_bytes` how many of its blocks fit.
 
 import argparse
 import contextlib
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from engine.attention import choose_attention
 from engine.checkpoints import load_model, random_model
-from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError
+from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError, writable_file
 from engine.generate import PREFILL_CHUNK_TOKENS
 from engine.kv_cache import KVCache, PrefillBatch
 from engine.prompts import load_requests
@@ -23,7 +24,12 @@ from engine.report import GB
 from engine.tokenizer import load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MAX_POSITIONS = 131_072  # Llama 3.1's longest context; a longer --max-seq-len has no model to run
+CPU_KV_BUDGET_GB = 0.125  # on the CPU the naive cache fits 7 requests in it, as the original
+                          # experiment's 24 GB GPU did; the paged one fits about 300
 
+
+# Argument types: each refuses a value that makes no sense before anything is loaded (exit 2).
 
 def positive_int(text: str) -> int:
     try:
@@ -33,6 +39,68 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return value
+
+
+def sequence_length(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_POSITIONS:
+        raise argparse.ArgumentTypeError(f"{value:,} tokens: Llama 3 models handle at most "
+                                         f"{MAX_POSITIONS:,} positions")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = _finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction above 0 and at most 1, got {text}")
+    return value
+
+
+def gigabytes(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GB, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2^63 - 1, got {text!r}")
+    return value
+
+
+def device(text: str) -> torch.device:
+    """cpu, or cuda / cuda:N for a GPU that is there: torch accepts more (meta, mps, ...) than
+    this project can compute on."""
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, or cuda (cuda:N "
+                                         f"for GPU N)") from None
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: this project runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; use cpu")
+    if (parsed.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} "
+                                         f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return parsed
 
 
 def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
@@ -55,23 +123,30 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                         "reply's length")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
                    help="shapes for --random-weights")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
                    help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
                         "else the PyTorch reference")
-    p.add_argument("--max-seq-len", type=positive_int, default=8192,
+    p.add_argument("--max-seq-len", type=sequence_length, default=8192,
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
     p.add_argument("--eager", action="store_true",
                    help="decode kernel by kernel from Python instead of replaying CUDA graphs")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="fraction of the GPU's memory for weights, activations and KV cache")
+    p.add_argument("--kv-budget-gb", type=gigabytes,
+                   help=f"memory the KV cache may take, in GB (default: on CUDA, what "
+                        f"--gpu-memory-utilization leaves after the weights and activations; on the "
+                        f"CPU, {CPU_KV_BUDGET_GB})")
+    p.add_argument("--seed", type=seed, default=0, help="seed of --random-weights")
     p.add_argument("--find-max-batch", action="store_true",
                    help="find the largest batch (at most N) that completes with the other flags "
                         "as given: bisection over real runs, one line per attempt")
     p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
-    p.add_argument("--json", type=Path, metavar="PATH",
+    p.add_argument("--json", type=writable_file, metavar="PATH",
                    help="write arguments, token ids, memory and throughput here")
     return p
 
@@ -93,9 +168,7 @@ class Setup:
 
 def load(args) -> Setup:
     """Check the arguments, then load tokenizer, prompts and model: all before any KV memory."""
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device}: CUDA is not available here; use --device cpu.")
+    device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     attention = choose_attention(args.attn, device)
     ckpt_dir = None if args.random_weights else args.ckpt_dir
@@ -112,12 +185,21 @@ def load(args) -> Setup:
         model = random_model(args.model, device, dtype, args.max_seq_len, args.seed)
     else:
         model = load_model(args.ckpt_dir, device, dtype, args.max_seq_len)
+    if model.args.vocab_size < tokenizer.encoding.n_vocab:  # an id past the embedding table
+        raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
+                        f"tokenizer's {tokenizer.encoding.n_vocab:,}: they do not belong together.")
     return Setup(args, device, dtype, model, attention, tokenizer, requests)
 
 
 def kv_budget_bytes(setup) -> float:
-    """The GPU memory the KV cache may take: --gpu-memory-utilization of the total, less what is
-    allocated (the weights), less the peak of the activations."""
+    """The memory the KV cache may take, the same for both scripts: --kv-budget-gb if given. Else
+    on CUDA --gpu-memory-utilization of the GPU's memory, less what is allocated (the weights),
+    less the peak of the activations; on the CPU, whose memory is not the point, a small fixed
+    budget, so that the naive cache runs out there as it does on a GPU."""
+    if setup.args.kv_budget_gb:
+        return setup.args.kv_budget_gb * GB
+    if setup.device.type != "cuda":
+        return CPU_KV_BUDGET_GB * GB
     total = torch.cuda.get_device_properties(setup.device).total_memory
     allowed = total * setup.args.gpu_memory_utilization
     weights = torch.cuda.memory_allocated(setup.device)
@@ -134,8 +216,8 @@ def activation_peak_bytes(setup) -> int:
     Decode needs less, apart from the logits of the whole batch, which are added."""
     model, seq_len = setup.model, min(PREFILL_CHUNK_TOKENS, setup.args.max_seq_len)
     total = (PREFILL_CHUNK_TOKENS // seq_len) * seq_len
-    scratch = KVCache(model.args, num_blocks=1, block_size=total, dtype=setup.dtype,
-                      device=setup.device, attention=setup.attention)
+    scratch = KVCache(model.args, num_blocks=1, block_size=PREFILL_CHUNK_TOKENS, dtype=setup.dtype,
+                      device=setup.device, attention=setup.attention)  # total <= one chunk
     bounds = list(range(0, total + 1, seq_len))
     batch = PrefillBatch(slot_mapping=torch.arange(total, device=setup.device),
                          cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=setup.device),
@@ -164,8 +246,9 @@ def one_paragraph_errors(script: str):
         fail(script, f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} "
                      f"tokens were needed with {e.free} of {e.total} free. The paged script admits "
                      f"every prompt up front and never preempts, so the whole batch must fit. Try "
-                     f"fewer requests, a larger --num-blocks or --gpu-memory-utilization, or a "
-                     f"smaller --block-size (with --attn triton or torch).", OUT_OF_MEMORY)
+                     f"fewer requests, a larger --num-blocks or --kv-budget-gb (on a GPU, "
+                     f"--gpu-memory-utilization), or a smaller --block-size (with --attn triton or "
+                     f"torch).", OUT_OF_MEMORY)
     except torch.OutOfMemoryError as e:
         fail(script, f"the GPU ran out of memory while generating ({str(e).splitlines()[0]}) "
                      f"The KV cache was reserved, but activations for this batch did not fit "

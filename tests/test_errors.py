@@ -1,0 +1,283 @@
+"""Every failure a user can cause ends in one paragraph and an exit code, never a traceback.
+
+Exit codes: 2 for bad arguments or files, 1 for running out of memory or KV blocks, 130 for
+Ctrl-C. Most cases call a program's main() in this process (an exception that escapes fails the
+test, as a traceback would); Ctrl-C needs a real process.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, hf_to_meta, tiny_hf_model
+
+import engine.errors
+import engine.prompts
+import llama3_naive
+import llama3_paged
+from tools import bench, build_prompts, plot_memory
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
+
+TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
+SCRIPTS = {"naive": llama3_naive.main, "paged": llama3_paged.main}
+
+
+def run_main(main, argv, capsys):
+    """A program's main() as the command line runs it: (exit code, stdout, stderr)."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_paragraph(code, err, expected_code, fragment):
+    assert code == expected_code, err
+    assert fragment and fragment in err, err
+    assert "Traceback" not in err
+    message = err.strip().splitlines()[-1]  # argparse puts its usage lines first
+    assert fragment in message or fragment in err.strip().split("\n\n")[-1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A good tiny checkpoint in each layout, and damaged copies of it."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    hf = tiny_hf_model(rope_scaling=False, tied=False, vocab_size=128_256)
+    good = root / "good"
+    hf.save_pretrained(good)
+    meta = hf_to_meta(hf, root / "meta")
+
+    def copy_of_good(name):
+        folder = root / name
+        folder.mkdir()
+        for f in good.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        return folder
+
+    truncated = copy_of_good("truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    wrong_types = copy_of_good("wrong_types")
+    config = json.loads((good / "config.json").read_text())
+    (wrong_types / "config.json").write_text(json.dumps(config | {"hidden_size": "large"}))
+    not_json = copy_of_good("not_json")
+    (not_json / "config.json").write_text("{hidden_size: 128")
+    meta_list = root / "meta_list"
+    meta_list.mkdir()
+    (meta_list / "params.json").write_text("[1, 2]")
+    (meta_list / "consolidated.00.pth").write_bytes((meta / "consolidated.00.pth").read_bytes())
+    meta_truncated = root / "meta_truncated"
+    meta_truncated.mkdir()
+    (meta_truncated / "params.json").write_text((meta / "params.json").read_text())
+    (meta_truncated / "consolidated.00.pth").write_bytes(
+        (meta / "consolidated.00.pth").read_bytes()[:50_000])
+    small_vocab = root / "small_vocab"
+    tiny_hf_model(rope_scaling=False, tied=False, vocab_size=512).save_pretrained(small_vocab)
+    not_bpe = root / "not_bpe.model"
+    not_bpe.write_text("this is not base64 at all\n")
+    short_bpe = root / "short_bpe.model"
+    short_bpe.write_text("YQ== 0\nYg== 1\nYw== 2\n")  # a valid BPE file of 3 tokens
+    return {name: path for name, path in locals().items() if name in (
+        "truncated", "wrong_types", "not_json", "meta_list", "meta_truncated", "small_vocab",
+        "not_bpe", "short_bpe")}
+
+
+# (script, arguments, exit code, a fragment of the message that names the cause)
+BAD_ARGUMENTS = [
+    (["0", *TINY], 2, "positive whole number"),
+    (["abc", *TINY], 2, "positive whole number"),
+    (["99999", *TINY], 2, "N must be between 1 and"),
+    (["2", *TINY, "--max-seq-len", "20"], 2, "Raise --max-seq-len"),
+    (["2", *TINY, "--max-seq-len", "1000000000"], 2, "at most 131,072 positions"),
+    (["2", *TINY, "--max-new-tokens", "-5"], 2, "positive whole number"),
+    (["2", "--random-weights", "--model", "tiny", "--device", "foo"], 2, "is not a device"),
+    (["2", "--random-weights", "--model", "tiny", "--device", "meta"], 2, "runs on cpu or cuda"),
+    (["2", "--random-weights", "--model", "tiny", "--device", "cuda:99"], 2,
+     "GPU(s)" if torch.cuda.is_available() else "CUDA is not available"),
+    (["2", *TINY, "--attn", "flash"], 2, "needs a CUDA device"),
+    (["2", *TINY, "--attn", "triton"], 2, "needs a CUDA device"),
+    (["2", *TINY, "--attn", "sdpa"], 2, "invalid choice"),
+    (["2", *TINY, "--dtype", "int8"], 2, "invalid choice"),
+    (["2", *TINY, "--gpu-memory-utilization", "0"], 2, "fraction above 0"),
+    (["2", *TINY, "--gpu-memory-utilization", "1.5"], 2, "fraction above 0"),
+    (["2", *TINY, "--gpu-memory-utilization", "-1"], 2, "fraction above 0"),
+    (["2", *TINY, "--gpu-memory-utilization", "nan"], 2, "expected a number"),
+    (["2", *TINY, "--kv-budget-gb", "0"], 2, "positive number of GB"),
+    (["2", *TINY, "--seed", str(2**64)], 2, "whole number from 0"),
+    (["2", *TINY, "--json", "{tmp}"], 2, "is a directory"),
+    (["2", *TINY, "--json", "{tmp}/no/such/folder/run.json"], 2, "does not exist"),
+    (["2", *TINY, "--tokenizer", "/nonexistent/tokenizer.model"], 2, "no such file"),
+    (["2", "--device", "cpu", "--ckpt-dir", "/nonexistent"], 2, "huggingface-cli download"),
+    (["2", *TINY, "--no-such-flag"], 2, "unrecognized arguments"),
+]
+PAGED_ONLY = [
+    (["2", *TINY, "--block-size", "0"], 2, "positive whole number"),
+    (["2", *TINY, "--num-blocks", "-3"], 2, "positive whole number"),
+]
+DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the fragment
+    ("truncated", "--ckpt-dir", "not a readable safetensors file"),
+    ("wrong_types", "--ckpt-dir", "must be a positive whole number, not 'large'"),
+    ("not_json", "--ckpt-dir", "Could not read"),
+    ("meta_list", "--ckpt-dir", "malformed"),
+    ("meta_truncated", "--ckpt-dir", "not a readable PyTorch checkpoint"),
+    ("small_vocab", "--ckpt-dir", "vocabulary has 512 tokens"),
+    ("not_bpe", "--tokenizer", "is not a tiktoken BPE file"),
+    ("short_bpe", "--tokenizer", "has 3 tokens"),
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("argv, code, fragment", BAD_ARGUMENTS)
+def test_bad_arguments_exit_2_in_one_paragraph(script, argv, code, fragment, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert_one_paragraph(*run_main(SCRIPTS[script], argv, capsys)[::2], code, fragment)
+
+
+@pytest.mark.parametrize("argv, code, fragment", PAGED_ONLY)
+def test_bad_pool_arguments_exit_2_in_one_paragraph(argv, code, fragment, capsys):
+    assert_one_paragraph(*run_main(llama3_paged.main, argv, capsys)[::2], code, fragment)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("damaged, flag, fragment", DAMAGED_FILES)
+def test_damaged_checkpoints_and_tokenizers_exit_2(script, damaged, flag, fragment, checkpoints,
+                                                   capsys):
+    argv = ["2", "--device", "cpu", "--max-new-tokens", "2", flag, checkpoints[damaged]]
+    if flag == "--tokenizer":
+        argv += ["--random-weights", "--model", "tiny"]
+    assert_one_paragraph(*run_main(SCRIPTS[script], argv, capsys)[::2], 2, fragment)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "is missing"),
+    ('[{"id": "a", "conversations": [{"value": "hi"}, {"val', "is damaged"),
+    ('[{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}]', "has no id, prompt and reply"),
+    ('{"not": "a list"}', "holds no list of conversations"),
+])
+def test_a_damaged_prompts_file_exits_2(content, fragment, tmp_path, monkeypatch, capsys):
+    prompts = tmp_path / "sharegpt_filtered.json"
+    if content is not None:
+        prompts.write_text(content)
+    monkeypatch.setattr(engine.prompts, "PROMPTS_FILE", prompts)
+    assert_one_paragraph(*run_main(llama3_paged.main, ["1", *TINY], capsys)[::2], 2, fragment)
+
+
+OUT_OF_MEMORY = [  # each says how much was asked for and how much there is
+    ("naive", ["8", *TINY], "KV budget is 0.125 GB: 7 requests fit"),
+    ("naive", ["1", *TINY, "--max-seq-len", "131072"], "0.27 GB of KV cache"),
+    ("paged", ["4", *TINY, "--block-size", "16", "--num-blocks", "5"], "KV block pool ran out"),
+    ("paged", ["2", *TINY, "--block-size", "100000000"], "Not one KV block fits"),
+    ("paged", ["2", *TINY, "--num-blocks", "1000000000"], "the KV cache needs"),
+    ("paged", ["2", *TINY, "--kv-budget-gb", "100000"], "the KV cache needs"),
+    ("naive", ["3", *TINY, "--find-max-batch", "--kv-budget-gb", "0.001"], "Not even one request"),
+    ("paged", ["3", *TINY, "--find-max-batch", "--num-blocks", "1"], "Not even one request"),
+]
+
+
+@pytest.mark.parametrize("script, argv, fragment", OUT_OF_MEMORY)
+def test_running_out_of_memory_or_blocks_exits_1_with_the_numbers(script, argv, fragment, capsys):
+    assert_one_paragraph(*run_main(SCRIPTS[script], argv, capsys)[::2], 1, fragment)
+
+
+def test_the_8b_model_on_a_small_machine_exits_1_with_the_numbers(monkeypatch, capsys):
+    monkeypatch.setattr(engine.errors, "host_available_bytes", lambda: 8 * 10**9)
+    code, _, err = run_main(llama3_paged.main, ["2", "--random-weights", "--device", "cpu"], capsys)
+    assert_one_paragraph(code, err, 1, "the model's weights needs 32.")  # 8.0 G params in fp32
+    assert "8.00 GB available" in err
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    """A run's --json and a --find-max-batch JSON, for the plot's cases."""
+    folder = tmp_path_factory.mktemp("runs")
+    for argv in (["2", *TINY, "--max-new-tokens", "3", "--json", folder / "run.json"],
+                 ["2", *TINY, "--max-new-tokens", "3", "--find-max-batch", "--json",
+                  folder / "find.json"]):
+        llama3_paged.main([str(a) for a in argv])
+    (folder / "list.json").write_text("[1, 2, 3]")
+    (folder / "no_steps.json").write_text(json.dumps(
+        json.loads((folder / "run.json").read_text()) | {"timeline": []}))
+    (folder / "not_json.json").write_text("Fragmented Memory: 0.60 GB")
+    return folder
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["{runs}/missing.json"], "no such file"),
+    (["{runs}/not_json.json"], "is not a JSON file"),
+    (["{runs}/list.json"], "is not the --json of a run"),
+    (["{runs}/find.json"], "is a --find-max-batch result"),
+    (["{runs}/no_steps.json"], "made no decode step"),
+    (["{runs}/run.json", "-o", "{tmp}"], "is a directory"),
+    (["{runs}/run.json", "-o", "{tmp}/picture"], "name the picture's format"),
+    (["{runs}/run.json", "-o", "{tmp}/picture.bmpx"], "name the picture's format"),
+    (["{runs}/run.json", "-o", "{tmp}/no/folder/picture.png"], "does not exist"),
+])
+def test_the_plot_refuses_what_it_cannot_read_or_write_with_exit_2(argv, fragment, one_run,
+                                                                  tmp_path, capsys):
+    argv = [a.replace("{runs}", str(one_run)).replace("{tmp}", str(tmp_path)) for a in argv]
+    assert_one_paragraph(*run_main(plot_memory.main, argv, capsys)[::2], 2, fragment)
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
+    for suffix, magic in [(".png", b"\x89PNG"), (".pdf", b"%PDF"), (".svg", b"<?xml")]:
+        code, out, err = run_main(plot_memory.main, [one_run / "run.json", "-o",
+                                                     tmp_path / f"p{suffix}"], capsys)
+        assert code == 0, err
+        assert (tmp_path / f"p{suffix}").read_bytes().startswith(magic)
+
+
+@pytest.mark.parametrize("main, argv, fragment", [
+    (bench.main, ["paged"], "needs a CUDA GPU") if not torch.cuda.is_available() else
+    (bench.main, ["paged", "--num-requests", "0"], "positive whole number"),
+    (bench.main, ["paged", "--json", "{tmp}"], "is a directory"),
+    (bench.main, ["sideways"], "invalid choice"),
+    (build_prompts.main, ["--output", "{tmp}"], "is a directory"),
+])
+def test_the_tools_exit_2_in_one_paragraph(main, argv, fragment, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert_one_paragraph(*run_main(main, argv, capsys)[::2], 2, fragment)
+
+
+def interrupt(argv, when: str):
+    """Start a program, send it SIGINT (Ctrl-C) once the pattern `when` appears in its stderr
+    (or, with when == "", 0.5 s after the start, while torch is still importing): (exit code,
+    stderr)."""
+    process = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, deadline = b"", time.monotonic() + 120
+    if when:
+        while not re.search(when.encode(), seen) and time.monotonic() < deadline:
+            chunk = os.read(process.stderr.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+    else:
+        time.sleep(0.5)
+    assert process.poll() is None, f"ended before Ctrl-C: {seen.decode()}"
+    process.send_signal(signal.SIGINT)
+    rest = process.communicate(timeout=60)[1]
+    return process.returncode, (seen + rest).decode()
+
+
+@pytest.mark.parametrize("argv, when", [
+    (["llama3_paged.py", "7", *TINY], ""),  # importing torch
+    (["llama3_naive.py", "7", *TINY], "decode: [1-9]"),  # inside the decode loop, a step done
+    (["llama3_paged.py", "7", *TINY], "decode: [1-9]"),
+    (["tools/plot_memory.py", "run.json"], ""),
+    (["tools/bench.py", "paged"], ""),
+])
+def test_ctrl_c_at_any_moment_prints_one_line_and_exits_130(argv, when):
+    code, err = interrupt(argv, when)
+    assert code == 130, err
+    assert "interrupted (Ctrl-C)" in err.splitlines()[-1] and "Traceback" not in err
