@@ -13,6 +13,8 @@ import statistics
 
 import torch
 
+from engine.errors import UserError
+
 GB = 1e9
 ANSWERS_SHOWN = 3
 
@@ -42,7 +44,10 @@ def report(setup, cache, manager, generation) -> None:
 
 def write_json(args, record: dict) -> None:
     arguments = vars(args)  # paths and the device are written as text
-    args.json.write_text(json.dumps({"arguments": arguments} | record, default=str))
+    try:
+        args.json.write_text(json.dumps({"arguments": arguments} | record, default=str))
+    except OSError as e:  # checked before the run, but a disk can still fill up
+        raise UserError(f"Could not write --json {args.json}: {e}") from e
 
 
 def print_answers(requests, generation, tokenizer, show_all: bool) -> None:

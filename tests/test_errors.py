@@ -116,6 +116,7 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--seed", str(2**64)], 2, "whole number from 0"),
     (["2", *TINY, "--json", "{tmp}"], 2, "is a directory"),
     (["2", *TINY, "--json", "{tmp}/no/such/folder/run.json"], 2, "does not exist"),
+    (["2", *TINY, "--max-new-tokens", "2", "--json", "/dev/full"], 2, "No space left on device"),
     (["2", *TINY, "--tokenizer", "/nonexistent/tokenizer.model"], 2, "no such file"),
     (["2", "--device", "cpu", "--ckpt-dir", "/nonexistent"], 2, "huggingface-cli download"),
     (["2", *TINY, "--no-such-flag"], 2, "unrecognized arguments"),
