@@ -22,22 +22,25 @@ from engine.setup import argument_parser, kv_budget_bytes, load, one_paragraph_e
 
 
 def allocate_kv_cache(setup):
-    """N blocks of max_seq_len tokens: every request's worst case, reserved before its first
-    token, whether or not it will ever use it."""
+    """One block of max_seq_len tokens per request: every request's worst case, reserved before
+    its first token, whether or not it will ever use it. A static batch needs N of them; with
+    --continuous there are as many as the budget holds, and a request waits for a free one."""
     args = setup.args
-    block_size, num_blocks = args.max_seq_len, args.num_requests
-    budget, reserved = kv_budget_bytes(setup), num_blocks * block_size * setup.kv_bytes_per_token
-    if reserved > budget:
+    block_size, cache_bytes = args.max_seq_len, args.max_seq_len * setup.kv_bytes_per_token
+    budget = kv_budget_bytes(setup)
+    fits = int(budget // cache_bytes)
+    num_blocks = min(fits, args.num_requests) if args.continuous else args.num_requests
+    if not 0 < num_blocks <= fits:
+        asked = max(num_blocks, 1)
         raise UserError(
-            f"Out of memory: {num_blocks:,} requests x {block_size:,} tokens x "
-            f"{setup.kv_bytes_per_token // 1024} KiB per token = {reserved / GB:,.2f} GB of KV cache "
-            f"to reserve up front, and the KV budget is {budget / GB:,.3f} GB: "
-            f"{int(budget // (reserved / num_blocks))} requests fit. Try fewer requests or a smaller "
-            f"--max-seq-len, or llama3_paged.py, which reserves only the blocks requests fill.",
-            OUT_OF_MEMORY)
+            f"Out of memory: {asked:,} requests x {block_size:,} tokens x "
+            f"{setup.kv_bytes_per_token // 1024} KiB per token = {asked * cache_bytes / GB:,.2f} GB "
+            f"of KV cache to reserve up front, and the KV budget is {budget / GB:,.3f} GB: "
+            f"{fits} requests fit. Try fewer requests or a smaller --max-seq-len, or "
+            f"llama3_paged.py, which reserves only the blocks requests fill.", OUT_OF_MEMORY)
     cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
                     setup.attention)
-    # The block table the kernel reads: [N, 1], one column; request r's row is [r].
+    # The block table the kernel reads: [N, 1], one column: request r's row is its one block.
     manager = BlockManager(num_blocks, block_size, max_requests=args.num_requests,
                            max_blocks_per_request=1, device=setup.device)
     return cache, manager

@@ -55,15 +55,15 @@ class GraphDecoder:
                     self.next_tokens[batch_size] = step(batch_size)  # [batch_size], static
                 self.graphs[batch_size], pool = graph, graph.pool()
 
-    def step(self, last_tokens, live: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def step(self, last_tokens, running: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Same contract as EagerDecoder.step."""
-        batch = len(live)
+        batch = len(running)
         if batch > self.buckets[-1]:
-            return self.eager.step(last_tokens, live, positions)
+            return self.eager.step(last_tokens, running, positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         # Pinned host buffers, so the copies below do not wait. Overwriting them is safe: the
         # last step's copies finished before its tokens reached the host.
-        self.host_requests[:batch] = torch.from_numpy(live)
+        self.host_requests[:batch] = torch.from_numpy(running)
         self.host_requests[batch:bucket] = 0  # padding reads request 0's table row, harmlessly
         self.host_positions[:batch] = torch.from_numpy(positions)
         self.host_positions[batch:bucket] = -1  # padding: see decode_step

@@ -1,6 +1,7 @@
 """The generation loop both scripts share: admit, prefill, then decode one token per step.
 
 `generate(setup, cache, manager)` is what the scripts call; `generate_tokens` is the loop itself.
+Who is admitted, who runs and who is preempted, step by step, is the scheduler's (scheduler.py).
 
 Host work per decode step does not grow with layers x requests: block bookkeeping touches only
 requests that cross a block boundary, per-request state lives in numpy arrays updated with one
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from engine.cuda_graphs import GraphDecoder
 from engine.kv_cache import DecodeBatch, PrefillBatch
+from engine.scheduler import Scheduler
 
 PREFILL_CHUNK_TOKENS = 8192  # prompts per prefill pass: big enough for full-speed matmuls,
                              # small enough that activations stay a small share of memory
@@ -27,8 +29,9 @@ class KVSnapshot:
     block manager counts them."""
 
     step: int
-    live_requests: int
-    reserved_slots: int  # slots in blocks owned by live requests
+    running_requests: int
+    waiting_requests: int
+    reserved_slots: int  # slots in blocks owned by running requests
     unfilled_slots: int  # of those, slots holding no token: the fragmentation
     seconds: float = 0.0  # the step's time on the GPU (CUDA events), or wall time on the CPU
 
@@ -41,14 +44,22 @@ class KVSnapshot:
 class Generation:
     output_tokens: list[list[int]]  # per request, the stop token excluded
     num_prompt_tokens: int
-    prefill_seconds: float
-    decode_seconds: float
-    decode_steps: int
-    timeline: list[KVSnapshot] = field(default_factory=list)
+    num_prefilled_tokens: int  # the prompts, and the tokens of preempted requests prefilled again
+    prefill_seconds: float  # wall time of the prefill steps
+    decode_seconds: float  # wall time of the decode steps
+    timeline: list[KVSnapshot] = field(default_factory=list)  # one per decode step
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # cached tokens that preemption threw away
+    most_running: int = 0  # the largest number of requests running at once
+    queue_wait_seconds: list[float] = field(default_factory=list)  # start to first admission
 
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(t) for t in self.output_tokens)
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.timeline)
 
     @property
     def fullest(self) -> KVSnapshot:
@@ -56,38 +67,34 @@ class Generation:
         return max(self.timeline, key=lambda s: s.filled_slots)
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prefill(model, cache, manager, prompts: list[list[int]], chunk_tokens: int, device):
-    """Run whole prompts, packed into chunks of about `chunk_tokens`, writing every prompt
-    token's K/V into its slot. Returns each request's first generated token: [N] on device."""
-    first_tokens = torch.empty(len(prompts), dtype=torch.long, device=device)
+def prefill(model, cache, manager, requests: np.ndarray, sequences: list[list[int]],
+            chunk_tokens: int, device):
+    """Run whole sequences (prompts, or a preempted request's prompt and outputs), packed into
+    chunks of about `chunk_tokens`, writing every token's K/V into its slot. Returns the token
+    that follows each: [len(requests)] on device."""
+    next_tokens = torch.empty(len(sequences), dtype=torch.long, device=device)
+    to_device = lambda a, dtype: torch.from_numpy(np.asarray(a)).to(device, dtype)
     chunk_start = 0
-    while chunk_start < len(prompts):
+    while chunk_start < len(sequences):
         chunk_end, tokens_in_chunk = chunk_start, 0
-        while chunk_end < len(prompts) and (
-                chunk_end == chunk_start or tokens_in_chunk + len(prompts[chunk_end]) <= chunk_tokens):
-            tokens_in_chunk += len(prompts[chunk_end])
+        while chunk_end < len(sequences) and (
+                chunk_end == chunk_start or tokens_in_chunk + len(sequences[chunk_end]) <= chunk_tokens):
+            tokens_in_chunk += len(sequences[chunk_end])
             chunk_end += 1
         chunk = range(chunk_start, chunk_end)
-        lengths = [len(prompts[r]) for r in chunk]
+        lengths = [len(sequences[i]) for i in chunk]
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-        to_device = lambda a, dtype: torch.from_numpy(np.asarray(a)).to(device, dtype)
-        batch = PrefillBatch(
-            slot_mapping=to_device(np.concatenate([manager.slots(r, 0, len(prompts[r])) for r in chunk]),
-                                   torch.long),
-            cu_seqlens=to_device(cu_seqlens, torch.int32),
-            cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=max(lengths))
-        tokens = to_device(np.concatenate([prompts[r] for r in chunk]), torch.long)  # [T]
+        slots = [manager.slots(int(requests[i]), 0, len(sequences[i])) for i in chunk]
+        batch = PrefillBatch(slot_mapping=to_device(np.concatenate(slots), torch.long),
+                             cu_seqlens=to_device(cu_seqlens, torch.int32),
+                             cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=max(lengths))
+        tokens = to_device(np.concatenate([sequences[i] for i in chunk]), torch.long)  # [T]
         positions = to_device(np.concatenate([np.arange(n) for n in lengths]), torch.long)
         last_token_rows = to_device(cu_seqlens[1:] - 1, torch.long)
         logits = model(tokens, positions, cache, batch, logits_at=last_token_rows)  # [len(chunk), vocab]
-        first_tokens[chunk_start:chunk_end] = logits.argmax(-1)  # greedy
+        next_tokens[chunk_start:chunk_end] = logits.argmax(-1)  # greedy
         chunk_start = chunk_end
-    return first_tokens
+    return next_tokens
 
 
 def decode_step(model, cache, block_table, tokens, positions, requests, max_cache_seqlen: int):
@@ -108,16 +115,6 @@ def decode_step(model, cache, block_table, tokens, positions, requests, max_cach
     return model(tokens, positions, cache, batch).argmax(-1)  # [B] greedy
 
 
-def append_slots(manager, live: np.ndarray, step: int):
-    """The block manager's part of a decode step, on the host: each live request feeds its
-    newest token at position = tokens cached so far, and gets a slot for it (a new block only
-    at a block boundary). Returns the positions and the cache's snapshot for this step."""
-    positions = manager.num_tokens[live].copy()
-    manager.append_token(live)
-    return positions, KVSnapshot(step, len(live), manager.num_reserved_slots,
-                                 manager.num_unfilled_slots)
-
-
 class EagerDecoder:
     """Runs decode_step from Python, kernel by kernel: the readable path, and the one --eager
     takes. `cuda_graphs.GraphDecoder` replays the same function as CUDA graphs."""
@@ -129,14 +126,15 @@ class EagerDecoder:
         return decode_step(self.model, self.cache, self.block_table, tokens, positions, requests,
                            max_cache_seqlen)
 
-    def step(self, last_tokens, live: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Feed each live request its newest token (`last_tokens[live]`, at `positions`) and
-        return the next ones, [B] on device; `last_tokens[live]` is updated to them."""
+    def step(self, last_tokens, running: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Feed each running request its newest token (`last_tokens[running]`, at `positions`)
+        and return the next ones, [B] on device; `last_tokens[running]` is updated to them."""
         device = last_tokens.device
-        live_on_device = torch.from_numpy(live).to(device)
-        next_tokens = self.decode(last_tokens[live_on_device], torch.from_numpy(positions).to(device),
-                                  live_on_device, int(positions.max()) + 1)
-        last_tokens[live_on_device] = next_tokens
+        running_on_device = torch.from_numpy(running).to(device)
+        next_tokens = self.decode(last_tokens[running_on_device],
+                                  torch.from_numpy(positions).to(device), running_on_device,
+                                  int(positions.max()) + 1)
+        last_tokens[running_on_device] = next_tokens
         return next_tokens
 
 
@@ -181,7 +179,8 @@ def generate(setup, cache, manager, progress: bool = True) -> Generation:
     """Every request of the run through `cache`: what both scripts call."""
     args = setup.args
     start = time.perf_counter()
-    decoder = make_decoder(setup.model, cache, manager, len(setup.requests), not args.eager)
+    most_running = min(len(setup.requests), args.max_running or len(setup.requests))
+    decoder = make_decoder(setup.model, cache, manager, most_running, not args.eager)
     if progress and isinstance(decoder, GraphDecoder):
         print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
               f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
@@ -192,64 +191,70 @@ def generate(setup, cache, manager, progress: bool = True) -> Generation:
         max_new_tokens = [args.max_new_tokens] * len(setup.requests)
         stop_ids = setup.tokenizer.stop_ids
     return generate_tokens(setup.model, cache, manager, [r.prompt_tokens for r in setup.requests],
-                           max_new_tokens, args.max_seq_len, stop_ids, progress=progress,
-                           decoder=decoder)
+                           max_new_tokens, args.max_seq_len, stop_ids, continuous=args.continuous,
+                           max_running=args.max_running, progress=progress, decoder=decoder)
 
 
 @torch.inference_mode()
 def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
-                    max_seq_len: int, stop_ids: set[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                    max_seq_len: int, stop_ids: set[int], continuous: bool = False,
+                    max_running: int | None = None, chunk_tokens: int = PREFILL_CHUNK_TOKENS,
                     progress: bool = True, decoder=None) -> Generation:
-    """Greedy-decode every prompt as one batch. Request r stops at a token in `stop_ids`, after
+    """Greedy-decode every prompt. Request r stops at a token in `stop_ids`, after
     `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves the batch and
-    gives its blocks back. The caller has checked that every prompt is shorter than max_seq_len.
-    `decoder` runs each step: an EagerDecoder unless the caller passes CUDA graphs."""
+    gives its blocks back. Static batching admits every request at the first step; `continuous`
+    admits them as blocks free up and preempts when blocks run out (scheduler.py). The caller
+    has checked that every prompt is shorter than max_seq_len. `decoder` runs each decode step:
+    an EagerDecoder unless the caller passes CUDA graphs."""
     device = cache.k.device
     decoder = decoder or EagerDecoder(model, cache, manager.block_table)
     n = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts])
     limits = np.minimum(np.array(max_new_tokens), max_seq_len - prompt_lens)  # [N] tokens to make
+    scheduler = Scheduler(manager, prompt_lens, limits, continuous, max_running, chunk_tokens)
     stop_ids_array = np.array(sorted(stop_ids), dtype=np.int64)
     outputs = np.zeros((n, max(limits)), dtype=np.int64)
-    num_out = np.zeros(n, dtype=np.int64)
+    num_generated = np.zeros(n, dtype=np.int64)
+    last_tokens = torch.zeros(n, dtype=torch.long, device=device)  # each request's newest token
+    timeline, timer, num_prefilled = [], StepTimer(device), 0
+    seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
 
-    for r in range(n):  # admission: every prompt's blocks, or OutOfBlocks before any work
-        manager.allocate(r, len(prompts[r]))
-    t0 = time.perf_counter()
-    last_tokens = prefill(model, cache, manager, prompts, chunk_tokens, device)  # [N]
-    sync(device)
-    t1 = time.perf_counter()
-
-    live = np.arange(n)
-    new_tokens = last_tokens.cpu().numpy()
-    timeline, timer, step = [], StepTimer(device), 0
     # A context, so that the bar is gone before an error message (out of blocks) is printed.
     with tqdm(desc="decode", unit="step", disable=not progress, leave=False) as bar:
-        while True:
+        while scheduler.has_work():
+            start = time.perf_counter()
+            step = scheduler.schedule(num_generated)
+            requests = step.requests
+            if step.is_prefill:  # new prompts, or preempted requests' prompts and outputs so far
+                sequences = [prompts[r] + outputs[r, :num_generated[r]].tolist() for r in requests]
+                num_prefilled += sum(len(s) for s in sequences)
+                next_tokens = prefill(model, cache, manager, requests, sequences, chunk_tokens,
+                                      device)
+                last_tokens[torch.from_numpy(requests).to(device)] = next_tokens
+            else:  # every running request feeds its newest token; the scheduler gave it a slot
+                timeline.append(KVSnapshot(len(timeline), len(requests), len(scheduler.waiting),
+                                           manager.num_reserved_slots, manager.num_unfilled_slots))
+                timer.start()
+                next_tokens = decoder.step(last_tokens, requests, step.positions)
+                timer.stop()
+            new_tokens = next_tokens.cpu().numpy()  # the one sync per step
             # Record this step's tokens; retire requests that hit a stop token or their limit.
             is_stop = np.isin(new_tokens, stop_ids_array)
-            outputs[live[~is_stop], num_out[live[~is_stop]]] = new_tokens[~is_stop]
-            num_out[live] += ~is_stop
-            done = is_stop | (num_out[live] >= limits[live])
-            for r in live[done].tolist():
-                manager.free(r)
-            live = live[~done]
-            if len(live) == 0:
-                break
-            # Every live request feeds its newest token, at position = tokens cached so far.
-            positions, snapshot = append_slots(manager, live, step)
-            timeline.append(snapshot)
-            timer.start()
-            next_tokens = decoder.step(last_tokens, live, positions)
-            timer.stop()
-            new_tokens = next_tokens.cpu().numpy()  # the one sync per step
-            step += 1
-            bar.update()
-            bar.set_postfix(live=len(live), blocks=manager.num_used_blocks, refresh=False)
-    sync(device)
-    t2 = time.perf_counter()
-    for snapshot, seconds in zip(timeline, timer.seconds()):
-        snapshot.seconds = seconds
-    return Generation(output_tokens=[outputs[r, :num_out[r]].tolist() for r in range(n)],
-                      num_prompt_tokens=int(prompt_lens.sum()), prefill_seconds=t1 - t0,
-                      decode_seconds=t2 - t1, decode_steps=step, timeline=timeline)
+            kept = requests[~is_stop]
+            outputs[kept, num_generated[kept]] = new_tokens[~is_stop]
+            num_generated[kept] += 1
+            scheduler.finish(requests[is_stop | (num_generated[requests] >= limits[requests])])
+            seconds["prefill" if step.is_prefill else "decode"] += time.perf_counter() - start
+            if not step.is_prefill:
+                bar.update()
+                bar.set_postfix(running=len(requests), waiting=len(scheduler.waiting),
+                                blocks=manager.num_used_blocks, refresh=False)
+    for snapshot, step_seconds in zip(timeline, timer.seconds()):
+        snapshot.seconds = step_seconds
+    return Generation(
+        output_tokens=[outputs[r, :num_generated[r]].tolist() for r in range(n)],
+        num_prompt_tokens=int(prompt_lens.sum()), num_prefilled_tokens=num_prefilled,
+        prefill_seconds=seconds["prefill"], decode_seconds=seconds["decode"], timeline=timeline,
+        num_preemptions=scheduler.num_preemptions,
+        num_recomputed_tokens=scheduler.num_recomputed_tokens,
+        most_running=scheduler.most_running, queue_wait_seconds=scheduler.admitted_at.tolist())

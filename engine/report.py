@@ -1,6 +1,6 @@
 """What a run prints: the answers, throughput, and where the KV cache's memory went.
 
-Reserved: KV slots in blocks owned by live requests. Filled: the reserved slots that hold a
+Reserved: KV slots in blocks owned by running requests. Filled: the reserved slots that hold a
 token's K and V. Unfilled: reserved minus filled, memory no one can use until its request ends;
 the block manager counts it. Fragmented Memory is the unfilled memory at the step the cache held
 the most tokens, in GB (10^9 bytes) and as a percentage of the device's total memory, as the
@@ -31,13 +31,15 @@ def report(setup, cache, manager, generation) -> None:
     print_answers(setup.requests, generation, setup.tokenizer, args.show_all)
     memory = memory_report(setup, cache, manager, generation)
     throughput = throughput_report(generation)
-    print_report(args.script, memory, throughput)
+    scheduling = scheduling_report(generation, args.continuous)
+    print_report(args.script, memory, throughput, scheduling)
     if args.json:
         write_json(args, {
             "script": args.script,
             "requests": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": out}
                          for r, out in zip(setup.requests, generation.output_tokens)],
-            "memory": memory, "throughput": throughput,
+            "preemptions": generation.num_preemptions, "max_running": generation.most_running,
+            "memory": memory, "throughput": throughput, "scheduling": scheduling,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
 
@@ -62,7 +64,8 @@ def print_answers(requests, generation, tokenizer, show_all: bool) -> None:
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
     reserved = snapshot.reserved_slots * kv_bytes_per_token
     unfilled = snapshot.unfilled_slots * kv_bytes_per_token
-    return {"step": snapshot.step, "live_requests": snapshot.live_requests,
+    return {"step": snapshot.step, "running_requests": snapshot.running_requests,
+            "waiting_requests": snapshot.waiting_requests,
             "reserved_bytes": reserved, "filled_bytes": reserved - unfilled,
             "unfilled_bytes": unfilled,
             "unfilled_percent_of_reserved": 100 * unfilled / reserved if reserved else 0.0}
@@ -97,8 +100,9 @@ def throughput_report(generation) -> dict:
     return {
         "num_prompt_tokens": g.num_prompt_tokens,
         "num_generated_tokens": g.num_generated_tokens,
+        "num_prefilled_tokens": g.num_prefilled_tokens,
         "prefill_seconds": g.prefill_seconds,
-        "prefill_tokens_per_second": g.num_prompt_tokens / g.prefill_seconds,
+        "prefill_tokens_per_second": g.num_prefilled_tokens / g.prefill_seconds,
         "decode_seconds": g.decode_seconds,
         "decode_steps": g.decode_steps,
         "decode_step_median_seconds": statistics.median(s.seconds for s in g.timeline)
@@ -108,12 +112,30 @@ def throughput_report(generation) -> dict:
     }
 
 
-def print_report(script: str, memory: dict, throughput: dict) -> None:
-    m, t = memory, throughput
+def scheduling_report(generation, continuous: bool) -> dict:
+    g = generation
+    waits = [w for w in g.queue_wait_seconds if w == w]  # NaN: never admitted
+    return {
+        "mode": "continuous" if continuous else "static",
+        "requests_completed": len(waits),
+        "max_running": g.most_running,
+        "preemptions": g.num_preemptions,
+        "recomputed_tokens": g.num_recomputed_tokens,
+        "queue_wait_median_seconds": statistics.median(waits) if waits else 0.0,
+        "queue_wait_max_seconds": max(waits, default=0.0),
+    }
+
+
+def print_report(script: str, memory: dict, throughput: dict, scheduling: dict) -> None:
+    m, t, s = memory, throughput, scheduling
     gb = lambda b: f"{b / GB:.2f} GB" if b >= GB / 10 else f"{b / 1e6:.2f} MB"
     print(f"\n=== {script} ===")
     print(f"Tokens: {t['num_prompt_tokens']:,} prompt, {t['num_generated_tokens']:,} generated")
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
+    print(f"Scheduling: {s['mode']}, {s['requests_completed']:,} requests completed, at most "
+          f"{s['max_running']:,} running at once; {s['preemptions']:,} preemptions, "
+          f"{s['recomputed_tokens']:,} tokens recomputed; queue wait median "
+          f"{s['queue_wait_median_seconds']:.2f} s, longest {s['queue_wait_max_seconds']:.2f} s")
     print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps in "
           f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); "
           f"end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
@@ -121,10 +143,11 @@ def print_report(script: str, memory: dict, throughput: dict) -> None:
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
     print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} blocks "
           f"x {m['block_size_tokens']:,} tokens x {m['kv_bytes_per_token'] // 1024} KiB per token")
-    for label, s in (("fullest step", m["at_fullest_step"]), ("last step", m["at_last_step"])):
-        if s:
-            print(f"  at the {label} ({s['step']}, {s['live_requests']} live requests): reserved "
-                  f"{gb(s['reserved_bytes'])}, filled {gb(s['filled_bytes'])}, unfilled "
-                  f"{gb(s['unfilled_bytes'])} ({s['unfilled_percent_of_reserved']:.1f}% of reserved)")
+    for label, step in (("fullest step", m["at_fullest_step"]), ("last step", m["at_last_step"])):
+        if step:
+            print(f"  at the {label} ({step['step']}, {step['running_requests']} running): reserved "
+                  f"{gb(step['reserved_bytes'])}, filled {gb(step['filled_bytes'])}, unfilled "
+                  f"{gb(step['unfilled_bytes'])} ({step['unfilled_percent_of_reserved']:.1f}% of "
+                  f"reserved)")
     print(f"Fragmented Memory: {m['fragmented_bytes'] / GB:.2f} GB "
           f"({m['fragmented_percent_of_device']:.2f}%)")

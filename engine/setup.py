@@ -133,6 +133,13 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
+    p.add_argument("--continuous", action="store_true",
+                   help="continuous batching: requests wait in a queue, join as blocks free up and "
+                        "are preempted (and later recomputed) when blocks run out, instead of one "
+                        "static batch admitted up front")
+    p.add_argument("--max-running", type=positive_int,
+                   help="with --continuous: most requests running at once (default: as many as "
+                        "the KV cache admits)")
     p.add_argument("--eager", action="store_true",
                    help="decode kernel by kernel from Python instead of replaying CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
@@ -168,6 +175,9 @@ class Setup:
 
 def load(args) -> Setup:
     """Check the arguments, then load tokenizer, prompts and model: all before any KV memory."""
+    if args.max_running and not args.continuous:
+        raise UserError("--max-running limits continuous batching; add --continuous (a static "
+                        "batch runs all N requests at once).")
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     attention = choose_attention(args.attn, device)
@@ -244,11 +254,11 @@ def one_paragraph_errors(script: str):
         fail(script, str(e), e.exit_code)
     except OutOfBlocks as e:
         fail(script, f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} "
-                     f"tokens were needed with {e.free} of {e.total} free. The paged script admits "
-                     f"every prompt up front and never preempts, so the whole batch must fit. Try "
-                     f"fewer requests, a larger --num-blocks or --kv-budget-gb (on a GPU, "
-                     f"--gpu-memory-utilization), or a smaller --block-size (with --attn triton or "
-                     f"torch).", OUT_OF_MEMORY)
+                     f"tokens were needed with {e.free} of {e.total} free. Without --continuous "
+                     f"every prompt is admitted up front and none is preempted, so the whole batch "
+                     f"must fit. Try --continuous, fewer requests, a larger --num-blocks or "
+                     f"--kv-budget-gb (on a GPU, --gpu-memory-utilization), or a smaller "
+                     f"--block-size (with --attn triton or torch).", OUT_OF_MEMORY)
     except torch.OutOfMemoryError as e:
         fail(script, f"the GPU ran out of memory while generating ({str(e).splitlines()[0]}) "
                      f"The KV cache was reserved, but activations for this batch did not fit "

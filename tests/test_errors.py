@@ -120,6 +120,8 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--tokenizer", "/nonexistent/tokenizer.model"], 2, "no such file"),
     (["2", "--device", "cpu", "--ckpt-dir", "/nonexistent"], 2, "huggingface-cli download"),
     (["2", *TINY, "--no-such-flag"], 2, "unrecognized arguments"),
+    (["2", *TINY, "--max-running", "4"], 2, "add --continuous"),
+    (["2", *TINY, "--continuous", "--max-running", "0"], 2, "positive whole number"),
 ]
 PAGED_ONLY = [
     (["2", *TINY, "--block-size", "0"], 2, "positive whole number"),
@@ -182,6 +184,8 @@ OUT_OF_MEMORY = [  # each says how much was asked for and how much there is
     ("paged", ["2", *TINY, "--kv-budget-gb", "100000"], "the KV cache needs"),
     ("naive", ["3", *TINY, "--find-max-batch", "--kv-budget-gb", "0.001"], "Not even one request"),
     ("paged", ["3", *TINY, "--find-max-batch", "--num-blocks", "1"], "Not even one request"),
+    ("paged", ["2", *TINY, "--continuous", "--num-blocks", "4"], "could never finish"),
+    ("naive", ["2", *TINY, "--continuous", "--kv-budget-gb", "0.01"], "0 requests fit"),
 ]
 
 
@@ -275,10 +279,17 @@ def interrupt(argv, when: str):
     (["llama3_paged.py", "7", *TINY], ""),  # importing torch
     (["llama3_naive.py", "7", *TINY], "decode: [1-9]"),  # inside the decode loop, a step done
     (["llama3_paged.py", "7", *TINY], "decode: [1-9]"),
-    (["tools/plot_memory.py", "run.json"], ""),
     (["tools/bench.py", "paged"], ""),
 ])
 def test_ctrl_c_at_any_moment_prints_one_line_and_exits_130(argv, when):
     code, err = interrupt(argv, when)
+    assert code == 130, err
+    assert "interrupted (Ctrl-C)" in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_ctrl_c_while_the_plot_imports_or_draws_exits_130(one_run, tmp_path):
+    # Twelve panels: seconds of work, so that Ctrl-C lands before the program is done.
+    code, err = interrupt(["tools/plot_memory.py", *[one_run / "run.json"] * 12,
+                           "-o", tmp_path / "p.png"], "")
     assert code == 130, err
     assert "interrupted (Ctrl-C)" in err.splitlines()[-1] and "Traceback" not in err

@@ -96,7 +96,7 @@ def test_timeline_matches_the_owned_blocks(model):
     for s in result.timeline:  # at step k, live requests hold prompt + k + 1 tokens
         live = [r for r, b in enumerate([4, 10, 7]) if b > s.step + 1]
         filled = sum(lengths[r] + s.step + 1 for r in live)
-        assert s.live_requests == len(live) and s.filled_slots == filled
+        assert s.running_requests == len(live) and s.filled_slots == filled
         assert s.reserved_slots == sum(math.ceil((lengths[r] + s.step + 1) / 4) * 4 for r in live)
 
 

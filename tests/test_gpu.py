@@ -60,13 +60,14 @@ MAX_SEQ_LEN = 2048
 
 
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
-                        attention=FlashAttention):
+                    attention=FlashAttention, continuous=False):
     n = len(prompts)
-    cache = KVCache(model.args, num_blocks, block_size, torch.bfloat16, "cuda", attention())
+    cache = KVCache(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
+                    attention())
     manager = BlockManager(num_blocks, block_size, n, math.ceil(MAX_SEQ_LEN / block_size), "cuda")
     decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table), n) if graphs else None
     return generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
-                           progress=False, decoder=decoder)
+                           continuous=continuous, progress=False, decoder=decoder)
 
 
 def random_prompts(n, generator):
@@ -143,3 +144,31 @@ def test_triton_and_flash_attn_generate_the_same_tokens():
     triton = generate_on_gpu(model, prompts, [33] * 8, num_blocks=1024, block_size=16,
                                  attention=TritonAttention)
     assert triton.output_tokens == flash.output_tokens  # the prefill token and 32 decode steps
+
+
+def test_continuous_batching_in_an_ample_pool_gives_the_static_tokens_with_cuda_graphs():
+    # All prompts fit one prefill chunk and the pool never runs short: the same batches as static.
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=4)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 500, (12,), generator=g)]
+    budgets = torch.randint(1, 60, (12,), generator=g).tolist()
+    static = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
+    continuous = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256,
+                                 graphs=True, continuous=True)
+    assert continuous.num_preemptions == 0 and continuous.output_tokens == static.output_tokens
+
+
+def test_preemption_changes_no_token_on_the_gpu_in_float32():
+    # In bf16 a recomputed prefill and the decode steps it replaces round differently, and greedy
+    # decoding of random weights turns any difference into a new sequence; float32 does not.
+    model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
+    prompts = random_prompts(10, torch.Generator().manual_seed(5))
+    budgets = [40] * 10
+    static = generate_on_gpu(model, prompts, budgets, num_blocks=512, block_size=16,
+                             attention=TorchAttention)
+    needed = max(math.ceil((len(p) + 39) / 16) for p in prompts)
+    continuous = generate_on_gpu(model, prompts, budgets, num_blocks=needed + 8, block_size=16,
+                                 attention=TorchAttention, continuous=True)
+    assert continuous.num_preemptions > 0
+    assert continuous.output_tokens == static.output_tokens

@@ -40,7 +40,7 @@ def test_script_runs_end_to_end_and_reports_memory(script, tmp_path):
     for s in record["timeline"]:
         held = [len(r["prompt_tokens"]) + s["step"] + 1 for r in record["requests"]
                 if len(r["output_tokens"]) > s["step"] + 1]
-        assert s["live_requests"] == len(held)
+        assert s["running_requests"] == len(held)
         assert s["filled_bytes"] == sum(held) * per_token
         assert s["reserved_bytes"] == sum(-(-n // block_size) * block_size for n in held) * per_token
         # Each running request leaves at most block_size - 1 slots of its last block empty.
@@ -66,9 +66,9 @@ def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_
     assert [r["output_tokens"] for r in naive["requests"]] == [r["output_tokens"] for r in paged["requests"]]
     per_token = naive["memory"]["kv_bytes_per_token"]
     first = naive["timeline"][0]
-    assert naive["memory"]["at_fullest_step"]["reserved_bytes"] == first["live_requests"] * 2048 * per_token
+    assert naive["memory"]["at_fullest_step"]["reserved_bytes"] == first["running_requests"] * 2048 * per_token
     fullest = paged["memory"]["at_fullest_step"]
-    assert fullest["unfilled_bytes"] < fullest["live_requests"] * 16 * per_token  # < 1 block each
+    assert fullest["unfilled_bytes"] < fullest["running_requests"] * 16 * per_token  # < 1 block each
     # The picture of the two runs, as the README shows it.
     png = tmp_path / "kv_memory.png"
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_memory.py"), tmp_path / "llama3_naive.py.json",
@@ -115,3 +115,27 @@ def test_find_max_batch_returns_the_batch_the_pool_fits_exactly(tmp_path):
     outcomes = {a["num_requests"]: a["outcome"] for a in record["attempts"]}
     assert outcomes[k] == "completes" and outcomes[k + 1] == "out of KV blocks"
     assert f"Largest batch that completes: {k} requests" in out.stdout
+
+
+def test_continuous_batching_in_a_small_pool_preempts_and_keeps_every_token(tmp_path):
+    # The smallest pool of blocks of 16 in which the longest request fits alone.
+    requests = load_requests(6, load_tokenizer())
+    new_tokens = [min(30, r.num_reply_tokens) for r in requests]
+    pool = max(math.ceil((len(r.prompt_tokens) + n - 1) / 16) for r, n in zip(requests, new_tokens))
+    for name, extra in [("static", []), ("continuous", ["--continuous", "--num-blocks", pool])]:
+        out = run_script("llama3_paged.py", 6, *TINY, "--max-new-tokens", 30, "--block-size", 16,
+                         *extra, "--json", tmp_path / f"{name}.json")
+        assert out.returncode == 0, out.stderr
+    assert "Scheduling: continuous, 6 requests completed" in out.stdout
+    static, continuous = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("static", "continuous"))
+    assert [r["output_tokens"] for r in continuous["requests"]] == [r["output_tokens"] for r in static["requests"]]
+    assert continuous["preemptions"] > 0 and continuous["max_running"] < 6 == static["max_running"]
+    assert static["preemptions"] == 0
+    timeline = continuous["timeline"]
+    assert timeline[0]["waiting_requests"] > 0 and timeline[-1]["waiting_requests"] == 0
+    assert max(s["running_requests"] for s in timeline) <= continuous["max_running"]
+    assert all(s["reserved_bytes"] <= continuous["memory"]["kv_pool_bytes"] for s in timeline)
+    png = tmp_path / "both.png"
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_memory.py"), tmp_path / "static.json",
+                          tmp_path / "continuous.json", "-o", png], capture_output=True, text=True)
+    assert out.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", out.stderr

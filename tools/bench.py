@@ -3,10 +3,13 @@
     python tools/bench.py paged                  # workload W through llama3_paged.py's cache
     python tools/bench.py naive                  # the same W through llama3_naive.py's cache
     python tools/bench.py paged --attn torch     # W with the PyTorch reference attention
+    python tools/bench.py paged --workload W2    # W2: a stream of 2,000 requests, --continuous
 
 Workload W: the first 256 prompts of sharegpt_filtered.json, chat-formatted; exactly 256 new
 tokens each, greedy, end-of-text ignored; random 8b weights in bf16; --max-seq-len 1536 (so the
-naive caches fit); flash-attn. Every flag changes one part of it.
+naive caches fit); flash-attn; one static batch. Workload W2: the first 2,000 prompts, each
+generating its ShareGPT reply's length (at most 2,048), end-of-text ignored, --max-seq-len 8192,
+the default memory utilization, continuous batching. Every flag changes one part of either.
 
 A decode step must read every weight once and the K/V of every token cached so far; no step can
 be faster than those bytes over the memory bandwidth. Each step is set against that bound, with
@@ -14,8 +17,8 @@ the bandwidth measured here, on this GPU, by a device-to-device copy. Prefill do
 token and is set against a bf16 matmul rate measured the same way. GPU work is timed with CUDA
 events after a warm-up; figures are medians.
 
-Also a CPU micro-benchmark of the block manager's bookkeeping per decode step with 1,000 live
-requests: the host work a step needs before the GPU can start it.
+Also a CPU micro-benchmark of the scheduler's and block manager's bookkeeping per decode step
+with 1,000 requests running: the host work a step needs before the GPU can start it.
 """
 
 import argparse
@@ -37,13 +40,21 @@ import torch
 import llama3_naive
 import llama3_paged
 from block_manager import BlockManager
-from engine.generate import EagerDecoder, append_slots, generate_tokens, make_decoder
+from engine.generate import PREFILL_CHUNK_TOKENS, EagerDecoder, generate_tokens, make_decoder
+from engine.scheduler import Scheduler
 from engine.kv_cache import DecodeBatch
 from engine.report import GB
-from engine.setup import (DTYPES, argument_parser, load, one_paragraph_errors, positive_int,
-                          sequence_length)
+from engine.setup import (DTYPES, argument_parser, fraction, load, one_paragraph_errors,
+                          positive_int, sequence_length)
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged}
+WORKLOADS = {  # what each flag left unset takes
+    "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
+              continuous=False),
+    "W2": dict(num_requests=2000, new_tokens=2048, sharegpt_replies=True, max_seq_len=8192,
+               continuous=True),
+}
+ATTENTION_REQUESTS = 256  # the attention kernel is timed alone on the first 256 requests
 
 
 def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:
@@ -90,65 +101,82 @@ def weight_bytes_read_per_step(model) -> int:
     return total if model.args.tie_embeddings else total - model.tok_embeddings.weight.nbytes
 
 
-def bookkeeping_seconds_per_step(block_size: int, live: int = 1000, steps: int = 500) -> float:
-    """Median host time of the block manager's part of a decode step: `append_slots`, as
-    generate calls it, then freeing and re-admitting the requests that finish (so `live` stay
-    live). On the CPU, as the scripts do it between two GPU steps."""
+def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: int = 500) -> float:
+    """Median host time of the scheduler's part of a decode step, as generate runs it: a slot
+    for every running request (a new block only at a boundary), then the blocks of those that
+    finish back to the pool. Requests wait in the queue to take their places, so that `running`
+    stay running. On the CPU, as the scripts do it between two GPU steps."""
     rng = np.random.default_rng(0)
-    max_seq_len = 4096
-    manager = BlockManager(num_blocks=live * max_seq_len // block_size, block_size=block_size,
-                           max_requests=live, max_blocks_per_request=max_seq_len // block_size)
-    remaining = rng.integers(1, 1000, live)
-    for r in range(live):
-        manager.allocate(r, int(rng.integers(1, 1000)))
-    requests, times = np.arange(live), []
-    for step in range(steps):
+    n = 4 * running
+    prompt_lens, limits = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
+    manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
+                           max_requests=n, max_blocks_per_request=2048 // block_size)
+    scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=running,
+                          chunk_tokens=PREFILL_CHUNK_TOKENS)
+    num_generated, times = np.zeros(n, dtype=np.int64), []
+    while scheduler.has_work() and len(times) < steps:
         start = time.perf_counter()
-        append_slots(manager, requests, step)
-        remaining -= 1
-        for r in np.flatnonzero(remaining == 0).tolist():
-            manager.free(r)
-            manager.allocate(r, int(rng.integers(1, 1000)))
-            remaining[r] = rng.integers(1, 1000)
-        times.append(time.perf_counter() - start)
+        step = scheduler.schedule(num_generated)
+        num_generated[step.requests] += 1
+        scheduler.finish(step.requests[num_generated[step.requests] >= limits[step.requests]])
+        if not step.is_prefill:  # admissions are a prefill's host work
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> float:
-    """One layer's decode attention alone, for requests cached to `lengths`, over the pool's
-    current contents: the kernel that --attn chooses, without the rest of the step."""
+def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float, int]:
+    """One layer's decode attention alone, for requests cached to `lengths` (as many of the
+    first as the pool holds), over the pool's current contents: the kernel that --attn chooses,
+    without the rest of the step. Returns the seconds and how many requests it took."""
     block_size, device = cache.block_size, setup.device
     manager = BlockManager(cache.num_blocks, block_size, len(lengths),
                            -(-max(lengths) // block_size), device)
+    fitting = []
     for r, n in enumerate(lengths):
+        if not manager.can_allocate(n):
+            break
         manager.allocate(r, n)
+        fitting.append(n)
+    lengths = fitting
     args = setup.model.args
     q = torch.randn(len(lengths), args.n_heads, args.head_dim, dtype=setup.dtype, device=device)
     batch = DecodeBatch(None, manager.block_table, torch.tensor(lengths, dtype=torch.int32,
                                                                 device=device), max(lengths))
     key_blocks = cache.k[0, :cache.spare_slot].view(cache.block_shape)
     value_blocks = cache.v[0, :cache.spare_slot].view(cache.block_shape)
-    return median_cuda_seconds(lambda: setup.attention.decode(q, key_blocks, value_blocks, batch))
+    seconds = median_cuda_seconds(lambda: setup.attention.decode(q, key_blocks, value_blocks, batch))
+    return seconds, len(lengths)
 
 
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("script", choices=SCRIPTS, help="whose KV cache: llama3_naive.py's or llama3_paged.py's")
-    p.add_argument("--num-requests", type=positive_int, default=256)
-    p.add_argument("--new-tokens", type=positive_int, default=256,
-                   help="tokens generated per request")
-    p.add_argument("--sharegpt-replies", action="store_true",
+    p.add_argument("--workload", choices=WORKLOADS, default="W",
+                   help="W: 256 requests x 256 new tokens, one static batch; W2: a stream of the "
+                        "first 2,000 requests with their ShareGPT reply lengths, --continuous")
+    p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
+    p.add_argument("--new-tokens", type=positive_int,
+                   help="tokens generated per request (default: the workload's)")
+    p.add_argument("--sharegpt-replies", action="store_true", default=None,
                    help="generate each request's ShareGPT reply length (at most --new-tokens), as "
                         "the scripts do with --random-weights, instead of exactly --new-tokens")
-    p.add_argument("--max-seq-len", type=sequence_length, default=1536)
+    p.add_argument("--max-seq-len", type=sequence_length, help="default: the workload's")
+    p.add_argument("--continuous", action="store_true", default=None,
+                   help="continuous batching (W2 always has it)")
+    p.add_argument("--max-running", type=positive_int, help="with --continuous")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for name, value in WORKLOADS[a.workload].items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    return a
 
 
 def script_arguments(bench_args):
@@ -156,7 +184,11 @@ def script_arguments(bench_args):
     a = bench_args
     argv = [str(a.num_requests), "--random-weights", "--model", a.model, "--dtype", a.dtype,
             "--attn", a.attn, "--max-seq-len", str(a.max_seq_len),
-            "--max-new-tokens", str(a.new_tokens)] + (["--eager"] if a.eager else [])
+            "--max-new-tokens", str(a.new_tokens),
+            "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    argv += ["--eager"] if a.eager else []
+    argv += ["--continuous"] if a.continuous else []
+    argv += ["--max-running", str(a.max_running)] if a.max_running else []
     p = argument_parser(f"llama3_{a.script}.py", __doc__)
     if a.script == "paged":
         llama3_paged.add_pool_arguments(p)
@@ -170,12 +202,16 @@ def bench(a) -> dict:
     matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
     setup = load(script_arguments(a))
     cache, manager = SCRIPTS[a.script].allocate_kv_cache(setup)
-    decoder = make_decoder(setup.model, cache, manager, len(setup.requests), not a.eager)
+    decoder = make_decoder(setup.model, cache, manager,
+                           min(len(setup.requests), a.max_running or len(setup.requests)), not a.eager)
     prompts = [r.prompt_tokens for r in setup.requests]
     budgets = ([min(r.num_reply_tokens, a.new_tokens) for r in setup.requests] if a.sharegpt_replies
                else [a.new_tokens] * len(prompts))
-    run = lambda prompts, budgets: generate_tokens(setup.model, cache, manager, prompts, budgets,
-                                                   a.max_seq_len, stop_ids=set(), decoder=decoder)
+    if a.sharegpt_replies:  # W2's "at most": a request also stops at --max-seq-len
+        budgets = [min(b, a.max_seq_len - len(p)) for p, b in zip(prompts, budgets)]
+    run = lambda prompts, budgets: generate_tokens(
+        setup.model, cache, manager, prompts, budgets, a.max_seq_len, stop_ids=set(),
+        continuous=a.continuous, max_running=a.max_running, decoder=decoder)
     run(prompts[:8], [16] * min(8, len(prompts)))  # warm-up: kernels chosen, caches filled
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -186,9 +222,9 @@ def bench(a) -> dict:
         raise UserError(f"{result.num_generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
 
-    # The attention kernel alone, halfway through: every request at its prompt + half its tokens.
-    attention_seconds = attention_seconds_per_layer(
-        setup, cache, [len(p) + b // 2 for p, b in zip(prompts, budgets)])
+    # The attention kernel alone, halfway through: each request at its prompt + half its tokens.
+    attention_seconds, attention_requests = attention_seconds_per_layer(
+        setup, cache, [len(p) + b // 2 for p, b in zip(prompts, budgets)][:ATTENTION_REQUESTS])
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     weights_read = weight_bytes_read_per_step(setup.model)
     bounds = [(weights_read + s.filled_slots * kv_bytes_per_token) / bandwidth for s in result.timeline]
@@ -196,6 +232,8 @@ def bench(a) -> dict:
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
     flops = prefill_flops(setup.model.args, [len(p) for p in prompts])
+    # Recomputation prefills more than the prompts: then the prompts' FLOPs undercount the work.
+    prefill_share = flops / result.prefill_seconds / matmul_rate if not result.num_preemptions else None
     return {
         "workload": vars(a) | {"json": str(a.json) if a.json else None},
         "device": torch.cuda.get_device_name(device),
@@ -208,20 +246,24 @@ def bench(a) -> dict:
         "output_tokens_per_second": result.num_generated_tokens / wall,
         "prefill_seconds": result.prefill_seconds,
         "prefill_flops": flops,
-        "prefill_share_of_matmul_rate": flops / result.prefill_seconds / matmul_rate,
+        "prefill_share_of_matmul_rate": prefill_share,
+        "preemptions": result.num_preemptions,
+        "recomputed_tokens": result.num_recomputed_tokens,
+        "max_running": result.most_running,
         "decode_seconds": result.decode_seconds,
         "decode_steps": result.decode_steps,
         "median_step": {"step": median_step, "seconds": step_seconds,
-                        "live_requests": result.timeline[median_step].live_requests,
+                        "running_requests": result.timeline[median_step].running_requests,
                         "weight_bytes": weights_read,
                         "kv_bytes": result.timeline[median_step].filled_slots * kv_bytes_per_token,
                         "bound_seconds": bounds[median_step],
                         "ratio_to_bound": step_seconds / bounds[median_step]},
         "attention_seconds_per_layer_halfway": attention_seconds,
+        "attention_requests": attention_requests,
         "median_ratio_to_bound": statistics.median(
             s.seconds / b for s, b in zip(result.timeline, bounds)),
         "step_seconds": [s.seconds for s in result.timeline],
-        "bookkeeping_seconds_per_step_1000_live": {
+        "bookkeeping_seconds_per_step_1000_running": {
             str(size): bookkeeping_seconds_per_step(size) for size in sorted({16, a.block_size})},
     }
 
@@ -230,24 +272,29 @@ def print_table(r: dict) -> None:
     w, m = r["workload"], r["median_step"]
     graphs = "CUDA graphs" if r["cuda_graphs"] else "eager"
     block = f", block {w['block_size']}" if w["script"] == "paged" else ""
-    print(f"\n{w['script']}: {w['num_requests']} requests x {w['new_tokens']} new tokens"
-          f"{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
+    batching = "continuous" if w["continuous"] else "static"
+    print(f"\n{w['script']}, workload {w['workload']}: {w['num_requests']:,} requests x "
+          f"{w['new_tokens']} new tokens{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
           f"{r['num_prompt_tokens']:,} prompt tokens; {w['model']} random weights, {w['dtype']}, "
-          f"--attn {w['attn']}, {graphs}{block}; {r['device']}")
+          f"--attn {w['attn']}, {graphs}{block}, --max-seq-len {w['max_seq_len']}, {batching} "
+          f"batching; {r['device']}")
     print(f"  measured: copy bandwidth {r['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s, "
           f"{w['dtype']} matmul {r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
     print(f"  wall                {r['wall_seconds']:.2f} s, {r['output_tokens_per_second']:,.0f} output tokens/s")
-    print(f"  prefill             {r['prefill_seconds']:.2f} s, "
-          f"{r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
-          f"{100 * r['prefill_share_of_matmul_rate']:.0f}% of the matmul rate")
+    share = r["prefill_share_of_matmul_rate"]
+    print(f"  prefill             {r['prefill_seconds']:.2f} s"
+          + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
+             f"{100 * share:.0f}% of the matmul rate" if share else ", recomputation included"))
     print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s")
-    print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['live_requests']}; bound "
+    print(f"  scheduling          at most {r['max_running']:,} running at once; "
+          f"{r['preemptions']:,} preemptions, {r['recomputed_tokens']:,} tokens recomputed")
+    print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['running_requests']}; bound "
           f"{m['bound_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
           f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_bound']:.2f}x the bound")
     print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per layer, "
-          f"every request at its prompt + half its new tokens")
-    for size, seconds in r["bookkeeping_seconds_per_step_1000_live"].items():
-        print(f"  block manager       {seconds * 1e3:.3f} ms per step, 1,000 live, block {size} (CPU)")
+          f"the first {r['attention_requests']} requests at their prompt + half their new tokens")
+    for size, seconds in r["bookkeeping_seconds_per_step_1000_running"].items():
+        print(f"  scheduler           {seconds * 1e3:.3f} ms per step, 1,000 running, block {size} (CPU)")
 
 
 def main(argv=None) -> None:

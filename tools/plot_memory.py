@@ -4,9 +4,10 @@
     python llama3_paged.py 49 --random-weights --json paged.json
     python tools/plot_memory.py naive.json paged.json -o kv_memory.png
 
-One panel per run: the KV bytes reserved by live requests against the bytes filled with tokens,
-the unfilled gap between them (fragmentation) shaded, the pool allocated up front dashed, and the step where
-the cache held the most tokens marked, as the report's Fragmented Memory line reads it.
+One panel per run: the KV bytes reserved by running requests against the bytes filled with
+tokens, the unfilled gap between them (fragmentation) shaded, the pool allocated up front dashed,
+and the step where the cache held the most tokens marked, as the report's Fragmented Memory line
+reads it. On a second axis, the requests running and (with --continuous) waiting at each step.
 """
 
 import argparse
@@ -27,7 +28,7 @@ import matplotlib.pyplot as plt
 
 GB = 1e9
 IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
-TIMELINE_FIELDS = ["step", "reserved_bytes", "filled_bytes"]
+TIMELINE_FIELDS = ["step", "reserved_bytes", "filled_bytes", "running_requests", "waiting_requests"]
 MEMORY_FIELDS = ["kv_pool_bytes", "fragmented_bytes", "fragmented_percent_of_device"]
 FULLEST_FIELDS = ["step", "filled_bytes", "unfilled_bytes", "unfilled_percent_of_reserved"]
 
@@ -72,7 +73,7 @@ def draw(ax, run: dict) -> None:
     filled = [s["filled_bytes"] / GB for s in timeline]
     ax.axhline(memory["kv_pool_bytes"] / GB, color="gray", linestyle="--", linewidth=1,
                label=f"KV pool allocated up front ({memory['kv_pool_bytes'] / GB:.1f} GB)")
-    ax.plot(steps, reserved, color="tab:red", label="reserved by live requests")
+    ax.plot(steps, reserved, color="tab:red", label="reserved by running requests")
     ax.plot(steps, filled, color="tab:blue", label="filled with tokens")
     ax.fill_between(steps, filled, reserved, color="tab:red", alpha=0.25, label="unfilled")
     peak = memory["at_fullest_step"]
@@ -85,11 +86,20 @@ def draw(ax, run: dict) -> None:
                 arrowprops={"arrowstyle": "->", "color": "black"})
     ax.set_ylim(bottom=0)
     arguments = run.get("arguments", {})
-    ax.set_title(f"{run.get('script', '?')} {arguments.get('num_requests', '')}: Fragmented Memory "
+    mode = " --continuous" if arguments.get("continuous") else ""
+    ax.set_title(f"{run.get('script', '?')} {arguments.get('num_requests', '')}{mode}: Fragmented Memory "
                  f"{memory['fragmented_bytes'] / GB:.2f} GB ({memory['fragmented_percent_of_device']:.2f}%)",
                  fontsize=10)
     ax.set_xlabel("decode step")
-    ax.legend(fontsize=8, loc="upper right")
+    counts = ax.twinx()  # requests, not bytes
+    counts.plot(steps, [s["running_requests"] for s in timeline], color="tab:green",
+                linewidth=0.8, label="running requests")
+    counts.plot(steps, [s["waiting_requests"] for s in timeline], color="tab:purple",
+                linewidth=0.8, linestyle=":", label="waiting requests")
+    counts.set_ylim(bottom=0)
+    counts.set_ylabel("requests", fontsize=8)
+    lines = ax.get_legend_handles_labels(), counts.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8, loc="upper right")
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,138 @@
+"""Who waits, who runs, who is preempted: continuous batching on top of the block manager.
+
+Requests wait in a first-come-first-served queue. Each step the scheduler either prefills requests
+it has just admitted or decodes one token for every running request, never both:
+
+- Admission. The request at the head of the queue joins as soon as the blocks its tokens fill are
+  free, keeping a watermark of blocks spare (vLLM's name for it) so that a request admitted now is
+  not preempted a few steps later. At most `max_running` requests run at once, and one prefill
+  step takes from a quarter of `chunk_tokens` to all of it. Only the head may join: first come,
+  first served.
+- Preemption. A decode step gives every running request a slot for its next token. If that needs
+  more new blocks than are free, the most recently admitted request is preempted: all its blocks
+  go back to the pool (all or nothing, as in the PagedAttention paper, section 4.5) and it returns
+  to the head of the queue. Readmitted, it is recomputed: its prompt and every token it had
+  generated are prefilled again, and it continues exactly where it stopped.
+
+Without --continuous the same loop runs static batching: every request is admitted at the first
+step, where running out of blocks is an error, and none is ever preempted.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import OUT_OF_MEMORY, UserError
+
+# Share of the pool that admission leaves free for the running requests to grow into. vLLM's
+# default is 1%; replayed over W2 on the H100's pool, 1% preempted 130 times and 10% 13 times, for
+# the same throughput, because a request admitted into the last free blocks soon needs another.
+WATERMARK = 0.1
+
+
+@dataclass
+class Step:
+    is_prefill: bool
+    requests: np.ndarray  # [B] the requests this step runs, in admission order
+    positions: np.ndarray | None = None  # [B] decode: the position each one's newest token takes
+
+
+class Scheduler:
+    def __init__(self, manager, prompt_lens: np.ndarray, max_new_tokens: np.ndarray,
+                 continuous: bool, max_running: int | None, chunk_tokens: int):
+        self.manager, self.prompt_lens = manager, prompt_lens
+        self.continuous, self.chunk_tokens = continuous, chunk_tokens
+        self.max_running = max_running or len(prompt_lens)
+        self.watermark_blocks = int(WATERMARK * manager.num_blocks) if continuous else 0
+        self.waiting = deque(range(len(prompt_lens)))
+        self.running = np.zeros(0, dtype=np.int64)  # admission order: the newest is last
+        self.num_preemptions = self.num_recomputed_tokens = self.most_running = 0
+        self.start, self.admitted_at = time.perf_counter(), np.full(len(prompt_lens), np.nan)
+        if continuous:  # a request that cannot finish alone in the pool would wait forever
+            self._refuse_requests_larger_than_the_pool(max_new_tokens)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or len(self.running) > 0
+
+    def schedule(self, num_generated: np.ndarray) -> Step:
+        """The next step: a prefill of newly admitted requests if any can join, else a decode of
+        every running one. `num_generated`: [N] tokens each request has generated so far."""
+        admitted = self._admit(num_generated)
+        if len(admitted):
+            return Step(is_prefill=True, requests=admitted)
+        return self._decode()
+
+    def finish(self, requests: np.ndarray) -> None:
+        """Requests that are done give every block back at once."""
+        for r in requests.tolist():
+            self.manager.free(r)
+        self.running = self.running[~np.isin(self.running, requests)]
+
+    def _admit(self, num_generated: np.ndarray) -> np.ndarray:
+        admitted = self._head_that_fits(num_generated)
+        tokens = sum(int(self.prompt_lens[r] + num_generated[r]) for r in admitted)
+        # A prefill step reads every weight, as a decode step does: one for a few short prompts
+        # costs nearly a decode step and adds little. While others run, admission waits until
+        # it can take a quarter of a chunk, or the rest of the queue.
+        if (self.continuous and len(self.running) and len(admitted) < len(self.waiting)
+                and tokens < self.chunk_tokens // 4):
+            return np.zeros(0, dtype=np.int64)
+        for r in admitted:  # recomputed: a preempted request prefills its prompt + generated
+            self.manager.allocate(r, int(self.prompt_lens[r] + num_generated[r]))
+            self.waiting.popleft()  # static: allocate raised OutOfBlocks if the batch does not fit
+            if np.isnan(self.admitted_at[r]):
+                self.admitted_at[r] = time.perf_counter() - self.start
+        self.running = np.concatenate([self.running, np.array(admitted, dtype=np.int64)])
+        self.most_running = max(self.most_running, len(self.running))
+        return np.array(admitted, dtype=np.int64)
+
+    def _head_that_fits(self, num_generated: np.ndarray) -> list[int]:
+        """The longest head of the queue that can join now: all of it in static mode."""
+        if not self.continuous:
+            return list(self.waiting)
+        admitted, tokens, blocks = [], 0, 0
+        for r in self.waiting:
+            n = int(self.prompt_lens[r] + num_generated[r])
+            # The watermark's blocks stay free, unless nothing else runs or joins: then the head
+            # request always gets in, and alone it fits (the constructor made sure).
+            spare = self.watermark_blocks if admitted or len(self.running) else 0
+            blocks += self.manager.blocks_needed(n)
+            if (len(self.running) + len(admitted) == self.max_running
+                    or admitted and tokens + n > self.chunk_tokens
+                    or blocks + spare > self.manager.num_free_blocks):
+                break
+            admitted.append(r)
+            tokens += n
+        return admitted
+
+    def _decode(self) -> Step:
+        # A request whose last block is full needs a new one for its next token.
+        needs_block = self.manager.num_tokens[self.running] % self.manager.block_size == 0
+        while self.continuous and needs_block.sum() > self.manager.num_free_blocks:
+            self._preempt_newest()
+            needs_block = needs_block[:-1]
+        positions = self.manager.num_tokens[self.running].copy()
+        self.manager.append_token(self.running)  # static: raises OutOfBlocks when out
+        return Step(is_prefill=False, requests=self.running, positions=positions)
+
+    def _preempt_newest(self) -> None:
+        victim, self.running = int(self.running[-1]), self.running[:-1]
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += int(self.manager.num_tokens[victim])
+        self.manager.free(victim)
+        self.waiting.appendleft(victim)
+
+    def _refuse_requests_larger_than_the_pool(self, max_new_tokens: np.ndarray) -> None:
+        # The most a request caches: its prompt and every generated token but the last.
+        largest = self.prompt_lens + max_new_tokens - 1
+        blocks = -(-largest // self.manager.block_size)
+        r = int(np.argmax(blocks))
+        if blocks[r] > self.manager.num_blocks:
+            raise UserError(
+                f"Request {r} can grow to {largest[r]:,} tokens ({self.prompt_lens[r]:,} prompt + "
+                f"{max_new_tokens[r]:,} new), {blocks[r]:,} blocks of {self.manager.block_size:,}: "
+                f"more than the whole pool of {self.manager.num_blocks:,}, so it could never "
+                f"finish. Give the KV cache more memory (--kv-budget-gb, "
+                f"--gpu-memory-utilization) or lower --max-new-tokens.", OUT_OF_MEMORY)

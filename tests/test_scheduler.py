@@ -1,0 +1,143 @@
+"""Continuous batching: the same tokens as a static batch, whatever preemption does on the way."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from block_manager import BlockManager
+from engine.attention import TorchAttention
+from engine.checkpoints import random_model
+from engine.errors import UserError
+from engine.generate import generate_tokens
+from engine.kv_cache import KVCache
+from engine.scheduler import Scheduler
+
+MAX_SEQ_LEN = 640  # room for prompts of two blocks of 256 and their new tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+
+
+def run(model, prompts, budgets, num_blocks, block_size, **scheduling):
+    cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
+    manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
+                           max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
+    result = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
+                             progress=False, **scheduling)
+    return result, manager
+
+
+def random_prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_preemption_changes_no_token(model, block_size):
+    # Prompts that end exactly on a block boundary, one past it, one short of it, and one token.
+    lengths = [block_size, 2 * block_size, block_size + 1, block_size - 1, 1, 7]
+    prompts = random_prompts(lengths, seed=block_size)
+    budgets = [40, 25, 33, 9, 50, 30]
+    static, _ = run(model, prompts, budgets, num_blocks=64, block_size=block_size)
+    # The smallest pool in which each request still fits alone: preemption is forced.
+    needed = max(math.ceil((len(p) + b - 1) / block_size) for p, b in zip(prompts, budgets))
+    continuous, manager = run(model, prompts, budgets, num_blocks=needed, block_size=block_size,
+                              continuous=True)
+    assert continuous.num_preemptions > 0 and continuous.num_recomputed_tokens > 0
+    assert continuous.output_tokens == static.output_tokens
+    assert manager.num_free_blocks == needed and not manager.owned_blocks, "every block back"
+
+
+def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
+    # Two one-block prompts in a two-block pool. At the first decode both cross into a second
+    # block: the newer is preempted, the older takes its block and finishes, and the next step
+    # readmits the preempted one, which recomputes its prompt and its first token.
+    prompts, budgets = random_prompts([4, 4], seed=5), [2, 5]  # 1 grows to 8 tokens: 2 blocks
+    manager = BlockManager(2, 4, max_requests=2, max_blocks_per_request=8)
+    scheduler = Scheduler(manager, np.array([4, 4]), np.array(budgets), continuous=True,
+                          max_running=None, chunk_tokens=64)
+    num_generated = np.zeros(2, dtype=np.int64)
+    steps = []
+    while scheduler.has_work():
+        step = scheduler.schedule(num_generated)
+        steps.append(("prefill" if step.is_prefill else "decode", step.requests.tolist()))
+        num_generated[step.requests] += 1
+        scheduler.finish(step.requests[num_generated[step.requests] >= np.array(budgets)[step.requests]])
+    assert steps[:3] == [("prefill", [0, 1]), ("decode", [0]), ("prefill", [1])]
+    assert scheduler.num_preemptions == 1 and scheduler.num_recomputed_tokens == 4
+    static, _ = run(model, prompts, budgets, num_blocks=8, block_size=4)
+    continuous, _ = run(model, prompts, budgets, num_blocks=2, block_size=4, continuous=True)
+    assert continuous.output_tokens == static.output_tokens and continuous.num_preemptions == 1
+
+
+def test_the_queue_drains_and_running_never_exceeds_max_running(model):
+    prompts = random_prompts([9, 30, 4, 17, 12, 22, 5, 8], seed=7)
+    budgets = [12, 3, 20, 8, 15, 6, 10, 18]
+    static, _ = run(model, prompts, budgets, num_blocks=64, block_size=8)
+    capped, manager = run(model, prompts, budgets, num_blocks=64, block_size=8, continuous=True,
+                          max_running=3)
+    assert capped.output_tokens == static.output_tokens
+    assert capped.most_running == 3 and max(s.running_requests for s in capped.timeline) == 3
+    assert all(s.running_requests + s.waiting_requests <= 8 for s in capped.timeline)
+    assert manager.num_free_blocks == 64
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused_up_front(model):
+    prompts = random_prompts([20, 5], seed=8)
+    with pytest.raises(UserError) as refused:  # 20 + 30 - 1 tokens need 7 blocks of 8; there are 6
+        run(model, prompts, [30, 5], num_blocks=6, block_size=8, continuous=True)
+    assert refused.value.exit_code == 1 and "could never finish" in str(refused.value)
+
+
+def test_naive_continuous_runs_one_max_length_block_per_request_and_never_preempts(model):
+    prompts = random_prompts([9, 30, 4, 17, 12], seed=9)
+    budgets = [12, 3, 20, 8, 15]
+    static, _ = run(model, prompts, budgets, num_blocks=5, block_size=MAX_SEQ_LEN)
+    orca_max, _ = run(model, prompts, budgets, num_blocks=2, block_size=MAX_SEQ_LEN,
+                      continuous=True)
+    assert orca_max.output_tokens == static.output_tokens
+    assert orca_max.num_preemptions == 0 and orca_max.most_running == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=12),
+       st.sampled_from([1, 4, 16]), st.integers(0, 30), st.sampled_from([None, 1, 3]),
+       st.sampled_from([8, 64]))
+def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spare_blocks,
+                                                      max_running, chunk_tokens):
+    """Driven without a model: a prefill or decode step gives each of its requests one token."""
+    prompt_lens = np.array([p for p, _ in requests])
+    limits = np.array([g for _, g in requests])
+    largest = max(math.ceil((p + g - 1) / block_size) for p, g in requests)
+    manager = BlockManager(largest + spare_blocks, block_size, len(requests), largest)
+    scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=max_running,
+                          chunk_tokens=chunk_tokens)
+    num_generated = np.zeros(len(requests), dtype=np.int64)
+    finished: set[int] = set()
+    for _ in range(10_000):
+        if not scheduler.has_work():
+            break
+        step = scheduler.schedule(num_generated)
+        num_generated[step.requests] += 1
+        done = step.requests[num_generated[step.requests] >= limits[step.requests]]
+        scheduler.finish(done)
+        finished |= set(done.tolist())
+        running, waiting = set(scheduler.running.tolist()), set(scheduler.waiting)
+        assert len(running) + len(waiting) + len(finished) == len(requests)
+        assert not (running & waiting or running & finished or waiting & finished)
+        assert len(running) <= (max_running or len(requests))
+        owned = [b for blocks in manager.owned_blocks.values() for b in blocks]
+        assert len(owned) == len(set(owned)), "a block owned twice"
+        assert set(manager.owned_blocks) == running, "only running requests own blocks"
+        for r in running:  # the cache holds every token of a running request but its newest
+            assert manager.num_tokens[r] == prompt_lens[r] + num_generated[r] - 1
+            assert len(manager.owned_blocks[r]) == math.ceil(manager.num_tokens[r] / block_size)
+    assert not scheduler.has_work(), "the queue drains"
+    assert (num_generated == limits).all()
+    assert manager.num_free_blocks == manager.num_blocks
