@@ -45,7 +45,10 @@ class Scheduler:
         self.manager, self.prompt_lens = manager, prompt_lens
         self.continuous, self.chunk_tokens = continuous, chunk_tokens
         self.max_running = max_running or len(prompt_lens)
-        self.watermark_blocks = int(WATERMARK * manager.num_blocks) if continuous else 0
+        # Headroom is for growing into new blocks: a request of one max-length block (the naive
+        # cache) never needs another, so its pool keeps none.
+        grows = manager.block_table.shape[1] > 1
+        self.watermark_blocks = int(WATERMARK * manager.num_blocks) if continuous and grows else 0
         self.waiting = deque(range(len(prompt_lens)))
         self.running = np.zeros(0, dtype=np.int64)  # admission order: the newest is last
         self.num_preemptions = self.num_recomputed_tokens = self.most_running = 0

@@ -162,13 +162,17 @@ def test_continuous_batching_in_an_ample_pool_gives_the_static_tokens_with_cuda_
 def test_preemption_changes_no_token_on_the_gpu_in_float32():
     # In bf16 a recomputed prefill and the decode steps it replaces round differently, and greedy
     # decoding of random weights turns any difference into a new sequence; float32 does not.
+    # Short prompts that grow by 120 tokens in a pool of twice the largest one's need: admitted
+    # while small, they outgrow it (a CPU replay of the scheduler preempts 14 times).
     model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
-    prompts = random_prompts(10, torch.Generator().manual_seed(5))
-    budgets = [40] * 10
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 48, (10,), generator=g)]
+    budgets = [120] * 10
     static = generate_on_gpu(model, prompts, budgets, num_blocks=512, block_size=16,
                              attention=TorchAttention)
-    needed = max(math.ceil((len(p) + 39) / 16) for p in prompts)
-    continuous = generate_on_gpu(model, prompts, budgets, num_blocks=needed + 8, block_size=16,
+    needed = max(math.ceil((len(p) + 119) / 16) for p in prompts)
+    continuous = generate_on_gpu(model, prompts, budgets, num_blocks=2 * needed, block_size=16,
                                  attention=TorchAttention, continuous=True)
     assert continuous.num_preemptions > 0
     assert continuous.output_tokens == static.output_tokens

@@ -103,6 +103,10 @@ def test_naive_continuous_runs_one_max_length_block_per_request_and_never_preemp
                       continuous=True)
     assert orca_max.output_tokens == static.output_tokens
     assert orca_max.num_preemptions == 0 and orca_max.most_running == 2
+    # A request never outgrows its block, so no block is held back as headroom: 10 of 10 run.
+    many, _ = run(model, random_prompts([5] * 12, seed=10), [3] * 12, num_blocks=10,
+                  block_size=MAX_SEQ_LEN, continuous=True)
+    assert many.most_running == 10
 
 
 @settings(max_examples=150, deadline=None)
