@@ -17,6 +17,8 @@ from engine.errors import OutOfBlocks
 
 
 class BlockManager:
+    unit = "blocks"  # what the pool is counted in, for the report
+
     def __init__(self, num_blocks: int, block_size: int, max_requests: int,
                  max_blocks_per_request: int, device="cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -24,10 +26,12 @@ class BlockManager:
         self.owned_blocks: dict[int, list[int]] = {}  # request -> its physical blocks, in order
         # Tokens each request has cached (or is about to, this step): the slots it fills.
         self.num_tokens = np.zeros(max_requests, dtype=np.int64)
-        # The same table as a padded tensor, for the attention kernel: [max_requests, max_blocks].
+        # The same table as a padded tensor, for the attention kernel: [max_requests + 1, max_blocks].
         # Unused entries are 0, a valid block the kernel never reads (cache_seqlens stops it).
-        self.block_table = torch.zeros(max_requests, max_blocks_per_request, dtype=torch.int32,
+        # The last row belongs to no request: the padding rows of a CUDA-graph step read it.
+        self.block_table = torch.zeros(max_requests + 1, max_blocks_per_request, dtype=torch.int32,
                                        device=device)
+        self.padding_request = max_requests
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -45,7 +49,7 @@ class BlockManager:
         blocks = [self.free_blocks.popleft() for _ in range(needed)]
         self.owned_blocks[request] = blocks
         self.num_tokens[request] = num_prompt_tokens
-        self.block_table[request, :needed] = torch.tensor(blocks, dtype=torch.int32)
+        self._place(np.full(needed, request), np.arange(needed), blocks)
 
     def append_token(self, requests: np.ndarray) -> None:
         """Reserve a slot for one more token in each of `requests`.
@@ -58,16 +62,23 @@ class BlockManager:
             new_blocks = [self.free_blocks.popleft() for _ in needs_block]
             for request, block in zip(needs_block.tolist(), new_blocks):
                 self.owned_blocks[request].append(block)
-            columns = self.num_tokens[needs_block] // self.block_size
-            # One small copy updates every row that changed; the other rows are not touched.
-            self.block_table[torch.from_numpy(needs_block), torch.from_numpy(columns)] = (
-                torch.tensor(new_blocks, dtype=torch.int32).to(self.block_table.device))
+            self._place(needs_block, self.num_tokens[needs_block] // self.block_size, new_blocks)
         self.num_tokens[requests] += 1
 
     def free(self, request: int) -> None:
         """A finished request returns every block it held."""
-        self.free_blocks.extend(self.owned_blocks.pop(request))
+        blocks = self.owned_blocks.pop(request)
+        self._clear(request, blocks)
+        self.free_blocks.extend(blocks)
         self.num_tokens[request] = 0
+
+    def _place(self, requests: np.ndarray, columns: np.ndarray, blocks: list[int]) -> None:
+        """Logical block columns[i] of requests[i] is now physical block blocks[i]. One small
+        copy updates every row that changed; the other rows are not touched."""
+        self.block_table[torch.from_numpy(requests), torch.from_numpy(columns)] = (
+            torch.tensor(blocks, dtype=torch.int32).to(self.block_table.device))
+
+    def _clear(self, request: int, blocks: list[int]) -> None:
         self.block_table[request] = 0
 
     def slots(self, request: int, start: int, end: int) -> np.ndarray:
@@ -101,4 +112,5 @@ class BlockManager:
 
     def _check_free(self, needed: int) -> None:
         if needed > len(self.free_blocks):
-            raise OutOfBlocks(needed, len(self.free_blocks), self.num_blocks, self.block_size)
+            raise OutOfBlocks(needed, len(self.free_blocks), self.num_blocks, self.block_size,
+                              self.unit)

@@ -29,7 +29,8 @@ class GraphDecoder:
         self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
         largest, device = self.buckets[-1], eager.block_table.device
         # The graphs' inputs, [largest] each; a step fills the first B rows (or all of them).
-        self.requests = torch.zeros(largest, dtype=torch.long, device=device)
+        self.requests = torch.full((largest,), eager.padding_request, dtype=torch.long,
+                                   device=device)  # all padding: the table row no one owns
         self.positions = torch.full((largest,), -1, dtype=torch.long, device=device)  # all padding
         self.tokens = torch.zeros(largest, dtype=torch.long, device=device)
         self.host_requests = torch.zeros(largest, dtype=torch.long).pin_memory()
@@ -64,7 +65,7 @@ class GraphDecoder:
         # Pinned host buffers, so the copies below do not wait. Overwriting them is safe: the
         # last step's copies finished before its tokens reached the host.
         self.host_requests[:batch] = torch.from_numpy(running)
-        self.host_requests[batch:bucket] = 0  # padding reads request 0's table row, harmlessly
+        self.host_requests[batch:bucket] = self.eager.padding_request  # a table row no one owns
         self.host_positions[:batch] = torch.from_numpy(positions)
         self.host_positions[batch:bucket] = -1  # padding: see decode_step
         self.requests[:bucket].copy_(self.host_requests[:bucket], non_blocking=True)

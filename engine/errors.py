@@ -25,11 +25,12 @@ class UserError(Exception):
 
 
 class OutOfBlocks(Exception):
-    """The pool has fewer free blocks than asked for. Nothing was allocated."""
+    """The pool has fewer free blocks (or pages) than asked for. Nothing was allocated."""
 
-    def __init__(self, needed: int, free: int, total: int, block_size: int):
+    def __init__(self, needed: int, free: int, total: int, block_size: int, unit: str = "blocks"):
         self.needed, self.free, self.total, self.block_size = needed, free, total, block_size
-        super().__init__(f"needed {needed} blocks of {block_size} tokens, {free} of {total} free")
+        self.unit = unit
+        super().__init__(f"needed {needed} {unit} of {block_size} tokens, {free} of {total} free")
 
 
 def host_available_bytes() -> int:

@@ -121,6 +121,7 @@ class EagerDecoder:
 
     def __init__(self, model, cache, block_table):
         self.model, self.cache, self.block_table = model, cache, block_table
+        self.padding_request = block_table.shape[0] - 1  # the table's row that no request owns
 
     def decode(self, tokens, positions, requests, max_cache_seqlen: int) -> torch.Tensor:
         return decode_step(self.model, self.cache, self.block_table, tokens, positions, requests,
@@ -170,7 +171,8 @@ def make_decoder(model, cache, manager, max_batch: int, cuda_graphs: bool):
     """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
     else the eager decoder."""
     eager = EagerDecoder(model, cache, manager.block_table)
-    if not (cuda_graphs and cache.k.is_cuda and cache.attention_backend.cuda_graphs):
+    on_gpu = next(model.parameters()).is_cuda
+    if not (cuda_graphs and on_gpu and cache.attention_backend.cuda_graphs):
         return eager
     return GraphDecoder(eager, max_batch)
 
@@ -206,7 +208,7 @@ def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tok
     admits them as blocks free up and preempts when blocks run out (scheduler.py). The caller
     has checked that every prompt is shorter than max_seq_len. `decoder` runs each decode step:
     an EagerDecoder unless the caller passes CUDA graphs."""
-    device = cache.k.device
+    device = next(model.parameters()).device
     decoder = decoder or EagerDecoder(model, cache, manager.block_table)
     n = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts])

@@ -22,7 +22,7 @@ from engine.report import GB, memory_report, write_json
 @dataclasses.dataclass
 class Attempt:
     num_requests: int
-    outcome: str  # "completes", "out of KV blocks" or "out of memory"
+    outcome: str  # "completes", "out of KV blocks" (or pages) or "out of memory"
     seconds: float
     kv_pool_blocks: int | None = None  # the paged pool is sized anew each attempt
     fragmented_bytes: int | None = None  # of a run that completes
@@ -50,7 +50,7 @@ def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
                          generation.num_generated_tokens
                          / (generation.prefill_seconds + generation.decode_seconds))
     except OutOfBlocks as e:
-        result = Attempt(num_requests, "out of KV blocks", 0.0, kv_pool_blocks=e.total)
+        result = Attempt(num_requests, f"out of KV {e.unit}", 0.0, kv_pool_blocks=e.total)
     except torch.OutOfMemoryError:
         result = Attempt(num_requests, "out of memory", 0.0)
     except UserError as e:

@@ -84,6 +84,7 @@ def memory_report(setup, cache, manager, generation) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_pool_bytes": cache.nbytes,
         "kv_pool_blocks": manager.num_blocks,
+        "kv_pool_unit": manager.unit,
         "block_size_tokens": manager.block_size,
         "peak_allocated_bytes": (torch.cuda.max_memory_allocated(setup.device)
                                  if setup.device.type == "cuda" else None),
@@ -141,8 +142,9 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict) 
           f"end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
     print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
-    print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} blocks "
-          f"x {m['block_size_tokens']:,} tokens x {m['kv_bytes_per_token'] // 1024} KiB per token")
+    print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} "
+          f"{m['kv_pool_unit']} x {m['block_size_tokens']:,} tokens x "
+          f"{m['kv_bytes_per_token'] // 1024} KiB per token")
     for label, step in (("fullest step", m["at_fullest_step"]), ("last step", m["at_last_step"])):
         if step:
             print(f"  at the {label} ({step['step']}, {step['running_requests']} running): reserved "

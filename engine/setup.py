@@ -253,7 +253,7 @@ def one_paragraph_errors(script: str):
     except UserError as e:
         fail(script, str(e), e.exit_code)
     except OutOfBlocks as e:
-        fail(script, f"The KV block pool ran out: {e.needed} more blocks of {e.block_size} "
+        fail(script, f"The KV {e.unit} ran out: {e.needed} more {e.unit} of {e.block_size} "
                      f"tokens were needed with {e.free} of {e.total} free. Without --continuous "
                      f"every prompt is admitted up front and none is preempted, so the whole batch "
                      f"must fit. Try --continuous, fewer requests, a larger --num-blocks or "

@@ -178,7 +178,7 @@ def test_a_damaged_prompts_file_exits_2(content, fragment, tmp_path, monkeypatch
 OUT_OF_MEMORY = [  # each says how much was asked for and how much there is
     ("naive", ["8", *TINY], "KV budget is 0.125 GB: 7 requests fit"),
     ("naive", ["1", *TINY, "--max-seq-len", "131072"], "0.27 GB of KV cache"),
-    ("paged", ["4", *TINY, "--block-size", "16", "--num-blocks", "5"], "KV block pool ran out"),
+    ("paged", ["4", *TINY, "--block-size", "16", "--num-blocks", "5"], "KV blocks ran out"),
     ("paged", ["2", *TINY, "--block-size", "100000000"], "Not one KV block fits"),
     ("paged", ["2", *TINY, "--num-blocks", "1000000000"], "the KV cache needs"),
     ("paged", ["2", *TINY, "--kv-budget-gb", "100000"], "the KV cache needs"),

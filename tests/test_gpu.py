@@ -15,6 +15,7 @@ from engine.checkpoints import random_model
 from engine.cuda_graphs import GraphDecoder
 from engine.generate import EagerDecoder, generate_tokens
 from engine.kv_cache import DecodeBatch, KVCache, PrefillBatch
+from engine.page_manager import PageManager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and importable("flash_attn")), reason="needs CUDA and flash-attn")]
@@ -176,3 +177,27 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32():
                                  attention=TorchAttention, continuous=True)
     assert continuous.num_preemptions > 0
     assert continuous.output_tokens == static.output_tokens
+
+
+@pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
+@pytest.mark.parametrize("layout", ["per-token", "per-layer"])
+def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
+    from engine.virtual_kv_cache import VirtualKVCache
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
+    prompts = random_prompts(8, torch.Generator().manual_seed(0))
+    budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
+    paged = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
+    naive = generate_on_gpu(model, prompts, budgets, num_blocks=8, block_size=MAX_SEQ_LEN)
+    cache = VirtualKVCache(model.args, 8, MAX_SEQ_LEN, torch.bfloat16, "cuda", FlashAttention(),
+                           layout)
+    num_pages = 8 * cache.pages_per_row  # every row could fill up
+    cache.create_pages(num_pages)
+    manager = PageManager(num_pages, cache.tokens_per_page, 8, cache.pages_per_row, cache, "cuda")
+    decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table), 8)
+    virtual = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
+                              progress=False, decoder=decoder)
+    assert virtual.output_tokens == paged.output_tokens == naive.output_tokens
+    # Every page back in the pool; only the spare row's first page is still mapped.
+    assert manager.num_free_blocks == num_pages and not manager.owned_blocks
+    assert len(cache.memory.mapped) == len(cache.ranges)
+    assert cache.memory.num_maps - cache.memory.num_unmaps == len(cache.ranges)

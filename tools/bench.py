@@ -39,6 +39,7 @@ import torch
 
 import llama3_naive
 import llama3_paged
+import llama3_virtual
 from block_manager import BlockManager
 from engine.generate import PREFILL_CHUNK_TOKENS, EagerDecoder, generate_tokens, make_decoder
 from engine.scheduler import Scheduler
@@ -47,7 +48,7 @@ from engine.report import GB
 from engine.setup import (DTYPES, argument_parser, fraction, load, one_paragraph_errors,
                           positive_int, sequence_length)
 
-SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged}
+SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
               continuous=False),
@@ -151,7 +152,8 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("script", choices=SCRIPTS, help="whose KV cache: llama3_naive.py's or llama3_paged.py's")
+    p.add_argument("script", choices=SCRIPTS,
+                   help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
                    help="W: 256 requests x 256 new tokens, one static batch; W2: a stream of the "
                         "first 2,000 requests with their ShareGPT reply lengths, --continuous")
@@ -167,6 +169,8 @@ def parse_arguments(argv=None):
     p.add_argument("--max-running", type=positive_int, help="with --continuous")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
+    p.add_argument("--layout", choices=["per-token", "per-layer"], default="per-token",
+                   help="virtual only")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
@@ -193,6 +197,9 @@ def script_arguments(bench_args):
     if a.script == "paged":
         llama3_paged.add_pool_arguments(p)
         argv += ["--block-size", str(a.block_size)]
+    if a.script == "virtual":
+        llama3_virtual.add_layout_arguments(p)
+        argv += ["--layout", a.layout]
     return p.parse_args(argv)
 
 
@@ -214,6 +221,7 @@ def bench(a) -> dict:
         continuous=a.continuous, max_running=a.max_running, decoder=decoder)
     run(prompts[:8], [16] * min(8, len(prompts)))  # warm-up: kernels chosen, caches filled
     torch.cuda.synchronize()
+    mapping_before = cache.memory.seconds_mapping if a.script == "virtual" else 0.0
     start = time.perf_counter()
     result = run(prompts, budgets)
     torch.cuda.synchronize()
@@ -222,9 +230,12 @@ def bench(a) -> dict:
         raise UserError(f"{result.num_generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
 
-    # The attention kernel alone, halfway through: each request at its prompt + half its tokens.
+    # The paged attention kernel alone, halfway through: each request at its prompt + half its
+    # tokens. (The virtual cache's rows are not blocks: its step time says what its kernel costs.)
     attention_seconds, attention_requests = attention_seconds_per_layer(
-        setup, cache, [len(p) + b // 2 for p, b in zip(prompts, budgets)][:ATTENTION_REQUESTS])
+        setup, cache, [len(p) + b // 2 for p, b in zip(prompts, budgets)][:ATTENTION_REQUESTS]
+    ) if a.script != "virtual" else (None, 0)
+    mapping = cache.memory if a.script == "virtual" else None
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     weights_read = weight_bytes_read_per_step(setup.model)
     bounds = [(weights_read + s.filled_slots * kv_bytes_per_token) / bandwidth for s in result.timeline]
@@ -260,6 +271,8 @@ def bench(a) -> dict:
                         "ratio_to_bound": step_seconds / bounds[median_step]},
         "attention_seconds_per_layer_halfway": attention_seconds,
         "attention_requests": attention_requests,
+        "page_mapping_seconds_per_decode_step": (
+            (mapping.seconds_mapping - mapping_before) / result.decode_steps if mapping else None),
         "median_ratio_to_bound": statistics.median(
             s.seconds / b for s, b in zip(result.timeline, bounds)),
         "step_seconds": [s.seconds for s in result.timeline],
@@ -271,7 +284,8 @@ def bench(a) -> dict:
 def print_table(r: dict) -> None:
     w, m = r["workload"], r["median_step"]
     graphs = "CUDA graphs" if r["cuda_graphs"] else "eager"
-    block = f", block {w['block_size']}" if w["script"] == "paged" else ""
+    block = (f", block {w['block_size']}" if w["script"] == "paged" else
+             f", {w['layout']} rows" if w["script"] == "virtual" else "")
     batching = "continuous" if w["continuous"] else "static"
     print(f"\n{w['script']}, workload {w['workload']}: {w['num_requests']:,} requests x "
           f"{w['new_tokens']} new tokens{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
@@ -291,8 +305,13 @@ def print_table(r: dict) -> None:
     print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['running_requests']}; bound "
           f"{m['bound_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
           f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_bound']:.2f}x the bound")
-    print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per layer, "
-          f"the first {r['attention_requests']} requests at their prompt + half their new tokens")
+    if r["attention_seconds_per_layer_halfway"]:
+        print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per "
+              f"layer, the first {r['attention_requests']} requests at their prompt + half their "
+              f"new tokens")
+    if r["page_mapping_seconds_per_decode_step"] is not None:
+        print(f"  page mapping        {r['page_mapping_seconds_per_decode_step'] * 1e3:.3f} ms of "
+              f"driver calls per decode step, on the host")
     for size, seconds in r["bookkeeping_seconds_per_step_1000_running"].items():
         print(f"  scheduler           {seconds * 1e3:.3f} ms per step, 1,000 running, block {size} (CPU)")
 

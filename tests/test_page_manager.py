@@ -1,0 +1,108 @@
+"""The page manager's bookkeeping against a fake mapper: pages mapped exactly when a row crosses
+into them, every one returned at the end, and running out of pages changes nothing."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.errors import OutOfBlocks
+from engine.page_manager import PageManager
+
+
+class FakeMapper:
+    """Stands in for the virtual KV cache: remembers which physical page is under which page of
+    which row, and refuses to map a page twice or unmap one that is not there."""
+
+    def __init__(self):
+        self.under: dict[tuple[int, int], int] = {}  # (request, page of its row) -> physical page
+
+    def map(self, physical: int, request: int, page: int) -> None:
+        assert (request, page) not in self.under, "mapped twice"
+        assert physical not in self.under.values(), "one physical page under two addresses"
+        self.under[request, page] = physical
+
+    def unmap(self, request: int, num_pages: int) -> None:
+        for page in range(num_pages):
+            del self.under[request, page]  # KeyError: unmapping what is not mapped
+
+
+def manager(num_pages=8, tokens_per_page=4, max_requests=3, pages_per_row=5):
+    return PageManager(num_pages, tokens_per_page, max_requests, pages_per_row, FakeMapper())
+
+
+def test_a_prompt_maps_the_pages_it_fills_and_its_slots_are_its_row():
+    m = manager()
+    m.allocate(1, 9)  # 9 tokens: pages 0, 1 and 2 of request 1's row
+    assert m.mapper.under == {(1, 0): 0, (1, 1): 1, (1, 2): 2}
+    assert m.slots(1, 0, 9).tolist() == list(range(40, 49))  # its row, 2 (row 0 is spare), at 2 * 5 * 4
+
+
+def test_a_page_is_mapped_exactly_when_the_next_token_crosses_into_it():
+    m = manager()
+    m.allocate(0, 4)  # one full page
+    m.append_token(np.array([0]))  # token 4 starts page 1
+    assert set(m.mapper.under) == {(0, 0), (0, 1)}
+    for _ in range(3):  # tokens 5 to 7 fill page 1: nothing mapped
+        m.append_token(np.array([0]))
+    assert set(m.mapper.under) == {(0, 0), (0, 1)}
+    m.append_token(np.array([0]))  # token 8 starts page 2
+    assert set(m.mapper.under) == {(0, 0), (0, 1), (0, 2)}
+
+
+def test_the_block_table_lists_each_rows_virtual_pages_and_never_changes():
+    m = manager()
+    table = m.block_table.clone()
+    # Request r's table row lists the pages of virtual row r + 1; the padding row, row 0's.
+    assert table.tolist() == [[5 * (r + 1) + j for j in range(5)] for r in range(3)] + [list(range(5))]
+    m.allocate(0, 6), m.allocate(2, 3), m.append_token(np.array([0, 2])), m.free(0)
+    assert (m.block_table == table).all()
+
+
+def test_freeing_unmaps_every_page_and_returns_it_to_the_pool():
+    m = manager()
+    m.allocate(0, 13)
+    m.allocate(1, 2)
+    m.free(0)
+    assert m.mapper.under == {(1, 0): 4} and m.num_free_blocks == 7
+    m.free(1)
+    assert m.mapper.under == {} and m.num_free_blocks == 8 and m.num_reserved_slots == 0
+
+
+def test_running_out_of_pages_maps_nothing_and_changes_nothing():
+    m = manager(num_pages=3)
+    m.allocate(0, 4)
+    m.allocate(1, 8)
+    under, tokens = dict(m.mapper.under), m.num_tokens.copy()
+    with pytest.raises(OutOfBlocks):
+        m.append_token(np.array([0, 1]))  # both cross into a new page; none is free
+    assert m.mapper.under == under and (m.num_tokens == tokens).all()
+    with pytest.raises(OutOfBlocks):
+        m.allocate(2, 1)
+    assert m.mapper.under == under
+
+
+operations = st.lists(st.tuples(st.sampled_from(["admit", "append", "free"]),
+                                st.integers(0, 3), st.integers(1, 30)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations, st.sampled_from([1, 3, 16]), st.integers(1, 20))
+def test_the_pages_under_each_row_are_the_pages_it_owns_under_any_operations(ops, tokens_per_page,
+                                                                              num_pages):
+    m = PageManager(num_pages, tokens_per_page, 4, 64, FakeMapper())
+    for op, request, count in ops:
+        try:
+            if op == "admit" and request not in m.owned_blocks:
+                m.allocate(request, count)
+            elif op == "append":
+                m.append_token(np.array(sorted(m.owned_blocks), dtype=np.int64))
+            elif op == "free" and request in m.owned_blocks:
+                m.free(request)
+        except OutOfBlocks:
+            pass
+        expected = {(r, j): page for r, pages in m.owned_blocks.items() for j, page in enumerate(pages)}
+        assert m.mapper.under == expected
+    for request in list(m.owned_blocks):
+        m.free(request)
+    assert m.mapper.under == {} and m.num_free_blocks == num_pages
