@@ -1,8 +1,12 @@
-"""What llama3_naive.py and llama3_paged.py share: everything except how the KV cache is laid out.
+"""What the three scripts share: everything except how the KV cache is laid out.
 
     setup.py            the command line, loading, the memory left for KV, how failures end
     generate.py         the loop: admit, prefill, decode one token per step, retire
+    scheduler.py        continuous batching: who waits, who runs, who is preempted
     kv_cache.py         the pool of K/V slots, written by slot and read through a block table
+    virtual_kv_cache.py llama3_virtual.py's cache: contiguous virtual rows, pages mapped on demand
+    page_manager.py     the block manager for those rows: it maps pages instead of writing a table
+    virtual_memory.py   CUDA's virtual memory API, each driver call checked
     attention.py        three backends over that pool: PyTorch reference, flash-attn, Triton
     triton_attention.py the Triton paged-decode kernel
     cuda_graphs.py      a decode step recorded once and replayed

@@ -253,12 +253,13 @@ def one_paragraph_errors(script: str):
     except UserError as e:
         fail(script, str(e), e.exit_code)
     except OutOfBlocks as e:
+        smaller = (", a larger --num-blocks, or a smaller --block-size (with --attn triton or "
+                   "torch)" if e.unit == "blocks" else "")
         fail(script, f"The KV {e.unit} ran out: {e.needed} more {e.unit} of {e.block_size} "
                      f"tokens were needed with {e.free} of {e.total} free. Without --continuous "
                      f"every prompt is admitted up front and none is preempted, so the whole batch "
-                     f"must fit. Try --continuous, fewer requests, a larger --num-blocks or "
-                     f"--kv-budget-gb (on a GPU, --gpu-memory-utilization), or a smaller "
-                     f"--block-size (with --attn triton or torch).", OUT_OF_MEMORY)
+                     f"must fit. Try --continuous, fewer requests, a larger --kv-budget-gb (on a "
+                     f"GPU, --gpu-memory-utilization){smaller}.", OUT_OF_MEMORY)
     except torch.OutOfMemoryError as e:
         fail(script, f"the GPU ran out of memory while generating ({str(e).splitlines()[0]}) "
                      f"The KV cache was reserved, but activations for this batch did not fit "
