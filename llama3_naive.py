@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     with one_paragraph_errors(SCRIPT):
         setup = load(argument_parser(SCRIPT, __doc__).parse_args(argv))  # the model, the first N prompts
         if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
-        cache, manager = allocate_kv_cache(setup)  # the one place the two scripts differ
+        cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         report(setup, cache, manager, generate(setup, cache, manager))
 
 

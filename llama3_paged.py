@@ -64,7 +64,7 @@ def main(argv=None) -> None:
         add_pool_arguments(parser)
         setup = load(parser.parse_args(argv))  # the model and the first N prompts
         if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
-        cache, manager = allocate_kv_cache(setup)  # the one place the two scripts differ
+        cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         report(setup, cache, manager, generate(setup, cache, manager))
 
 

@@ -1,4 +1,4 @@
-"""The generation loop both scripts share: admit, prefill, then decode one token per step.
+"""The generation loop the scripts share: admit, prefill, then decode one token per step.
 
 `generate(setup, cache, manager)` is what the scripts call; `generate_tokens` is the loop itself.
 Who is admitted, who runs and who is preempted, step by step, is the scheduler's (scheduler.py).
@@ -178,11 +178,11 @@ def make_decoder(model, cache, manager, max_batch: int, cuda_graphs: bool):
 
 
 def generate(setup, cache, manager, progress: bool = True) -> Generation:
-    """Every request of the run through `cache`: what both scripts call."""
+    """Every request of the run through `cache`: what the scripts call."""
     args = setup.args
     start = time.perf_counter()
-    most_running = min(len(setup.requests), args.max_running or len(setup.requests))
-    decoder = make_decoder(setup.model, cache, manager, most_running, not args.eager)
+    largest_batch = min(len(setup.requests), args.max_running or len(setup.requests))
+    decoder = make_decoder(setup.model, cache, manager, largest_batch, not args.eager)
     if progress and isinstance(decoder, GraphDecoder):
         print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
               f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")

@@ -1,4 +1,4 @@
-"""The KV cache both scripts use: one pool of fixed-size blocks per layer, addressed by slot.
+"""The KV cache of the naive and paged scripts: a pool of fixed-size blocks, addressed by slot.
 
 A slot is one token's K and V in one layer; slot `s` lives in block `s // block_size` at offset
 `s % block_size`. The naive script makes one block per request, `max_seq_len` slots long; the

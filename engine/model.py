@@ -1,9 +1,10 @@
-"""Llama 3 in plain PyTorch: the model both scripts share.
+"""Llama 3 in plain PyTorch: the model every script shares.
 
 The model knows nothing about how the KV cache is laid out. Each attention layer computes the
 query and the new token's key and value, then hands all three to `kv_cache.attention(...)`: the
 naive script passes a cache with one max-length block per request, the paged script one with a
-shared pool of small blocks. That call is the only place the two differ.
+shared pool of small blocks, the virtual script rows of virtual memory. That call is the only
+place they differ.
 
 Tokens arrive packed: a forward pass takes `[T]` token ids from any number of requests (a whole
 prompt per request in prefill, one token per request in decode), never a padded `[batch, seq]`.

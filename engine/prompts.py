@@ -1,4 +1,4 @@
-"""The requests both scripts decode: the first N ShareGPT prompts, chat-formatted for Llama 3."""
+"""The requests the scripts decode: the first N ShareGPT prompts, chat-formatted for Llama 3."""
 
 import json
 from dataclasses import dataclass

@@ -1,8 +1,8 @@
 """Everything a run needs around its KV cache: the command line, the model, the prompts, how much
 memory is left for KV, and how a failure ends the program.
 
-Both scripts parse the same arguments (the paged one adds its pool's) and `load` the same things.
-The paged script then asks `kv_budget_bytes` how many of its blocks fit.
+The scripts parse the same arguments (the paged and virtual ones add their own) and `load` the
+same things. Each then asks `kv_budget_bytes` how much memory its KV cache may take.
 """
 
 import argparse
@@ -104,7 +104,7 @@ def device(text: str) -> torch.device:
 
 
 def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
-    """The flags both scripts take. `script` names the program in messages and reports; the
+    """The flags every script takes. `script` names the program in messages and reports; the
     first line of `description` (the script's docstring) heads --help."""
     p = argparse.ArgumentParser(prog=script, description=description.strip().split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -202,7 +202,7 @@ def load(args) -> Setup:
 
 
 def kv_budget_bytes(setup) -> float:
-    """The memory the KV cache may take, the same for both scripts: --kv-budget-gb if given. Else
+    """The memory the KV cache may take, the same for every script: --kv-budget-gb if given. Else
     on CUDA --gpu-memory-utilization of the GPU's memory, less what is allocated (the weights),
     less the peak of the activations; on the CPU, whose memory is not the point, a small fixed
     budget, so that the naive cache runs out there as it does on a GPU."""
