@@ -31,7 +31,6 @@ class BlockManager:
         # The last row belongs to no request: the padding rows of a CUDA-graph step read it.
         self.block_table = torch.zeros(max_requests + 1, max_blocks_per_request, dtype=torch.int32,
                                        device=device)
-        self.padding_request = max_requests
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
