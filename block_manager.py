@@ -1,4 +1,4 @@
-"""Who owns which KV blocks: the block manager at the heart of PagedAttention.
+"""Who holds which KV blocks: the block manager at the heart of PagedAttention.
 
 An operating system gives a process virtual pages and maps each to any free physical frame, so
 memory need not be contiguous and is claimed only when touched. The block manager does the same
@@ -6,26 +6,43 @@ for the KV cache: a request's tokens are its virtual pages (token i is in logica
 i // block_size), the pool's blocks are the physical frames, and the block table is the page
 table. A request claims a new block only when its last one is full, so at most block_size - 1
 slots per request sit reserved but empty, and a finished request gives every block back at once.
+
+Blocks can be shared, as an operating system shares pages after fork(). Each block has a
+reference count: the number of requests whose table lists it. Samples of one prompt share its
+blocks (`fork`); requests that begin with the same tokens share those full blocks (prefix
+caching, engine/prefix_cache.py). A shared block is read by all and written by none: a request
+about to write into a shared block that is not full first gets its own copy (copy on write). A
+block returns to the pool when its count falls to zero.
 """
 
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from engine.errors import OutOfBlocks
+from engine.prefix_cache import PrefixCache
 
 
 class BlockManager:
     unit = "blocks"  # what the pool is counted in, for the report
 
     def __init__(self, num_blocks: int, block_size: int, max_requests: int,
-                 max_blocks_per_request: int, device="cpu"):
+                 max_blocks_per_request: int, device="cpu", share_samples: bool = False,
+                 prefix_caching: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks = deque(range(num_blocks))  # FIFO: the blocks freed longest ago go first
+        # Blocks no request holds, the ones freed longest ago first (they are reused first). An
+        # ordered dict rather than a queue: prefix caching takes a cached block out of the middle.
+        self.free_blocks = OrderedDict.fromkeys(range(num_blocks))
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int64)  # requests holding each block
         self.owned_blocks: dict[int, list[int]] = {}  # request -> its physical blocks, in order
         # Tokens each request has cached (or is about to, this step): the slots it fills.
         self.num_tokens = np.zeros(max_requests, dtype=np.int64)
+        self.last_block = np.zeros(max_requests, dtype=np.int64)  # where its next token may go
+        self.share_samples = share_samples  # samples of a prompt fork from its first (scheduler.py)
+        self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
+        # References taken to blocks computed for another request (forks, prefix hits); copies made.
+        self.num_shared = self.num_copied = 0
         # The same table as a padded tensor, for the attention kernel: [max_requests + 1, max_blocks].
         # Unused entries are 0, a valid block the kernel never reads (cache_seqlens stops it).
         # The last row belongs to no request: the padding rows of a CUDA-graph step read it.
@@ -35,41 +52,114 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_prompt_tokens: int) -> bool:
-        return self.blocks_needed(num_prompt_tokens) <= len(self.free_blocks)
+    def cached_blocks(self, tokens) -> list[int]:
+        """The blocks of tokens' longest prefix already in the pool (none without prefix caching)."""
+        return self.prefix_cache.lookup(tokens) if self.prefix_cache else []
 
-    def allocate(self, request: int, num_prompt_tokens: int) -> None:
-        """Give a new request the blocks its prompt fills; the last one may be part empty."""
-        needed = self.blocks_needed(num_prompt_tokens)
+    def blocks_to_allocate(self, tokens) -> int:
+        """Free blocks that allocate(tokens) would take: cached blocks that no one holds count."""
+        cached = self.cached_blocks(tokens)
+        return self.blocks_needed(len(tokens)) - int((self.ref_counts[cached] > 0).sum())
+
+    def allocate(self, request: int, tokens) -> int:
+        """Give a new request the blocks its tokens fill (the last may be part empty), taking
+        cached ones where it can. Returns how many of its tokens are cached already."""
+        needed = self.blocks_needed(len(tokens))
         if needed > self.block_table.shape[1]:
-            raise ValueError(f"{num_prompt_tokens} tokens exceed the table's "
+            raise ValueError(f"{len(tokens)} tokens exceed the table's "
                              f"{self.block_table.shape[1]} blocks per request")
-        self._check_free(needed)
-        blocks = [self.free_blocks.popleft() for _ in range(needed)]
+        cached = self.cached_blocks(tokens)
+        self._check_free(needed - int((self.ref_counts[cached] > 0).sum()))
+        for block in cached:
+            self._hold(block)
+        self.num_shared += len(cached)
+        blocks = cached + [self._take_free() for _ in range(needed - len(cached))]
         self.owned_blocks[request] = blocks
-        self.num_tokens[request] = num_prompt_tokens
+        self.num_tokens[request], self.last_block[request] = len(tokens), blocks[-1]
         self._place(np.full(needed, request), np.arange(needed), blocks)
+        if self.prefix_cache:  # its full blocks are computed this step: others may take them now
+            self.prefix_cache.register(blocks, tokens)
+        return len(cached) * self.block_size
 
-    def append_token(self, requests: np.ndarray) -> None:
-        """Reserve a slot for one more token in each of `requests`.
+    def fork(self, parent: int, child: int) -> None:
+        """The child (another sample of the parent's prompt) shares every block of the parent."""
+        blocks = self.owned_blocks[parent]
+        self.ref_counts[blocks] += 1
+        self.num_shared += len(blocks)
+        self.owned_blocks[child] = list(blocks)
+        self.num_tokens[child], self.last_block[child] = self.num_tokens[parent], blocks[-1]
+        self._place(np.full(len(blocks), child), np.arange(len(blocks)), blocks)
+
+    def blocks_to_append(self, requests: np.ndarray) -> int:
+        """Free blocks that append_token(requests) would take."""
+        return int((self.num_tokens[requests] % self.block_size == 0).sum()) + len(
+            self._must_copy(requests))
+
+    def append_token(self, requests: np.ndarray) -> tuple[list[int], list[int]]:
+        """Reserve a slot for one more token in each of `requests`. Returns the copies to make
+        before the step writes: (source blocks, destination blocks).
 
         Only a request whose last block is full gets a new one; that is one block per
         `block_size` tokens, so the Python work here is for those few, not for every request."""
         needs_block = requests[self.num_tokens[requests] % self.block_size == 0]
-        self._check_free(len(needs_block))
-        if len(needs_block):
-            new_blocks = [self.free_blocks.popleft() for _ in needs_block]
-            for request, block in zip(needs_block.tolist(), new_blocks):
-                self.owned_blocks[request].append(block)
-            self._place(needs_block, self.num_tokens[needs_block] // self.block_size, new_blocks)
+        must_copy = self._must_copy(requests)
+        self._check_free(len(needs_block) + len(must_copy))
+        sources = [int(self.last_block[r]) for r in must_copy]
+        new_blocks = [self._take_free() for _ in range(len(needs_block) + len(must_copy))]
+        for request, block in zip(needs_block.tolist() + must_copy, new_blocks):
+            if request in must_copy:  # copy on write: the copy replaces the shared block
+                self._release(self.owned_blocks[request].pop())
+            self.owned_blocks[request].append(block)
+        changed = np.array(needs_block.tolist() + must_copy, dtype=np.int64)
+        if len(changed):
+            self.last_block[changed] = new_blocks
+            # The new block's column: the next one, or for a copy the shared block's own.
+            self._place(changed, self.num_tokens[changed] // self.block_size, new_blocks)
         self.num_tokens[requests] += 1
+        self.num_copied += len(must_copy)
+        return sources, new_blocks[len(needs_block):]
 
-    def free(self, request: int) -> None:
-        """A finished request returns every block it held."""
+    def _must_copy(self, requests: np.ndarray) -> list[int]:
+        """Requests whose next token goes into a block that is part full and shared. As each
+        copies, the count falls; the last holder writes in place."""
+        shared = requests[(self.num_tokens[requests] % self.block_size != 0)
+                          & (self.ref_counts[self.last_block[requests]] > 1)]
+        holders_left, must_copy = {}, []
+        for request in shared.tolist():
+            block = int(self.last_block[request])
+            holders_left.setdefault(block, int(self.ref_counts[block]))
+            if holders_left[block] > 1:
+                holders_left[block] -= 1
+                must_copy.append(request)
+        return must_copy
+
+    def free(self, request: int, tokens=None) -> None:
+        """A finished (or preempted) request lets go of every block it held. With prefix caching,
+        `tokens` (its cached ones) key its full blocks, so that they can be found again."""
         blocks = self.owned_blocks.pop(request)
+        if self.prefix_cache and tokens is not None:
+            self.prefix_cache.register(blocks, tokens[:self.num_tokens[request]])
         self._clear(request, blocks)
-        self.free_blocks.extend(blocks)
+        for block in reversed(blocks):  # a prefix's last blocks are reused first, its first last
+            self._release(block)
         self.num_tokens[request] = 0
+
+    def _take_free(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        if self.prefix_cache:
+            self.prefix_cache.forget(block)  # new tokens will overwrite what it held
+        self.ref_counts[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        if self.ref_counts[block] == 0:  # a cached block no one held: out of the free pool
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
 
     def _place(self, requests: np.ndarray, columns: np.ndarray, blocks: list[int]) -> None:
         """Logical block columns[i] of requests[i] is now physical block blocks[i]. One small
@@ -96,18 +186,24 @@ class BlockManager:
 
     @property
     def num_reserved_slots(self) -> int:
-        """Slots in blocks that requests own, filled or not."""
+        """Slots in blocks that requests hold, filled or not, each block counted once."""
         return self.num_used_blocks * self.block_size
 
     @property
-    def num_filled_slots(self) -> int:
-        """Slots holding a token's K/V (or about to, this step)."""
-        return int(self.num_tokens.sum())
+    def num_unfilled_slots(self) -> int:
+        """Slots reserved but empty: the fragmentation the paper is about. Only a request's last
+        block has empty slots, and after append_token no last block is shared (copy on write)."""
+        return int((-self.num_tokens % self.block_size).sum())
 
     @property
-    def num_unfilled_slots(self) -> int:
-        """Slots reserved by a request but empty: the fragmentation the paper is about."""
-        return self.num_reserved_slots - self.num_filled_slots
+    def num_filled_slots(self) -> int:
+        """Slots holding a token's K/V (or about to, this step), each counted once."""
+        return self.num_reserved_slots - self.num_unfilled_slots
+
+    @property
+    def num_unshared_slots(self) -> int:
+        """The slots requests would reserve if each held its own blocks: no sharing."""
+        return int(-(-self.num_tokens // self.block_size).sum() * self.block_size)
 
     def _check_free(self, needed: int) -> None:
         if needed > len(self.free_blocks):

@@ -29,7 +29,7 @@ def allocate_kv_cache(setup):
     block_size, cache_bytes = args.max_seq_len, args.max_seq_len * setup.kv_bytes_per_token
     budget = kv_budget_bytes(setup)
     fits = int(budget // cache_bytes)
-    num_blocks = min(fits, args.num_requests) if args.continuous else args.num_requests
+    num_blocks = min(fits, setup.num_sequences) if args.continuous else setup.num_sequences
     if not 0 < num_blocks <= fits:
         asked = max(num_blocks, 1)
         raise UserError(
@@ -41,7 +41,7 @@ def allocate_kv_cache(setup):
     cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
                     setup.attention)
     # The block table the kernel reads: [N, 1], one column: request r's row is its one block.
-    manager = BlockManager(num_blocks, block_size, max_requests=args.num_requests,
+    manager = BlockManager(num_blocks, block_size, max_requests=setup.num_sequences,
                            max_blocks_per_request=1, device=setup.device)
     return cache, manager
 

@@ -35,6 +35,12 @@ def add_pool_arguments(parser) -> None:
     parser.add_argument("--num-blocks", type=positive_int,
                         help="blocks in the pool (default: as many as fit in the KV budget, "
                              "--kv-budget-gb)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt in full, even where its first blocks are in "
+                             "the pool already (prefix caching is on by default)")
+    parser.add_argument("--no-sharing", action="store_true",
+                        help="every sequence holds blocks of its own: no prefix caching, and "
+                             "--samples prefill a copy of the prompt each (the comparison run)")
 
 
 def allocate_kv_cache(setup):
@@ -52,9 +58,13 @@ def allocate_kv_cache(setup):
     max_blocks_per_request = math.ceil(args.max_seq_len / block_size)
     cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
                     setup.attention)
-    # The block table the kernel reads: [N, max_blocks_per_request], row r = request r's blocks.
-    manager = BlockManager(num_blocks, block_size, max_requests=args.num_requests,
-                           max_blocks_per_request=max_blocks_per_request, device=setup.device)
+    # The block table the kernel reads: [N x K, max_blocks_per_request], row r = request r's
+    # blocks (with --samples K, each sample is a request). Blocks can appear in several rows:
+    # samples of a prompt share it, and prompts share their cached prefix.
+    manager = BlockManager(num_blocks, block_size, max_requests=setup.num_sequences,
+                           max_blocks_per_request=max_blocks_per_request, device=setup.device,
+                           share_samples=not args.no_sharing,
+                           prefix_caching=not (args.no_sharing or args.no_prefix_cache))
     return cache, manager
 
 

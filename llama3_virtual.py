@@ -43,7 +43,7 @@ def allocate_kv_cache(setup):
     """A row of address space for every request, reserved up front at no cost, and physical pages,
     as many as memory holds, to be mapped under the rows as requests grow."""
     args = setup.args
-    cache = VirtualKVCache(setup.model.args, args.num_requests, args.max_seq_len, setup.dtype,
+    cache = VirtualKVCache(setup.model.args, setup.num_sequences, args.max_seq_len, setup.dtype,
                            setup.device, setup.attention, args.layout)
     page_bytes = cache.tokens_per_page * setup.kv_bytes_per_token  # a page in every tensor
     num_pages = int(kv_budget_bytes(setup) // page_bytes)
@@ -52,7 +52,7 @@ def allocate_kv_cache(setup):
                         f"--kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
     cache.create_pages(num_pages)
     # The block table never changes: row r lists the virtual pages of row r; the MMU does the rest.
-    manager = PageManager(num_pages, cache.tokens_per_page, args.num_requests,
+    manager = PageManager(num_pages, cache.tokens_per_page, setup.num_sequences,
                           cache.pages_per_row, mapper=cache, device=setup.device)
     return cache, manager
 

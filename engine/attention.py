@@ -35,6 +35,24 @@ class TorchAttention:
                 q_, k_, v_, is_causal=True, enable_gqa=True).transpose(0, 1)
         return out
 
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+        """Prompts whose first tokens were cached already (prefix caching): q holds the rest of
+        each, and every token, cached or new, is read from the pool. Query i of a prompt with
+        n_k tokens of which n_q are in q sits at position n_k - n_q + i and sees keys up to it."""
+        out = torch.empty_like(q)
+        q_bounds, k_bounds = batch.cu_seqlens_host, batch.cu_seqlens_k_host
+        block_size = key_blocks.shape[1]
+        for r, (start, end) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
+            n_q, n_k = end - start, k_bounds[r + 1] - k_bounds[r]
+            table = batch.block_table[r, :math.ceil(n_k / block_size)]
+            k = key_blocks[table].flatten(0, 1)[:n_k].transpose(0, 1)  # [n_kv_heads, n_k, d]
+            v = value_blocks[table].flatten(0, 1)[:n_k].transpose(0, 1)
+            sees = (torch.arange(n_k, device=q.device)[None, :]
+                    <= torch.arange(n_k - n_q, n_k, device=q.device)[:, None])  # [n_q, n_k]
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k, v, attn_mask=sees, enable_gqa=True).transpose(0, 1)
+        return out
+
     def decode(self, q, key_blocks, value_blocks, batch):
         """One new token per request. q: [B, n_heads, d] -> [B, n_heads, d]."""
         block_size = key_blocks.shape[1]
@@ -63,6 +81,13 @@ class FlashAttention:
     def prefill(self, q, k, v, batch):
         return self.varlen(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
                            batch.max_seqlen, batch.max_seqlen, causal=True)
+
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+        """The varlen kernel reads the cached prefix through the block table; its causal mask is
+        aligned to the end of each prompt, so the new tokens see everything before them."""
+        return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
+                           batch.max_seqlen, batch.max_seqlen_k, causal=True,
+                           block_table=batch.block_table)
 
     def decode(self, q, key_blocks, value_blocks, batch):
         out = self.with_kvcache(q[:, None], key_blocks, value_blocks,  # q: [B, 1, n_heads, d]
@@ -95,6 +120,10 @@ class TritonAttention:
             as_nested(q), as_nested(k.repeat_interleave(group, 1)),
             as_nested(v.repeat_interleave(group, 1)), is_causal=True)
         return out.transpose(1, 2).values()  # [T, n_heads, d]
+
+    # After a cached prefix, the reference's loop: the fused SDPA kernels' causal mask is aligned
+    # to the first key, which is right only where a prompt has no cached tokens before its own.
+    prefill_after_prefix = TorchAttention.prefill_after_prefix
 
     def decode(self, q, key_blocks, value_blocks, batch):
         return self.paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)

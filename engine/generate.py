@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from engine.cuda_graphs import GraphDecoder
 from engine.kv_cache import DecodeBatch, PrefillBatch
+from engine.sampling import Sampler
 from engine.scheduler import Scheduler
 
 PREFILL_CHUNK_TOKENS = 8192  # prompts per prefill pass: big enough for full-speed matmuls,
@@ -33,6 +34,7 @@ class KVSnapshot:
     waiting_requests: int
     reserved_slots: int  # slots in blocks owned by running requests
     unfilled_slots: int  # of those, slots holding no token: the fragmentation
+    unshared_slots: int  # what the running requests would reserve if none shared a block
     seconds: float = 0.0  # the step's time on the GPU (CUDA events), or wall time on the CPU
 
     @property
@@ -52,6 +54,12 @@ class Generation:
     num_recomputed_tokens: int = 0  # cached tokens that preemption threw away
     most_running: int = 0  # the largest number of requests running at once
     queue_wait_seconds: list[float] = field(default_factory=list)  # start to first admission
+    # Sharing. Per request, at its first admission: prompt tokens found in the prefix cache, and
+    # whether it forked from its prompt's first sample instead (--samples).
+    first_cached_tokens: list[int] = field(default_factory=list)
+    forked: list[bool] = field(default_factory=list)
+    num_shared_blocks: int = 0  # references taken to blocks computed for another request
+    num_copied_blocks: int = 0  # copies on write
 
     @property
     def num_generated_tokens(self) -> int:
@@ -67,37 +75,57 @@ class Generation:
         return max(self.timeline, key=lambda s: s.filled_slots)
 
 
-def prefill(model, cache, manager, requests: np.ndarray, sequences: list[list[int]],
-            chunk_tokens: int, device):
-    """Run whole sequences (prompts, or a preempted request's prompt and outputs), packed into
-    chunks of about `chunk_tokens`, writing every token's K/V into its slot. Returns the token
-    that follows each: [len(requests)] on device."""
-    next_tokens = torch.empty(len(sequences), dtype=torch.long, device=device)
+def prefill(model, cache, manager, sampler, requests: np.ndarray, sequences: list[list[int]],
+            num_cached: np.ndarray, readers: list[np.ndarray], chunk_tokens: int, device):
+    """Compute whole sequences (prompts, or a preempted request's prompt and outputs), packed into
+    chunks of about `chunk_tokens`, writing every token's K/V into its slot. Sequence i skips its
+    first num_cached[i] tokens, found in the prefix cache. Each request in readers[i] (requests[i]
+    and the samples forked from it) draws its first token from sequence i's last position.
+    Returns those tokens, [sum of len(readers)] on device, in the order of the readers."""
+    next_tokens = []
     to_device = lambda a, dtype: torch.from_numpy(np.asarray(a)).to(device, dtype)
+    # A sequence cached whole still computes its last token, for the logits that choose the next
+    # one; that token's K/V is in the cache already, so it is written to the spare slot.
+    starts = [min(int(c), len(seq) - 1) for c, seq in zip(num_cached, sequences)]
     chunk_start = 0
     while chunk_start < len(sequences):
         chunk_end, tokens_in_chunk = chunk_start, 0
-        while chunk_end < len(sequences) and (
-                chunk_end == chunk_start or tokens_in_chunk + len(sequences[chunk_end]) <= chunk_tokens):
-            tokens_in_chunk += len(sequences[chunk_end])
+        while chunk_end < len(sequences) and (chunk_end == chunk_start or tokens_in_chunk
+                                              + len(sequences[chunk_end]) - starts[chunk_end] <= chunk_tokens):
+            tokens_in_chunk += len(sequences[chunk_end]) - starts[chunk_end]
             chunk_end += 1
         chunk = range(chunk_start, chunk_end)
-        lengths = [len(sequences[i]) for i in chunk]
-        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-        slots = [manager.slots(int(requests[i]), 0, len(sequences[i])) for i in chunk]
+        lengths = [len(sequences[i]) for i in chunk]  # each sequence's tokens, cached and new
+        new = [len(sequences[i]) - starts[i] for i in chunk]  # the tokens computed here
+        cu_seqlens = np.concatenate([[0], np.cumsum(new)])
+        slots = []
+        for i in chunk:
+            seq_slots = manager.slots(int(requests[i]), starts[i], len(sequences[i]))
+            seq_slots[:max(0, int(num_cached[i]) - starts[i])] = cache.spare_slot
+            slots.append(seq_slots)
         batch = PrefillBatch(slot_mapping=to_device(np.concatenate(slots), torch.long),
                              cu_seqlens=to_device(cu_seqlens, torch.int32),
-                             cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=max(lengths))
-        tokens = to_device(np.concatenate([sequences[i] for i in chunk]), torch.long)  # [T]
-        positions = to_device(np.concatenate([np.arange(n) for n in lengths]), torch.long)
-        last_token_rows = to_device(cu_seqlens[1:] - 1, torch.long)
-        logits = model(tokens, positions, cache, batch, logits_at=last_token_rows)  # [len(chunk), vocab]
-        next_tokens[chunk_start:chunk_end] = logits.argmax(-1)  # greedy
+                             cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=max(new))
+        if any(starts[i] for i in chunk):  # attention must read the cached prefixes too
+            cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
+            batch.block_table = manager.block_table[to_device(requests[chunk_start:chunk_end], torch.long)]
+            batch.cu_seqlens_k = to_device(cu_seqlens_k, torch.int32)
+            batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), max(lengths)
+        tokens = to_device(np.concatenate([sequences[i][starts[i]:] for i in chunk]), torch.long)  # [T]
+        positions = to_device(np.concatenate([np.arange(starts[i], len(sequences[i])) for i in chunk]),
+                              torch.long)
+        fanout = [len(readers[i]) for i in chunk]
+        last_token_rows = to_device(np.repeat(cu_seqlens[1:] - 1, fanout), torch.long)
+        logits = model(tokens, positions, cache, batch, logits_at=last_token_rows)  # [readers, vocab]
+        next_tokens.append(sampler(logits, to_device(np.concatenate(readers[chunk_start:chunk_end]),
+                                                     torch.long),
+                                   to_device(np.repeat(lengths, fanout), torch.long)))
         chunk_start = chunk_end
-    return next_tokens
+    return torch.cat(next_tokens)
 
 
-def decode_step(model, cache, block_table, tokens, positions, requests, max_cache_seqlen: int):
+def decode_step(model, cache, block_table, sampler, tokens, positions, requests,
+                max_cache_seqlen: int):
     """One token for each of B requests. tokens, positions, requests: [B] on device.
 
     A row at position -1 is padding (a CUDA graph runs a fixed batch size): it writes its K/V to
@@ -112,20 +140,20 @@ def decode_step(model, cache, block_table, tokens, positions, requests, max_cach
                                blocks.long() * block_size + positions % block_size)
     batch = DecodeBatch(slot_mapping=slot_mapping, block_table=block_table,
                         cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
-    return model(tokens, positions, cache, batch).argmax(-1)  # [B] greedy
+    return sampler(model(tokens, positions, cache, batch), requests, positions + 1)  # [B]
 
 
 class EagerDecoder:
     """Runs decode_step from Python, kernel by kernel: the readable path, and the one --eager
     takes. `cuda_graphs.GraphDecoder` replays the same function as CUDA graphs."""
 
-    def __init__(self, model, cache, block_table):
-        self.model, self.cache, self.block_table = model, cache, block_table
+    def __init__(self, model, cache, block_table, sampler):
+        self.model, self.cache, self.block_table, self.sampler = model, cache, block_table, sampler
         self.padding_request = block_table.shape[0] - 1  # the table's row that no request owns
 
     def decode(self, tokens, positions, requests, max_cache_seqlen: int) -> torch.Tensor:
-        return decode_step(self.model, self.cache, self.block_table, tokens, positions, requests,
-                           max_cache_seqlen)
+        return decode_step(self.model, self.cache, self.block_table, self.sampler, tokens,
+                           positions, requests, max_cache_seqlen)
 
     def step(self, last_tokens, running: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Feed each running request its newest token (`last_tokens[running]`, at `positions`)
@@ -167,10 +195,10 @@ class StepTimer:
         return [start.elapsed_time(stop) / 1000 for start, stop in zip(self.starts, self.stops)]
 
 
-def make_decoder(model, cache, manager, max_batch: int, cuda_graphs: bool):
+def make_decoder(model, cache, manager, sampler, max_batch: int, cuda_graphs: bool):
     """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
     else the eager decoder."""
-    eager = EagerDecoder(model, cache, manager.block_table)
+    eager = EagerDecoder(model, cache, manager.block_table, sampler)
     on_gpu = next(model.parameters()).is_cuda
     if not (cuda_graphs and on_gpu and cache.attention_backend.cuda_graphs):
         return eager
@@ -178,11 +206,14 @@ def make_decoder(model, cache, manager, max_batch: int, cuda_graphs: bool):
 
 
 def generate(setup, cache, manager, progress: bool = True) -> Generation:
-    """Every request of the run through `cache`: what the scripts call."""
-    args = setup.args
+    """Every request of the run through `cache`: what the scripts call. With --samples K, prompt
+    r yields K sequences, requests r*K to r*K + K-1."""
+    args, samples = setup.args, setup.args.samples
     start = time.perf_counter()
-    largest_batch = min(len(setup.requests), args.max_running or len(setup.requests))
-    decoder = make_decoder(setup.model, cache, manager, largest_batch, not args.eager)
+    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    num_sequences = len(setup.requests) * samples
+    largest_batch = min(num_sequences, args.max_running or num_sequences)
+    decoder = make_decoder(setup.model, cache, manager, sampler, largest_batch, not args.eager)
     if progress and isinstance(decoder, GraphDecoder):
         print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
               f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
@@ -192,31 +223,40 @@ def generate(setup, cache, manager, progress: bool = True) -> Generation:
     else:
         max_new_tokens = [args.max_new_tokens] * len(setup.requests)
         stop_ids = setup.tokenizer.stop_ids
-    return generate_tokens(setup.model, cache, manager, [r.prompt_tokens for r in setup.requests],
-                           max_new_tokens, args.max_seq_len, stop_ids, continuous=args.continuous,
-                           max_running=args.max_running, progress=progress, decoder=decoder)
+    repeat = lambda per_prompt: [x for x in per_prompt for _ in range(samples)]
+    return generate_tokens(setup.model, cache, manager,
+                           repeat([r.prompt_tokens for r in setup.requests]),
+                           repeat(max_new_tokens), args.max_seq_len, stop_ids,
+                           continuous=args.continuous, max_running=args.max_running,
+                           progress=progress, decoder=decoder, sampler=sampler, samples=samples)
 
 
 @torch.inference_mode()
 def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tokens: list[int],
                     max_seq_len: int, stop_ids: set[int], continuous: bool = False,
                     max_running: int | None = None, chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-                    progress: bool = True, decoder=None) -> Generation:
-    """Greedy-decode every prompt. Request r stops at a token in `stop_ids`, after
-    `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves the batch and
-    gives its blocks back. Static batching admits every request at the first step; `continuous`
-    admits them as blocks free up and preempts when blocks run out (scheduler.py). The caller
-    has checked that every prompt is shorter than max_seq_len. `decoder` runs each decode step:
-    an EagerDecoder unless the caller passes CUDA graphs."""
+                    progress: bool = True, decoder=None, sampler=None,
+                    samples: int = 1) -> Generation:
+    """Decode every prompt, greedily unless `sampler` samples. Request r stops at a token in
+    `stop_ids`, after `max_new_tokens[r]` tokens, or when it reaches `max_seq_len`; it then leaves
+    the batch and gives its blocks back. Static batching admits every request at the first step;
+    `continuous` admits them as blocks free up and preempts when blocks run out (scheduler.py).
+    With `samples` K, requests r*K .. r*K + K-1 have the same prompt and may share its blocks
+    (the manager's share_samples). The caller has checked that every prompt is shorter than
+    max_seq_len. `decoder` runs each decode step, with the same sampler: an EagerDecoder unless
+    the caller passes CUDA graphs."""
     device = next(model.parameters()).device
-    decoder = decoder or EagerDecoder(model, cache, manager.block_table)
+    sampler = sampler or Sampler()
+    decoder = decoder or EagerDecoder(model, cache, manager.block_table, sampler)
     n = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts])
     limits = np.minimum(np.array(max_new_tokens), max_seq_len - prompt_lens)  # [N] tokens to make
-    scheduler = Scheduler(manager, prompt_lens, limits, continuous, max_running, chunk_tokens)
-    stop_ids_array = np.array(sorted(stop_ids), dtype=np.int64)
     outputs = np.zeros((n, max(limits)), dtype=np.int64)
     num_generated = np.zeros(n, dtype=np.int64)
+    tokens_of = lambda r: prompts[r] + outputs[r, :num_generated[r]].tolist()  # prompt + outputs
+    scheduler = Scheduler(manager, prompt_lens, limits, continuous, max_running, chunk_tokens,
+                          tokens_of, samples)
+    stop_ids_array = np.array(sorted(stop_ids), dtype=np.int64)
     last_tokens = torch.zeros(n, dtype=torch.long, device=device)  # each request's newest token
     timeline, timer, num_prefilled = [], StepTimer(device), 0
     seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
@@ -228,15 +268,23 @@ def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tok
             step = scheduler.schedule(num_generated)
             requests = step.requests
             if step.is_prefill:  # new prompts, or preempted requests' prompts and outputs so far
-                sequences = [prompts[r] + outputs[r, :num_generated[r]].tolist() for r in requests]
-                num_prefilled += sum(len(s) for s in sequences)
-                next_tokens = prefill(model, cache, manager, requests, sequences, chunk_tokens,
-                                      device)
+                is_computed = step.sources == requests  # forks are not computed
+                computed, num_cached = requests[is_computed], step.num_cached[is_computed]
+                # Who draws from each computed request's last position: it, then its forks.
+                readers = [requests[step.sources == r] for r in computed]
+                requests = np.concatenate(readers)
+                sequences = [tokens_of(r) for r in computed]
+                num_prefilled += sum(len(s) - min(c, len(s) - 1) for s, c in zip(sequences, num_cached))
+                next_tokens = prefill(model, cache, manager, sampler, computed, sequences,
+                                      num_cached, readers, chunk_tokens, device)
                 last_tokens[torch.from_numpy(requests).to(device)] = next_tokens
             else:  # every running request feeds its newest token; the scheduler gave it a slot
                 timeline.append(KVSnapshot(len(timeline), len(requests), len(scheduler.waiting),
-                                           manager.num_reserved_slots, manager.num_unfilled_slots))
+                                           manager.num_reserved_slots, manager.num_unfilled_slots,
+                                           manager.num_unshared_slots))
                 timer.start()
+                if step.copies[0]:  # copy on write, before the step writes into the copies
+                    cache.copy_blocks(*step.copies)
                 next_tokens = decoder.step(last_tokens, requests, step.positions)
                 timer.stop()
             new_tokens = next_tokens.cpu().numpy()  # the one sync per step
@@ -259,4 +307,6 @@ def generate_tokens(model, cache, manager, prompts: list[list[int]], max_new_tok
         prefill_seconds=seconds["prefill"], decode_seconds=seconds["decode"], timeline=timeline,
         num_preemptions=scheduler.num_preemptions,
         num_recomputed_tokens=scheduler.num_recomputed_tokens,
-        most_running=scheduler.most_running, queue_wait_seconds=scheduler.admitted_at.tolist())
+        most_running=scheduler.most_running, queue_wait_seconds=scheduler.admitted_at.tolist(),
+        first_cached_tokens=scheduler.first_cached.tolist(), forked=scheduler.forked.tolist(),
+        num_shared_blocks=manager.num_shared, num_copied_blocks=manager.num_copied)

@@ -19,12 +19,18 @@ from engine.errors import OUT_OF_MEMORY, UserError, check_host_memory
 
 @dataclass
 class PrefillBatch:
-    """Whole prompts packed into one sequence of T tokens."""
+    """Whole prompts packed into one sequence of T tokens. With prefix caching a prompt may begin
+    with tokens already cached: then only the rest is packed here, and attention reads all of
+    them, cached and new, from the pool through the block table."""
 
     slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
     cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
     cu_seqlens_host: list[int]
     max_seqlen: int
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, when a prefix is cached
+    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: prompt r's tokens, cached and new
+    cu_seqlens_k_host: list[int] | None = None
+    max_seqlen_k: int = 0
 
 
 @dataclass
@@ -74,8 +80,19 @@ class KVCache:
         """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in their slots, then attend."""
         self.k[layer].index_copy_(0, batch.slot_mapping, k)
         self.v[layer].index_copy_(0, batch.slot_mapping, v)
-        if isinstance(batch, PrefillBatch):
-            return self.attention_backend.prefill(q, k, v, batch)
+        if isinstance(batch, PrefillBatch) and batch.block_table is None:
+            return self.attention_backend.prefill(q, k, v, batch)  # nothing cached: k, v are all
         key_blocks = self.k[layer, :self.spare_slot].view(self.block_shape)  # same memory, as blocks
         value_blocks = self.v[layer, :self.spare_slot].view(self.block_shape)
+        if isinstance(batch, PrefillBatch):
+            return self.attention_backend.prefill_after_prefix(q, key_blocks, value_blocks, batch)
         return self.attention_backend.decode(q, key_blocks, value_blocks, batch)
+
+    def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
+        """Copy on write: each source block's K and V, every layer, into its destination."""
+        shape = (self.k.shape[0], *self.block_shape)  # [n_layers, num_blocks, block_size, H, D]
+        source = torch.tensor(sources, device=self.k.device)
+        destination = torch.tensor(destinations, device=self.k.device)
+        for pool in (self.k, self.v):
+            blocks = pool[:, :self.spare_slot].view(shape)
+            blocks[:, destination] = blocks[:, source]

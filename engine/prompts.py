@@ -7,6 +7,7 @@ from pathlib import Path
 from engine.errors import UserError
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "sharegpt_filtered.json"
+SYSTEM_PROMPT_FILE = PROMPTS_FILE.parent / "system_prompt.txt"  # for --system-prompt-file
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class Request:
     num_reply_tokens: int  # length of the human-written ShareGPT reply, in Llama 3 tokens
 
 
-def load_requests(n: int, tokenizer, path: Path | None = None) -> list[Request]:
+def load_requests(n: int, tokenizer, system_prompt: str | None = None,
+                  path: Path | None = None) -> list[Request]:
+    """The first n prompts, each after `system_prompt` if one is given."""
     path = path or PROMPTS_FILE
     rebuild = "Restore it with `git checkout sharegpt_filtered.json` or `python tools/build_prompts.py`."
     try:
@@ -39,6 +42,6 @@ def load_requests(n: int, tokenizer, path: Path | None = None) -> list[Request]:
         if not (isinstance(prompt, str) and isinstance(reply, str)):
             raise UserError(f"Record {i} of {path}: its prompt and reply are not text. {rebuild}")
         requests.append(Request(id=str(request_id), prompt=prompt,
-                                prompt_tokens=tokenizer.chat_prompt(prompt),
+                                prompt_tokens=tokenizer.chat_prompt(prompt, system_prompt),
                                 num_reply_tokens=len(tokenizer.encode(reply))))
     return requests

@@ -28,18 +28,22 @@ def device_total_bytes(device: torch.device) -> int:
 def report(setup, cache, manager, generation) -> None:
     """Print the first answers and the report; write --json if asked."""
     args = setup.args
-    print_answers(setup.requests, generation, setup.tokenizer, args.show_all)
+    print_answers(setup.requests, generation, setup.tokenizer, args.show_all, args.samples)
     memory = memory_report(setup, cache, manager, generation)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
-    print_report(args.script, memory, throughput, scheduling)
+    sharing = sharing_report(setup, manager, generation)
+    print_report(args.script, memory, throughput, scheduling, sharing)
     if args.json:
+        samples = [(r, k) for r in setup.requests for k in range(args.samples)]  # one per sequence
         write_json(args, {
             "script": args.script,
-            "requests": [{"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": out}
-                         for r, out in zip(setup.requests, generation.output_tokens)],
+            "requests": [{"id": r.id, "sample": k, "prompt_tokens": r.prompt_tokens,
+                          "output_tokens": out}
+                         for (r, k), out in zip(samples, generation.output_tokens)],
             "preemptions": generation.num_preemptions, "max_running": generation.most_running,
             "memory": memory, "throughput": throughput, "scheduling": scheduling,
+            "sharing": sharing,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
 
@@ -52,11 +56,13 @@ def write_json(args, record: dict) -> None:
         raise UserError(f"Could not write --json {args.json}: {e}") from e
 
 
-def print_answers(requests, generation, tokenizer, show_all: bool) -> None:
+def print_answers(requests, generation, tokenizer, show_all: bool, samples: int) -> None:
     shown = len(requests) if show_all else min(ANSWERS_SHOWN, len(requests))
-    for request, output in list(zip(requests, generation.output_tokens))[:shown]:
+    for i, request in enumerate(requests[:shown]):
         print(f"\n--- request {request.id} ---\n> {request.prompt.strip()[:300]}\n")
-        print(tokenizer.decode(output))
+        for k in range(samples):  # request i's samples are sequences i*K .. i*K + K-1
+            print(f"[sample {k + 1} of {samples}]" if samples > 1 else "", end="\n" * (samples > 1))
+            print(tokenizer.decode(generation.output_tokens[i * samples + k]))
     if shown < len(requests):
         print(f"\n({len(requests) - shown} more answers; --show-all prints them)")
 
@@ -127,7 +133,44 @@ def scheduling_report(generation, continuous: bool) -> dict:
     }
 
 
-def print_report(script: str, memory: dict, throughput: dict, scheduling: dict) -> None:
+def sharing_report(setup, manager, generation) -> dict:
+    """What sharing blocks saved: the samples forked, the prompt tokens found in the prefix
+    cache, and the KV memory at the fullest step against what the same requests would hold with
+    no block shared (the PagedAttention paper's measure, section 6.3)."""
+    g, args, tokenizer = generation, setup.args, setup.tokenizer
+    prompt_lens = [len(r.prompt_tokens) for r in setup.requests for _ in range(args.samples)]
+    computed = [r for r, forked in enumerate(g.forked) if not forked]  # not forked: prefilled
+    # <|begin_of_text|> and the system turn: the tokens every request begins with.
+    system = (len(tokenizer.chat_prompt("", setup.system_prompt)) - len(tokenizer.chat_prompt("")) + 1
+              if setup.system_prompt is not None else 0)
+    from_cache = sum(g.first_cached_tokens)
+    not_forked_tokens = sum(prompt_lens[r] for r in computed)
+    system_from_cache = sum(min(g.first_cached_tokens[r], system) for r in computed)
+    fullest = g.fullest if g.timeline else None
+    unshared = fullest.unshared_slots * setup.kv_bytes_per_token if fullest else 0
+    reserved = fullest.reserved_slots * setup.kv_bytes_per_token if fullest else 0
+    return {
+        "samples_per_prompt": args.samples,
+        "samples_forked": sum(g.forked),
+        "prompt_tokens_shared_by_forks": sum(n for n, forked in zip(prompt_lens, g.forked) if forked),
+        "prefix_caching": manager.prefix_cache is not None,
+        # Over the requests not forked, at their first admission:
+        "prompt_tokens_from_prefix_cache": from_cache,
+        "prefix_cache_hit_percent": 100 * from_cache / not_forked_tokens if not_forked_tokens else 0.0,
+        "system_prompt_tokens": system,
+        "system_prompt_hit_percent": (100 * system_from_cache / (system * len(computed))
+                                      if system and computed else 0.0),
+        "block_references_shared": g.num_shared_blocks,
+        "blocks_copied_on_write": g.num_copied_blocks,
+        "at_fullest_step_reserved_bytes": reserved,
+        "at_fullest_step_unshared_bytes": unshared,
+        "saved_bytes_at_fullest_step": unshared - reserved,
+        "saved_percent_at_fullest_step": 100 * (unshared - reserved) / unshared if unshared else 0.0,
+    }
+
+
+def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
+                 sharing: dict) -> None:
     m, t, s = memory, throughput, scheduling
     gb = lambda b: f"{b / GB:.2f} GB" if b >= GB / 10 else f"{b / 1e6:.2f} MB"
     print(f"\n=== {script} ===")
@@ -151,5 +194,25 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict) 
                   f"{gb(step['reserved_bytes'])}, filled {gb(step['filled_bytes'])}, unfilled "
                   f"{gb(step['unfilled_bytes'])} ({step['unfilled_percent_of_reserved']:.1f}% of "
                   f"reserved)")
+    print_sharing(sharing, gb)
     print(f"Fragmented Memory: {m['fragmented_bytes'] / GB:.2f} GB "
           f"({m['fragmented_percent_of_device']:.2f}%)")
+
+
+def print_sharing(sh: dict, gb) -> None:
+    print(f"Sharing: {sh['samples_per_prompt']} sample(s) per prompt, {sh['samples_forked']:,} "
+          f"forked ({sh['prompt_tokens_shared_by_forks']:,} prompt tokens shared, not computed); "
+          f"{sh['block_references_shared']:,} block references shared, "
+          f"{sh['blocks_copied_on_write']:,} blocks copied on write")
+    if sh["prefix_caching"]:
+        system = sh["system_prompt_tokens"]
+        print(f"  prefix cache: {sh['prompt_tokens_from_prefix_cache']:,} prompt tokens found in "
+              f"the pool, not computed: {sh['prefix_cache_hit_percent']:.1f}% of those prefilled"
+              + (f"; {sh['system_prompt_hit_percent']:.1f}% of the {system:,}-token system "
+                 f"prompt's" if system else ""))
+    else:
+        print("  prefix cache: off")
+    if sh["at_fullest_step_unshared_bytes"]:
+        print(f"  at the fullest step: {gb(sh['at_fullest_step_reserved_bytes'])} reserved, against "
+              f"{gb(sh['at_fullest_step_unshared_bytes'])} with no block shared: sharing saved "
+              f"{gb(sh['saved_bytes_at_fullest_step'])} ({sh['saved_percent_at_fullest_step']:.1f}%)")

@@ -19,8 +19,9 @@ from engine.checkpoints import load_model, random_model
 from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError, writable_file
 from engine.generate import PREFILL_CHUNK_TOKENS
 from engine.kv_cache import KVCache, PrefillBatch
-from engine.prompts import load_requests
+from engine.prompts import SYSTEM_PROMPT_FILE, load_requests
 from engine.report import GB
+from engine.sampling import ROWS_AT_ONCE, Sampler
 from engine.tokenizer import load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -70,6 +71,13 @@ def gigabytes(text: str) -> float:
     value = _finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of GB, got {text}")
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 (greedy) or a positive number, got {text}")
     return value
 
 
@@ -133,6 +141,21 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
+    p.add_argument("--samples", type=positive_int, default=1, metavar="K",
+                   help="completions per prompt (vLLM's n): N x K sequences in all; the paged "
+                        "script's share the prompt's blocks")
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="0: greedy, the most likely token; above 0: sample from the softmax of "
+                        "logits / temperature")
+    p.add_argument("--top-p", type=fraction, default=1.0,
+                   help="with --temperature: sample only from the most likely tokens whose "
+                        "probabilities add up to this")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("--system-prompt", metavar="TEXT",
+                        help="a system turn that begins every request (default: none)")
+    system.add_argument("--system-prompt-file", type=Path, metavar="PATH",
+                        help=f"the system turn read from a file; {SYSTEM_PROMPT_FILE.name} has "
+                             f"one of about 1,000 tokens")
     p.add_argument("--continuous", action="store_true",
                    help="continuous batching: requests wait in a queue, join as blocks free up and "
                         "are preempted (and later recomputed) when blocks run out, instead of one "
@@ -148,7 +171,8 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                    help=f"memory the KV cache may take, in GB (default: on CUDA, what "
                         f"--gpu-memory-utilization leaves after the weights and activations; on the "
                         f"CPU, {CPU_KV_BUDGET_GB})")
-    p.add_argument("--seed", type=seed, default=0, help="seed of --random-weights")
+    p.add_argument("--seed", type=seed, default=0,
+                   help="seed of --random-weights and of sampling (--temperature)")
     p.add_argument("--find-max-batch", action="store_true",
                    help="find the largest batch (at most N) that completes with the other flags "
                         "as given: bisection over real runs, one line per attempt")
@@ -167,10 +191,16 @@ class Setup:
     attention: object
     tokenizer: object
     requests: list
+    system_prompt: str | None = None  # the system turn every request begins with, if any
 
     @property
     def kv_bytes_per_token(self) -> int:
         return self.model.args.kv_bytes_per_token(self.dtype)
+
+    @property
+    def num_sequences(self) -> int:
+        """What the scheduler runs: each prompt's --samples."""
+        return len(self.requests) * self.args.samples
 
 
 def load(args) -> Setup:
@@ -183,7 +213,8 @@ def load(args) -> Setup:
     attention = choose_attention(args.attn, device)
     ckpt_dir = None if args.random_weights else args.ckpt_dir
     tokenizer = load_tokenizer(args.tokenizer, ckpt_dir)
-    requests = load_requests(args.num_requests, tokenizer)
+    system = system_prompt(args)
+    requests = load_requests(args.num_requests, tokenizer, system)
     too_long = [r for r in requests if len(r.prompt_tokens) >= args.max_seq_len]
     if too_long:
         raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
@@ -198,7 +229,16 @@ def load(args) -> Setup:
     if model.args.vocab_size < tokenizer.encoding.n_vocab:  # an id past the embedding table
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
                         f"tokenizer's {tokenizer.encoding.n_vocab:,}: they do not belong together.")
-    return Setup(args, device, dtype, model, attention, tokenizer, requests)
+    return Setup(args, device, dtype, model, attention, tokenizer, requests, system)
+
+
+def system_prompt(args) -> str | None:
+    if args.system_prompt_file is None:
+        return args.system_prompt
+    try:
+        return args.system_prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Could not read --system-prompt-file {args.system_prompt_file}: {e}") from e
 
 
 def kv_budget_bytes(setup) -> float:
@@ -241,8 +281,22 @@ def activation_peak_bytes(setup) -> int:
         model(tokens, positions, scratch, batch,
               logits_at=torch.tensor(bounds[1:], device=setup.device) - 1)
     prefill_peak = torch.cuda.max_memory_allocated(setup.device) - before
-    decode_logits = setup.args.num_requests * model.args.vocab_size * (setup.dtype.itemsize + 4)
-    return max(prefill_peak, decode_logits)
+    decode_logits = setup.num_sequences * model.args.vocab_size * (setup.dtype.itemsize + 4)
+    return max(prefill_peak, decode_logits + sampling_peak_bytes(setup))
+
+
+def sampling_peak_bytes(setup) -> int:
+    """Sampling's own memory (softmax, sort, sums), measured on one batch of rows."""
+    if setup.args.temperature == 0:
+        return 0  # greedy: an argmax
+    sampler = Sampler(setup.args.temperature, setup.args.top_p, setup.args.seed)
+    rows = min(setup.num_sequences, ROWS_AT_ONCE)
+    logits = torch.zeros(rows, setup.model.args.vocab_size, dtype=setup.dtype, device=setup.device)
+    ids = torch.arange(rows, device=setup.device)
+    torch.cuda.reset_peak_memory_stats(setup.device)
+    before = torch.cuda.memory_allocated(setup.device)
+    sampler(logits, ids, ids)
+    return torch.cuda.max_memory_allocated(setup.device) - before
 
 
 @contextlib.contextmanager

@@ -57,13 +57,16 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.encoding.decode(list(ids))
 
-    def chat_prompt(self, user_message: str) -> list[int]:
-        """One user turn, then the header that asks the model to answer as the assistant."""
+    def chat_prompt(self, user_message: str, system_prompt: str | None = None) -> list[int]:
+        """A system turn if given, one user turn, then the header that asks the model to answer
+        as the assistant. Requests with the same system prompt begin with the same tokens."""
         def header(role: str) -> list[int]:
             return ([self.special["<|start_header_id|>"]] + self.encode(role)
                     + [self.special["<|end_header_id|>"]] + self.encode("\n\n"))
-        return ([self.bos_id] + header("user") + self.encode(user_message.strip())
-                + [self.special["<|eot_id|>"]] + header("assistant"))
+        def turn(role: str, text: str) -> list[int]:
+            return header(role) + self.encode(text.strip()) + [self.special["<|eot_id|>"]]
+        system = turn("system", system_prompt) if system_prompt is not None else []
+        return [self.bos_id] + system + turn("user", user_message) + header("assistant")
 
 
 def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:

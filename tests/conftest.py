@@ -11,6 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tokens(n: int, first: int = 0) -> list[int]:
+    """n distinct token ids, for the block manager's tests: only prefix caching reads them."""
+    return list(range(first, first + n))
+
+
 def tiny_hf_model(rope_scaling: bool, tied: bool, seed: int = 0, original_context: int = 64,
                   vocab_size: int = 512):
     """A random transformers LlamaForCausalLM, small but with every feature of the real thing."""

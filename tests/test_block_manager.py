@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import BlockManager
+from conftest import tokens
 from engine.errors import OutOfBlocks
 
 
@@ -27,14 +28,14 @@ def check_invariants(m: BlockManager):
 
 def test_a_prompt_that_exactly_fills_blocks_takes_no_extra_block():
     m = manager()
-    m.allocate(0, 4)  # one full block
-    m.allocate(1, 8)  # two full blocks
+    m.allocate(0, tokens(4))  # one full block
+    m.allocate(1, tokens(8))  # two full blocks
     assert m.owned_blocks == {0: [0], 1: [1, 2]} and m.num_unfilled_slots == 0
 
 
 def test_the_token_after_a_full_block_opens_a_new_one():
     m = manager()
-    m.allocate(0, 4)
+    m.allocate(0, tokens(4))
     m.append_token(np.array([0]))  # position 4: block 0 is full
     assert m.owned_blocks[0] == [0, 1] and m.num_unfilled_slots == 3
     m.append_token(np.array([0]))  # position 5: fits in block 1
@@ -44,8 +45,8 @@ def test_the_token_after_a_full_block_opens_a_new_one():
 
 def test_freeing_a_sequence_returns_every_block():
     m = manager()
-    m.allocate(0, 9)
-    m.allocate(1, 3)
+    m.allocate(0, tokens(9))
+    m.allocate(1, tokens(3))
     m.free(0)
     assert m.num_free_blocks == 8 - 1 and 0 not in m.owned_blocks
     assert m.block_table[0].tolist() == [0] * 6
@@ -54,18 +55,18 @@ def test_freeing_a_sequence_returns_every_block():
 
 def test_freed_blocks_are_reused():
     m = manager(num_blocks=2)
-    m.allocate(0, 8)
-    assert not m.can_allocate(1)
+    m.allocate(0, tokens(8))
+    assert m.blocks_to_allocate(tokens(1)) > m.num_free_blocks
     m.free(0)
-    assert m.can_allocate(8)
-    m.allocate(1, 8)
+    assert m.blocks_to_allocate(tokens(8)) <= m.num_free_blocks
+    m.allocate(1, tokens(8))
     assert sorted(m.owned_blocks[1]) == [0, 1]
 
 
 def test_running_out_raises_with_the_numbers_and_changes_nothing():
     m = manager(num_blocks=3)
-    m.allocate(0, 4)
-    m.allocate(1, 8)
+    m.allocate(0, tokens(4))
+    m.allocate(1, tokens(8))
     before = (dict(m.owned_blocks), m.num_tokens.copy(), m.block_table.clone())
     with pytest.raises(OutOfBlocks) as e:
         m.append_token(np.array([0, 1]))  # both need a block, none is free
@@ -73,14 +74,14 @@ def test_running_out_raises_with_the_numbers_and_changes_nothing():
     assert m.owned_blocks == before[0] and (m.num_tokens == before[1]).all()
     assert (m.block_table == before[2]).all()
     with pytest.raises(OutOfBlocks):
-        m.allocate(2, 1)
+        m.allocate(2, tokens(1))
     check_invariants(m)
 
 
 def test_slots_follow_the_block_table():
     m = manager()
-    m.allocate(0, 2)
-    m.allocate(1, 6)  # blocks 1, 2
+    m.allocate(0, tokens(2))
+    m.allocate(1, tokens(6))  # blocks 1, 2
     assert m.slots(1, 0, 6).tolist() == [4, 5, 6, 7, 8, 9]
     m.free(0)
     m.append_token(np.array([1]))
@@ -100,7 +101,7 @@ def test_invariants_hold_under_any_sequence_of_operations(ops, block_size, num_b
     for op, request, count in ops:
         try:
             if op == "admit" and request not in m.owned_blocks:
-                m.allocate(request, count)
+                m.allocate(request, tokens(count))
             elif op == "append":
                 live = np.array(sorted(m.owned_blocks), dtype=np.int64)
                 for _ in range(count % 5):

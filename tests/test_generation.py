@@ -8,10 +8,12 @@ import torch
 
 from engine.attention import TorchAttention
 from block_manager import BlockManager
+from conftest import tokens
 from engine.errors import OutOfBlocks
 from engine.checkpoints import random_model
 from engine.generate import decode_step, generate_tokens
 from engine.kv_cache import KVCache
+from engine.sampling import Sampler
 
 MAX_SEQ_LEN = 96
 
@@ -107,14 +109,14 @@ def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
     manager = BlockManager(8, 4, max_requests=2, max_blocks_per_request=4)
     torch.manual_seed(8)
     cache.k.normal_(), cache.v.normal_()  # stand-ins for the tokens cached so far
-    manager.allocate(0, 7), manager.allocate(1, 4)  # 6 and 3 cached, plus this step's token
-    tokens, positions, requests = torch.tensor([11, 12]), torch.tensor([6, 3]), torch.tensor([0, 1])
+    manager.allocate(0, tokens(7)), manager.allocate(1, tokens(4))  # 6 and 3 cached, plus this step's token
+    fed, positions, requests = torch.tensor([11, 12]), torch.tensor([6, 3]), torch.tensor([0, 1])
     before = cache.k.clone()
     with torch.inference_mode():
-        plain = decode_step(model, cache, manager.block_table, tokens, positions, requests, 7)
+        plain = decode_step(model, cache, manager.block_table, Sampler(), fed, positions, requests, 7)
         written = cache.k.clone()
         cache.k.copy_(before)
-        padded = decode_step(model, cache, manager.block_table, torch.cat([tokens, tokens]),
+        padded = decode_step(model, cache, manager.block_table, Sampler(), torch.cat([fed, fed]),
                              torch.cat([positions, torch.tensor([-1, -1])]),
                              torch.cat([requests, torch.tensor([0, 1])]), 7)
     assert padded[:2].tolist() == plain.tolist()

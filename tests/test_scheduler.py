@@ -61,7 +61,8 @@ def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
     prompts, budgets = random_prompts([4, 4], seed=5), [2, 5]  # 1 grows to 8 tokens: 2 blocks
     manager = BlockManager(2, 4, max_requests=2, max_blocks_per_request=8)
     scheduler = Scheduler(manager, np.array([4, 4]), np.array(budgets), continuous=True,
-                          max_running=None, chunk_tokens=64)
+                          max_running=None, chunk_tokens=64,
+                          sequence_tokens=lambda r: prompts[r] + [0] * num_generated[r])
     num_generated = np.zeros(2, dtype=np.int64)
     steps = []
     while scheduler.has_work():
@@ -121,7 +122,8 @@ def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spar
     largest = max(math.ceil((p + g - 1) / block_size) for p, g in requests)
     manager = BlockManager(largest + spare_blocks, block_size, len(requests), largest)
     scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=max_running,
-                          chunk_tokens=chunk_tokens)
+                          chunk_tokens=chunk_tokens,
+                          sequence_tokens=lambda r: [r] * (prompt_lens[r] + num_generated[r]))
     num_generated = np.zeros(len(requests), dtype=np.int64)
     finished: set[int] = set()
     for _ in range(10_000):

@@ -113,7 +113,8 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
                            max_requests=n, max_blocks_per_request=2048 // block_size)
     scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=running,
-                          chunk_tokens=PREFILL_CHUNK_TOKENS)
+                          chunk_tokens=PREFILL_CHUNK_TOKENS,
+                          sequence_tokens=lambda r: [0] * (prompt_lens[r] + num_generated[r]))
     num_generated, times = np.zeros(n, dtype=np.int64), []
     while scheduler.has_work() and len(times) < steps:
         start = time.perf_counter()
@@ -134,9 +135,9 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
                            -(-max(lengths) // block_size), device)
     fitting = []
     for r, n in enumerate(lengths):
-        if not manager.can_allocate(n):
+        if manager.blocks_needed(n) > manager.num_free_blocks:
             break
-        manager.allocate(r, n)
+        manager.allocate(r, [0] * n)
         fitting.append(n)
     lengths = fitting
     args = setup.model.args

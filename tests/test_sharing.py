@@ -1,0 +1,150 @@
+"""Sharing blocks: forked samples and cached prefixes change memory, never tokens."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from block_manager import BlockManager
+from engine.attention import TorchAttention
+from engine.checkpoints import random_model
+from engine.generate import generate_tokens
+from engine.kv_cache import KVCache
+from engine.sampling import Sampler
+
+MAX_SEQ_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=21)
+
+
+@pytest.fixture(scope="module")
+def model64():
+    """Sampling turns any rounding difference into another token; float64 leaves none that
+    matters, so runs that compute the same values in another order must draw the same tokens."""
+    return random_model("tiny", "cpu", torch.float64, MAX_SEQ_LEN, seed=22)
+
+
+def run(model, prompts, budgets, block_size=8, num_blocks=256, samples=1, share=False,
+        prefix_caching=False, sampler=None, **scheduling):
+    """Each prompt's `samples` sequences, as generate() lays them out: r*K .. r*K + K-1."""
+    dtype = model.output.weight.dtype
+    cache = KVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttention())
+    sequences = [p for p in prompts for _ in range(samples)]
+    manager = BlockManager(num_blocks, block_size, max_requests=len(sequences),
+                           max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size),
+                           share_samples=share, prefix_caching=prefix_caching)
+    result = generate_tokens(model, cache, manager, sequences,
+                             [b for b in budgets for _ in range(samples)], MAX_SEQ_LEN, set(),
+                             progress=False, sampler=sampler, samples=samples, **scheduling)
+    assert manager.num_free_blocks == num_blocks and not manager.owned_blocks, "every block back"
+    assert (manager.ref_counts == 0).all()
+    return result
+
+
+def random_prompts(lengths, seed, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+
+
+# Around blocks of 8: exactly one and two blocks, one past, one short, one token.
+LENGTHS = [8, 16, 9, 7, 1, 21]
+
+
+def test_k_greedy_samples_equal_the_single_greedy_output(model):
+    prompts, budgets = random_prompts(LENGTHS, seed=1), [12, 5, 9, 16, 7, 10]
+    single = run(model, prompts, budgets)
+    forked = run(model, prompts, budgets, samples=3, share=True)
+    for r, expected in enumerate(single.output_tokens):
+        assert forked.output_tokens[3 * r:3 * r + 3] == [expected] * 3
+    assert sum(forked.forked) == 2 * len(prompts), "two of each prompt's three samples forked"
+    assert forked.num_prefilled_tokens == single.num_prefilled_tokens, "each prompt computed once"
+    # Copy on write: a prompt that ends inside a block leaves it shared by three samples; the
+    # first two to write copy it, the last writes in place. A prompt of whole blocks needs none.
+    part_full = sum(n % 8 != 0 for n in LENGTHS)
+    assert forked.num_copied_blocks == 2 * part_full
+
+
+def test_forked_samples_hold_less_memory_than_copies_of_the_prompt(model):
+    prompts = random_prompts([40, 33, 64], seed=2)
+    budgets = [6, 6, 6]
+    shared = run(model, prompts, budgets, samples=4, share=True)
+    unshared = run(model, prompts, budgets, samples=4)
+    assert shared.output_tokens == unshared.output_tokens
+    first = shared.timeline[0]  # each sample holds its prompt and one new token
+    assert first.unshared_slots == unshared.timeline[0].reserved_slots
+    # Shared: each prompt's full blocks once; each sample a last block of its own.
+    full = sum(len(p) // 8 for p in prompts)
+    own = sum(4 * (math.ceil((len(p) + 1) / 8) - len(p) // 8) for p in prompts)
+    assert first.reserved_slots == 8 * (full + own) < first.unshared_slots
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_prefix_caching_on_and_off_give_identical_tokens(model, block_size):
+    system = random_prompts([21], seed=3)[0]  # 21 tokens: 5 blocks of 4, or 2 of 8, then a part
+    prompts = random_prompts([5, 12, 1, 30, 8, 17], seed=4, prefix=system)
+    budgets = [9, 4, 12, 7, 10, 5]
+    # One request per prefill step: each one finds the system prompt cached by those before.
+    off = run(model, prompts, budgets, block_size, continuous=True, max_running=2)
+    on = run(model, prompts, budgets, block_size, continuous=True, max_running=2,
+             prefix_caching=True)
+    assert on.output_tokens == off.output_tokens
+    cached_per_request = (len(system) // block_size) * block_size  # its full blocks only
+    assert on.first_cached_tokens == [0] + [cached_per_request] * (len(prompts) - 1)
+    assert on.num_prefilled_tokens == off.num_prefilled_tokens - 5 * cached_per_request
+
+
+def test_a_prompt_cached_whole_recomputes_only_its_last_token(model):
+    # Two blocks exactly, asked twice: the second request finds both blocks, yet needs the
+    # logits of its last token, so that token is computed again (its K/V is not rewritten).
+    prompt = random_prompts([16], seed=5)[0]
+    budgets = [11, 11]
+    alone = run(model, [prompt], budgets[:1])
+    twice = run(model, [prompt, prompt], budgets, continuous=True, max_running=1,
+                prefix_caching=True)
+    assert twice.output_tokens == [alone.output_tokens[0]] * 2
+    assert twice.first_cached_tokens == [0, 16]
+    assert twice.num_prefilled_tokens == 16 + 1
+
+
+def test_a_preempted_request_comes_back_to_its_cached_blocks(model):
+    # Prompts of two blocks that grow by 20 tokens in a pool of 9 blocks of 8: preemption is
+    # forced, and the victim's full blocks stay cached in the free pool while it waits.
+    prompts, budgets = random_prompts([16, 16, 16], seed=6), [20, 20, 20]
+    static = run(model, prompts, budgets)
+    kw = dict(num_blocks=9, continuous=True)
+    without = run(model, prompts, budgets, **kw)
+    cached = run(model, prompts, budgets, prefix_caching=True, **kw)
+    assert without.num_preemptions > 0 and cached.num_preemptions > 0
+    assert cached.output_tokens == without.output_tokens == static.output_tokens
+    assert cached.first_cached_tokens == [0, 0, 0], "distinct prompts: no hit on first admission"
+    assert cached.num_prefilled_tokens < without.num_prefilled_tokens  # readmissions found blocks
+
+
+def test_sampling_with_the_same_seed_is_the_same_with_and_without_sharing(model64):
+    system = random_prompts([13], seed=7)[0]
+    prompts = random_prompts([3, 9, 20, 11], seed=8, prefix=system)
+    budgets = [15, 9, 12, 14]
+    sampler = Sampler(temperature=1.0, top_p=0.9, seed=1234)
+    shared = run(model64, prompts, budgets, samples=3, share=True, prefix_caching=True,
+                 sampler=sampler, continuous=True, max_running=5)
+    unshared = run(model64, prompts, budgets, samples=3, sampler=sampler)
+    assert shared.num_copied_blocks > 0 and sum(shared.first_cached_tokens) > 0
+    assert shared.output_tokens == unshared.output_tokens
+    # Not the same tokens for every sample: each draws its own, and another seed draws others.
+    assert len({tuple(t) for t in shared.output_tokens[:3]}) == 3
+    reseeded = run(model64, prompts, budgets, samples=3, sampler=Sampler(1.0, 0.9, seed=1235))
+    assert reseeded.output_tokens != shared.output_tokens
+
+
+def test_preemption_with_forked_samples_changes_no_sampled_token(model64):
+    prompts, budgets = random_prompts([12, 19], seed=9), [25, 25]
+    sampler = Sampler(temperature=0.8, top_p=0.95, seed=5)
+    ample = run(model64, prompts, budgets, samples=3, share=True, sampler=sampler)
+    tight = run(model64, prompts, budgets, samples=3, share=True, prefix_caching=True,
+                sampler=sampler, num_blocks=14, continuous=True)
+    assert tight.num_preemptions > 0
+    assert tight.output_tokens == ample.output_tokens
