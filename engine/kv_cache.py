@@ -89,10 +89,11 @@ class KVCache:
         return self.attention_backend.decode(q, key_blocks, value_blocks, batch)
 
     def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
-        """Copy on write: each source block's K and V, every layer, into its destination."""
+        """Copy on write: each source block's K and V, every layer, into its destination. One
+        copy per block, in place: gathering them all first would take as much memory again
+        (1,000 forked blocks of 256 tokens: 17 GB)."""
         shape = (self.k.shape[0], *self.block_shape)  # [n_layers, num_blocks, block_size, H, D]
-        source = torch.tensor(sources, device=self.k.device)
-        destination = torch.tensor(destinations, device=self.k.device)
         for pool in (self.k, self.v):
             blocks = pool[:, :self.spare_slot].view(shape)
-            blocks[:, destination] = blocks[:, source]
+            for source, destination in zip(sources, destinations):
+                blocks[:, destination].copy_(blocks[:, source])

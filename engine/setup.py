@@ -208,6 +208,9 @@ def load(args) -> Setup:
     if args.max_running and not args.continuous:
         raise UserError("--max-running limits continuous batching; add --continuous (a static "
                         "batch runs all N requests at once).")
+    if args.top_p < 1 and args.temperature == 0:
+        raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
+                        "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     attention = choose_attention(args.attn, device)

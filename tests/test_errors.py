@@ -122,6 +122,14 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--no-such-flag"], 2, "unrecognized arguments"),
     (["2", *TINY, "--max-running", "4"], 2, "add --continuous"),
     (["2", *TINY, "--continuous", "--max-running", "0"], 2, "positive whole number"),
+    (["2", *TINY, "--samples", "0"], 2, "positive whole number"),
+    (["2", *TINY, "--temperature", "-1"], 2, "0 (greedy) or a positive number"),
+    (["2", *TINY, "--temperature", "inf"], 2, "expected a number"),
+    (["2", *TINY, "--temperature", "1", "--top-p", "0"], 2, "fraction above 0"),
+    (["2", *TINY, "--top-p", "0.9"], 2, "add --temperature"),
+    (["2", *TINY, "--system-prompt", "x", "--system-prompt-file", "y"], 2, "not allowed with"),
+    (["2", *TINY, "--system-prompt-file", "/nonexistent/system.txt"], 2,
+     "Could not read --system-prompt-file"),
 ]
 PAGED_ONLY = [
     (["2", *TINY, "--block-size", "0"], 2, "positive whole number"),

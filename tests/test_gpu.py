@@ -16,6 +16,7 @@ from engine.cuda_graphs import GraphDecoder
 from engine.generate import EagerDecoder, generate_tokens
 from engine.kv_cache import DecodeBatch, KVCache, PrefillBatch
 from engine.page_manager import PageManager
+from engine.sampling import Sampler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and importable("flash_attn")), reason="needs CUDA and flash-attn")]
@@ -61,14 +62,23 @@ MAX_SEQ_LEN = 2048
 
 
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
-                    attention=FlashAttention, continuous=False):
-    n = len(prompts)
+                    attention=FlashAttention, continuous=False, samples=1, share=False,
+                    sampler=None, max_running=None):
+    """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
+    prompts = [p for p in prompts for _ in range(samples)]
+    budgets = [b for b in budgets for _ in range(samples)]
+    n, sampler = len(prompts), sampler or Sampler()
     cache = KVCache(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
                     attention())
-    manager = BlockManager(num_blocks, block_size, n, math.ceil(MAX_SEQ_LEN / block_size), "cuda")
-    decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table), n) if graphs else None
-    return generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
-                           continuous=continuous, progress=False, decoder=decoder)
+    manager = BlockManager(num_blocks, block_size, n, math.ceil(MAX_SEQ_LEN / block_size), "cuda",
+                           share_samples=share, prefix_caching=share)
+    decoder = (GraphDecoder(EagerDecoder(model, cache, manager.block_table, sampler), n)
+               if graphs else None)
+    result = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
+                             continuous=continuous, progress=False, decoder=decoder,
+                             sampler=sampler, samples=samples, max_running=max_running)
+    assert manager.num_free_blocks == num_blocks and (manager.ref_counts == 0).all()
+    return result
 
 
 def random_prompts(n, generator):
@@ -193,7 +203,7 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
     num_pages = 8 * cache.pages_per_row  # every row could fill up
     cache.create_pages(num_pages)
     manager = PageManager(num_pages, cache.tokens_per_page, 8, cache.pages_per_row, cache, "cuda")
-    decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table), 8)
+    decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table, Sampler()), 8)
     virtual = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
                               progress=False, decoder=decoder)
     assert virtual.output_tokens == paged.output_tokens == naive.output_tokens
@@ -201,3 +211,70 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
     assert manager.num_free_blocks == num_pages and not manager.owned_blocks
     assert len(cache.memory.mapped) == len(cache.ranges)
     assert cache.memory.num_maps - cache.memory.num_unmaps == len(cache.ranges)
+
+
+@pytest.mark.parametrize("attention", ["flash", "triton"])
+@pytest.mark.parametrize("cached", [0, 1, 255, 256, 700])
+def test_prefill_after_a_cached_prefix_matches_the_reference(attention, cached):
+    # Three prompts whose first `cached` tokens (capped below each length) are in the pool.
+    g = torch.Generator(device="cuda").manual_seed(cached)
+    block_size = 256 if attention == "flash" else 16
+    lengths = [cached + 5, cached + 300, max(cached, 1) + 1]
+    starts = [min(cached, n - 1) for n in lengths]
+    max_blocks = math.ceil(max(lengths) / block_size)
+    num_blocks = 3 * max_blocks + 5
+    table = torch.randperm(num_blocks, device="cuda", generator=g)[:3 * max_blocks].view(3, -1).int()
+    keys = torch.randn(num_blocks, block_size, 8, 128, device="cuda", generator=g).bfloat16()
+    values = torch.randn(num_blocks, block_size, 8, 128, device="cuda", generator=g).bfloat16()
+    new = [n - s for n, s in zip(lengths, starts)]
+    q_bounds = [0] + torch.tensor(new).cumsum(0).tolist()
+    k_bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    q = torch.randn(q_bounds[-1], 32, 128, device="cuda", generator=g).bfloat16()
+    to_cuda = lambda b: torch.tensor(b, dtype=torch.int32, device="cuda")
+    info = PrefillBatch(None, to_cuda(q_bounds), q_bounds, max(new), table, to_cuda(k_bounds),
+                        k_bounds, max(lengths))
+    backend = FlashAttention() if attention == "flash" else TritonAttention()
+    out = backend.prefill_after_prefix(q, keys, values, info)
+    reference = TorchAttention().prefill_after_prefix(q.double(), keys.double(), values.double(), info)
+    assert relative_error(out, reference) < 2e-2
+
+
+def prompts_after_a_system_prompt(n, generator, system_tokens=600):
+    system = torch.randint(0, 128_000, (system_tokens,), generator=generator).tolist()
+    return [system + p for p in random_prompts(n, generator)]
+
+
+@pytest.mark.parametrize("attention, block_size", [("flash", 256), ("triton", 16)])
+def test_forks_and_a_cached_system_prompt_give_the_tokens_of_no_sharing(attention, block_size):
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
+    g = torch.Generator().manual_seed(6)
+    prompts = prompts_after_a_system_prompt(6, g)
+    budgets = torch.randint(1, 30, (6,), generator=g).tolist()
+    backend = FlashAttention if attention == "flash" else TritonAttention
+    kw = dict(num_blocks=4096 // block_size * 16, block_size=block_size, attention=backend,
+              graphs=True, samples=3, continuous=True, max_running=9)  # three prompts at a time
+    unshared = generate_on_gpu(model, prompts, budgets, **kw)
+    shared = generate_on_gpu(model, prompts, budgets, share=True, **kw)
+    assert sum(shared.first_cached_tokens) >= 3 * (600 // block_size) * block_size
+    assert shared.output_tokens == unshared.output_tokens
+    assert all(shared.output_tokens[3 * i] == shared.output_tokens[3 * i + k]
+               for i in range(6) for k in (1, 2)), "greedy samples of one prompt are equal"
+
+
+def test_sampling_draws_the_same_tokens_with_and_without_sharing_on_the_gpu():
+    # In float64, so with the reference attention: flash-attn and the Triton kernel compute in
+    # bf16/fp16 and float32. Sampling turns any rounding difference into another token, and the
+    # runs compute the prompts in different batches (forks prefill a prompt once, copies K
+    # times; cached prefixes are read back, not recomputed), which round apart in lower precision.
+    model = random_model("tiny", "cuda", torch.float64, MAX_SEQ_LEN, seed=7)
+    g = torch.Generator().manual_seed(7)
+    prompts = prompts_after_a_system_prompt(4, g, system_tokens=100)
+    budgets = [20] * 4
+    kw = dict(num_blocks=1024, block_size=16, attention=TorchAttention, samples=3,
+              sampler=Sampler(temperature=1.0, top_p=0.95, seed=3))
+    unshared = generate_on_gpu(model, prompts, budgets, **kw)
+    shared = generate_on_gpu(model, prompts, budgets, share=True, continuous=True, max_running=6,
+                             **kw)
+    assert shared.num_copied_blocks > 0 and sum(shared.first_cached_tokens) > 0
+    assert len({tuple(t) for t in shared.output_tokens}) == 12, "every sample its own tokens"
+    assert shared.output_tokens == unshared.output_tokens

@@ -113,18 +113,25 @@ def test_naive_continuous_runs_one_max_length_block_per_request_and_never_preemp
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=12),
        st.sampled_from([1, 4, 16]), st.integers(0, 30), st.sampled_from([None, 1, 3]),
-       st.sampled_from([8, 64]))
+       st.sampled_from([8, 64]), st.sampled_from([1, 2, 3]), st.booleans(), st.integers(0, 20))
 def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spare_blocks,
-                                                      max_running, chunk_tokens):
-    """Driven without a model: a prefill or decode step gives each of its requests one token."""
-    prompt_lens = np.array([p for p, _ in requests])
-    limits = np.array([g for _, g in requests])
+                                                      max_running, chunk_tokens, samples, share,
+                                                      shared_prefix):
+    """Driven without a model: a prefill or decode step gives each of its requests one token.
+    With `share`, each prompt's `samples` fork and prompts beginning with the same
+    `shared_prefix` tokens share those blocks."""
+    prompts = [[7] * min(shared_prefix, p) + [100 + i] * (p - min(shared_prefix, p))
+               for i, (p, _) in enumerate(requests) for _ in range(samples)]
+    prompt_lens = np.array([len(p) for p in prompts])
+    limits = np.array([g for _, g in requests for _ in range(samples)])
+    n = len(prompts)
     largest = max(math.ceil((p + g - 1) / block_size) for p, g in requests)
-    manager = BlockManager(largest + spare_blocks, block_size, len(requests), largest)
+    manager = BlockManager(largest + spare_blocks, block_size, n, largest, share_samples=share,
+                           prefix_caching=share)
+    num_generated = np.zeros(n, dtype=np.int64)
+    tokens_of = lambda r: prompts[r] + [1000 * (r + 1) + i for i in range(num_generated[r])]
     scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=max_running,
-                          chunk_tokens=chunk_tokens,
-                          sequence_tokens=lambda r: [r] * (prompt_lens[r] + num_generated[r]))
-    num_generated = np.zeros(len(requests), dtype=np.int64)
+                          chunk_tokens=chunk_tokens, sequence_tokens=tokens_of, samples=samples)
     finished: set[int] = set()
     for _ in range(10_000):
         if not scheduler.has_work():
@@ -135,15 +142,18 @@ def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spar
         scheduler.finish(done)
         finished |= set(done.tolist())
         running, waiting = set(scheduler.running.tolist()), set(scheduler.waiting)
-        assert len(running) + len(waiting) + len(finished) == len(requests)
+        assert len(running) + len(waiting) + len(finished) == n
         assert not (running & waiting or running & finished or waiting & finished)
-        assert len(running) <= (max_running or len(requests))
-        owned = [b for blocks in manager.owned_blocks.values() for b in blocks]
-        assert len(owned) == len(set(owned)), "a block owned twice"
-        assert set(manager.owned_blocks) == running, "only running requests own blocks"
+        assert len(running) <= (max_running or n)
+        held = [b for blocks in manager.owned_blocks.values() for b in blocks]
+        counts = np.bincount(held, minlength=manager.num_blocks) if held else 0
+        assert (manager.ref_counts == counts).all(), "a reference count that is not its holders"
+        if not share:
+            assert len(held) == len(set(held)), "a block held twice"
+        assert set(manager.owned_blocks) == running, "only running requests hold blocks"
         for r in running:  # the cache holds every token of a running request but its newest
             assert manager.num_tokens[r] == prompt_lens[r] + num_generated[r] - 1
             assert len(manager.owned_blocks[r]) == math.ceil(manager.num_tokens[r] / block_size)
     assert not scheduler.has_work(), "the queue drains"
     assert (num_generated == limits).all()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert manager.num_free_blocks == manager.num_blocks and (manager.ref_counts == 0).all()

@@ -139,3 +139,31 @@ def test_continuous_batching_in_a_small_pool_preempts_and_keeps_every_token(tmp_
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_memory.py"), tmp_path / "static.json",
                           tmp_path / "continuous.json", "-o", png], capture_output=True, text=True)
     assert out.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", out.stderr
+
+
+def test_samples_and_a_system_prompt_share_blocks_and_say_how_much(tmp_path):
+    system = "You are a terse assistant. " * 12  # about 70 tokens: four full blocks of 16
+    runs = {}
+    for name, extra in [("shared", []), ("unshared", ["--no-sharing"])]:
+        out = run_script("llama3_paged.py", 4, *TINY, "--max-new-tokens", 8, "--block-size", 16,
+                         "--samples", 3, "--system-prompt", system, *extra,
+                         "--json", tmp_path / f"{name}.json")
+        assert out.returncode == 0, out.stderr
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert "sharing saved" in out.stdout or "prefix cache: off" in out.stdout
+    shared, unshared = runs["shared"], runs["unshared"]
+    outputs = [r["output_tokens"] for r in shared["requests"]]
+    assert outputs == [r["output_tokens"] for r in unshared["requests"]]
+    assert [r["sample"] for r in shared["requests"]] == [0, 1, 2] * 4
+    assert all(outputs[3 * i] == outputs[3 * i + k] for i in range(4) for k in (1, 2)), "greedy"
+    s, u = shared["sharing"], unshared["sharing"]
+    assert s["samples_forked"] == 8 and u["samples_forked"] == 0 and not u["prefix_caching"]
+    # The first request computes the common beginning (the system turn and the user turn's
+    # header); the other three find its full blocks.
+    prompts = [r["prompt_tokens"] for r in shared["requests"]]
+    common = next(i for i in range(len(prompts[0])) if len({tuple(p[:i + 1]) for p in prompts}) > 1)
+    assert common > s["system_prompt_tokens"] > 64
+    assert s["prompt_tokens_from_prefix_cache"] == 3 * (common // 16) * 16
+    assert s["saved_bytes_at_fullest_step"] > 0 == u["saved_bytes_at_fullest_step"]
+    assert shared["memory"]["at_fullest_step"]["reserved_bytes"] == s["at_fullest_step_reserved_bytes"]
+    assert u["at_fullest_step_unshared_bytes"] == u["at_fullest_step_reserved_bytes"]

@@ -4,6 +4,8 @@
     python tools/bench.py naive                  # the same W through llama3_naive.py's cache
     python tools/bench.py paged --attn torch     # W with the PyTorch reference attention
     python tools/bench.py paged --workload W2    # W2: a stream of 2,000 requests, --continuous
+    python tools/bench.py paged --workload W2 --system-prompt-file system_prompt.txt
+                                                 # W2 after a shared system prompt, cached once
 
 Workload W: the first 256 prompts of sharegpt_filtered.json, chat-formatted; exactly 256 new
 tokens each, greedy, end-of-text ignored; random 8b weights in bf16; --max-seq-len 1536 (so the
@@ -45,6 +47,7 @@ from engine.generate import PREFILL_CHUNK_TOKENS, EagerDecoder, generate_tokens,
 from engine.scheduler import Scheduler
 from engine.kv_cache import DecodeBatch
 from engine.report import GB
+from engine.sampling import Sampler
 from engine.setup import (DTYPES, argument_parser, fraction, load, one_paragraph_errors,
                           positive_int, sequence_length)
 
@@ -174,6 +177,9 @@ def parse_arguments(argv=None):
                    help="virtual only")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
+                   help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="paged only")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
@@ -194,10 +200,12 @@ def script_arguments(bench_args):
     argv += ["--eager"] if a.eager else []
     argv += ["--continuous"] if a.continuous else []
     argv += ["--max-running", str(a.max_running)] if a.max_running else []
+    argv += ["--system-prompt-file", str(a.system_prompt_file)] if a.system_prompt_file else []
     p = argument_parser(f"llama3_{a.script}.py", __doc__)
     if a.script == "paged":
         llama3_paged.add_pool_arguments(p)
         argv += ["--block-size", str(a.block_size)]
+        argv += ["--no-prefix-cache"] if a.no_prefix_cache else []
     if a.script == "virtual":
         llama3_virtual.add_layout_arguments(p)
         argv += ["--layout", a.layout]
@@ -210,7 +218,8 @@ def bench(a) -> dict:
     matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
     setup = load(script_arguments(a))
     cache, manager = SCRIPTS[a.script].allocate_kv_cache(setup)
-    decoder = make_decoder(setup.model, cache, manager,
+    sampler = Sampler()  # greedy
+    decoder = make_decoder(setup.model, cache, manager, sampler,
                            min(len(setup.requests), a.max_running or len(setup.requests)), not a.eager)
     prompts = [r.prompt_tokens for r in setup.requests]
     budgets = ([min(r.num_reply_tokens, a.new_tokens) for r in setup.requests] if a.sharegpt_replies
@@ -219,8 +228,10 @@ def bench(a) -> dict:
         budgets = [min(b, a.max_seq_len - len(p)) for p, b in zip(prompts, budgets)]
     run = lambda prompts, budgets: generate_tokens(
         setup.model, cache, manager, prompts, budgets, a.max_seq_len, stop_ids=set(),
-        continuous=a.continuous, max_running=a.max_running, decoder=decoder)
-    run(prompts[:8], [16] * min(8, len(prompts)))  # warm-up: kernels chosen, caches filled
+        continuous=a.continuous, max_running=a.max_running, decoder=decoder, sampler=sampler)
+    # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
+    # nothing of its own in the prefix cache.
+    run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
     torch.cuda.synchronize()
     mapping_before = cache.memory.seconds_mapping if a.script == "virtual" else 0.0
     start = time.perf_counter()
@@ -244,8 +255,13 @@ def bench(a) -> dict:
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
     flops = prefill_flops(setup.model.args, [len(p) for p in prompts])
-    # Recomputation prefills more than the prompts: then the prompts' FLOPs undercount the work.
-    prefill_share = flops / result.prefill_seconds / matmul_rate if not result.num_preemptions else None
+    tokenizer = setup.tokenizer  # <|begin_of_text|> and the system turn, that all prompts share
+    system = (len(tokenizer.chat_prompt("", setup.system_prompt)) - len(tokenizer.chat_prompt("")) + 1
+              if setup.system_prompt is not None else 0)
+    # Recomputation prefills more than the prompts, prefix caching less: then the prompts' FLOPs
+    # are not the work done.
+    exact = result.num_prefilled_tokens == result.num_prompt_tokens
+    prefill_share = flops / result.prefill_seconds / matmul_rate if exact else None
     return {
         "workload": vars(a) | {"json": str(a.json) if a.json else None},
         "device": torch.cuda.get_device_name(device),
@@ -262,6 +278,11 @@ def bench(a) -> dict:
         "preemptions": result.num_preemptions,
         "recomputed_tokens": result.num_recomputed_tokens,
         "max_running": result.most_running,
+        "num_prefilled_tokens": result.num_prefilled_tokens,
+        "prompt_tokens_from_prefix_cache": sum(result.first_cached_tokens),
+        "system_prompt_tokens": system,
+        "system_prompt_hit_percent": (100 * sum(min(c, system) for c in result.first_cached_tokens)
+                                      / (system * len(prompts)) if system else None),
         "decode_seconds": result.decode_seconds,
         "decode_steps": result.decode_steps,
         "median_step": {"step": median_step, "seconds": step_seconds,
@@ -299,10 +320,16 @@ def print_table(r: dict) -> None:
     share = r["prefill_share_of_matmul_rate"]
     print(f"  prefill             {r['prefill_seconds']:.2f} s"
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
-             f"{100 * share:.0f}% of the matmul rate" if share else ", recomputation included"))
+             f"{100 * share:.0f}% of the matmul rate" if share else
+             f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
     print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s")
     print(f"  scheduling          at most {r['max_running']:,} running at once; "
           f"{r['preemptions']:,} preemptions, {r['recomputed_tokens']:,} tokens recomputed")
+    print(f"  prefix cache        {r['prompt_tokens_from_prefix_cache']:,} of "
+          f"{r['num_prompt_tokens']:,} prompt tokens found cached; "
+          f"{r['num_prefilled_tokens']:,} tokens prefilled"
+          + (f"; {r['system_prompt_hit_percent']:.1f}% of the {r['system_prompt_tokens']:,}-token "
+             f"system prompt's tokens" if r["system_prompt_tokens"] else ""))
     print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['running_requests']}; bound "
           f"{m['bound_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
           f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_bound']:.2f}x the bound")
