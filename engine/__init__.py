@@ -3,6 +3,8 @@
     setup.py            the command line, loading, the memory left for KV, how failures end
     generate.py         the loop: admit, prefill, decode one token per step, retire
     scheduler.py        continuous batching: who waits, who runs, who is preempted
+    prefix_cache.py     full blocks found again by their tokens: a shared prefix stored once
+    sampling.py         the next token: greedy, or sampled with --temperature and --top-p
     kv_cache.py         the pool of K/V slots, written by slot and read through a block table
     virtual_kv_cache.py llama3_virtual.py's cache: contiguous virtual rows, pages mapped on demand
     page_manager.py     the block manager for those rows: it maps pages instead of writing a table
