@@ -68,10 +68,12 @@ class BlockManager:
         if needed > self.block_table.shape[1]:
             raise ValueError(f"{len(tokens)} tokens exceed the table's "
                              f"{self.block_table.shape[1]} blocks per request")
+        self._check_free(self.blocks_to_allocate(tokens))
         cached = self.cached_blocks(tokens)
-        self._check_free(needed - int((self.ref_counts[cached] > 0).sum()))
-        for block in cached:
-            self._hold(block)
+        for block in cached:  # one more holder; a cached block no one held leaves the free pool
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
         self.num_shared += len(cached)
         blocks = cached + [self._take_free() for _ in range(needed - len(cached))]
         self.owned_blocks[request] = blocks
@@ -101,23 +103,26 @@ class BlockManager:
 
         Only a request whose last block is full gets a new one; that is one block per
         `block_size` tokens, so the Python work here is for those few, not for every request."""
-        needs_block = requests[self.num_tokens[requests] % self.block_size == 0]
+        needs_block = requests[self.num_tokens[requests] % self.block_size == 0].tolist()
         must_copy = self._must_copy(requests)
         self._check_free(len(needs_block) + len(must_copy))
-        sources = [int(self.last_block[r]) for r in must_copy]
-        new_blocks = [self._take_free() for _ in range(len(needs_block) + len(must_copy))]
-        for request, block in zip(needs_block.tolist() + must_copy, new_blocks):
-            if request in must_copy:  # copy on write: the copy replaces the shared block
-                self._release(self.owned_blocks[request].pop())
+        new_blocks = [self._take_free() for _ in needs_block]
+        for request, block in zip(needs_block, new_blocks):
             self.owned_blocks[request].append(block)
-        changed = np.array(needs_block.tolist() + must_copy, dtype=np.int64)
+        # Copy on write: the copy replaces the shared block in the request's list and table row.
+        sources = [int(self.last_block[r]) for r in must_copy]
+        copies = [self._take_free() for _ in must_copy]
+        for request, source, copy in zip(must_copy, sources, copies):
+            self._release(source)
+            self.owned_blocks[request][-1] = copy
+        changed = np.array(needs_block + must_copy, dtype=np.int64)
         if len(changed):
-            self.last_block[changed] = new_blocks
-            # The new block's column: the next one, or for a copy the shared block's own.
-            self._place(changed, self.num_tokens[changed] // self.block_size, new_blocks)
+            self.last_block[changed] = new_blocks + copies
+            # The column of a new block is the next one; a copy takes the shared block's column.
+            self._place(changed, self.num_tokens[changed] // self.block_size, new_blocks + copies)
         self.num_tokens[requests] += 1
-        self.num_copied += len(must_copy)
-        return sources, new_blocks[len(needs_block):]
+        self.num_copied += len(copies)
+        return sources, copies
 
     def _must_copy(self, requests: np.ndarray) -> list[int]:
         """Requests whose next token goes into a block that is part full and shared. As each
@@ -150,11 +155,6 @@ class BlockManager:
             self.prefix_cache.forget(block)  # new tokens will overwrite what it held
         self.ref_counts[block] = 1
         return block
-
-    def _hold(self, block: int) -> None:
-        if self.ref_counts[block] == 0:  # a cached block no one held: out of the free pool
-            del self.free_blocks[block]
-        self.ref_counts[block] += 1
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
