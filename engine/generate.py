@@ -116,10 +116,12 @@ def prefill(model, cache, manager, sampler, requests: np.ndarray, sequences: lis
                               torch.long)
         fanout = [len(readers[i]) for i in chunk]
         last_token_rows = to_device(np.repeat(cu_seqlens[1:] - 1, fanout), torch.long)
+        # Every input is copied to the device before the forward pass is queued: a copy from
+        # host memory waits for the GPU to finish what it has, so one after it would stall.
+        reader_ids = to_device(np.concatenate(readers[chunk_start:chunk_end]), torch.long)
+        next_positions = to_device(np.repeat(lengths, fanout), torch.long)
         logits = model(tokens, positions, cache, batch, logits_at=last_token_rows)  # [readers, vocab]
-        next_tokens.append(sampler(logits, to_device(np.concatenate(readers[chunk_start:chunk_end]),
-                                                     torch.long),
-                                   to_device(np.repeat(lengths, fanout), torch.long)))
+        next_tokens.append(sampler(logits, reader_ids, next_positions))
         chunk_start = chunk_end
     return torch.cat(next_tokens)
 
