@@ -75,6 +75,17 @@ class Generation:
         return max(self.timeline, key=lambda s: s.filled_slots)
 
 
+def packed_chunks(sizes: list[int], chunk_tokens: int):
+    """Consecutive ranges of items whose sizes add up to at most chunk_tokens (one item at least)."""
+    start = 0
+    while start < len(sizes):
+        end, total = start + 1, sizes[start]
+        while end < len(sizes) and total + sizes[end] <= chunk_tokens:
+            total, end = total + sizes[end], end + 1
+        yield range(start, end)
+        start = end
+
+
 def prefill(model, cache, manager, sampler, requests: np.ndarray, sequences: list[list[int]],
             num_cached: np.ndarray, readers: list[np.ndarray], chunk_tokens: int, device):
     """Compute whole sequences (prompts, or a preempted request's prompt and outputs), packed into
@@ -82,47 +93,39 @@ def prefill(model, cache, manager, sampler, requests: np.ndarray, sequences: lis
     first num_cached[i] tokens, found in the prefix cache. Each request in readers[i] (requests[i]
     and the samples forked from it) draws its first token from sequence i's last position.
     Returns those tokens, [sum of len(readers)] on device, in the order of the readers."""
-    next_tokens = []
     to_device = lambda a, dtype: torch.from_numpy(np.asarray(a)).to(device, dtype)
     # A sequence cached whole still computes its last token, for the logits that choose the next
     # one; that token's K/V is in the cache already, so it is written to the spare slot.
     starts = [min(int(c), len(seq) - 1) for c, seq in zip(num_cached, sequences)]
-    chunk_start = 0
-    while chunk_start < len(sequences):
-        chunk_end, tokens_in_chunk = chunk_start, 0
-        while chunk_end < len(sequences) and (chunk_end == chunk_start or tokens_in_chunk
-                                              + len(sequences[chunk_end]) - starts[chunk_end] <= chunk_tokens):
-            tokens_in_chunk += len(sequences[chunk_end]) - starts[chunk_end]
-            chunk_end += 1
-        chunk = range(chunk_start, chunk_end)
+    next_tokens = []
+    for chunk in packed_chunks([len(s) - b for s, b in zip(sequences, starts)], chunk_tokens):
         lengths = [len(sequences[i]) for i in chunk]  # each sequence's tokens, cached and new
         new = [len(sequences[i]) - starts[i] for i in chunk]  # the tokens computed here
         cu_seqlens = np.concatenate([[0], np.cumsum(new)])
-        slots = []
-        for i in chunk:
-            seq_slots = manager.slots(int(requests[i]), starts[i], len(sequences[i]))
+        slots = [manager.slots(int(requests[i]), starts[i], len(sequences[i])) for i in chunk]
+        for i, seq_slots in zip(chunk, slots):
             seq_slots[:max(0, int(num_cached[i]) - starts[i])] = cache.spare_slot
-            slots.append(seq_slots)
         batch = PrefillBatch(slot_mapping=to_device(np.concatenate(slots), torch.long),
                              cu_seqlens=to_device(cu_seqlens, torch.int32),
                              cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=max(new))
         if any(starts[i] for i in chunk):  # attention must read the cached prefixes too
             cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
-            batch.block_table = manager.block_table[to_device(requests[chunk_start:chunk_end], torch.long)]
+            batch.block_table = manager.block_table[to_device(requests[chunk.start:chunk.stop],
+                                                              torch.long)]
             batch.cu_seqlens_k = to_device(cu_seqlens_k, torch.int32)
             batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), max(lengths)
         tokens = to_device(np.concatenate([sequences[i][starts[i]:] for i in chunk]), torch.long)  # [T]
         positions = to_device(np.concatenate([np.arange(starts[i], len(sequences[i])) for i in chunk]),
                               torch.long)
+        # Each reader samples from its sequence's last row: [readers in the chunk].
         fanout = [len(readers[i]) for i in chunk]
         last_token_rows = to_device(np.repeat(cu_seqlens[1:] - 1, fanout), torch.long)
-        # Every input is copied to the device before the forward pass is queued: a copy from
-        # host memory waits for the GPU to finish what it has, so one after it would stall.
-        reader_ids = to_device(np.concatenate(readers[chunk_start:chunk_end]), torch.long)
+        # Every input goes to the device before the forward pass is queued: a copy from host
+        # memory waits for the GPU to finish what it has, so one after it would stall.
+        reader_ids = to_device(np.concatenate(readers[chunk.start:chunk.stop]), torch.long)
         next_positions = to_device(np.repeat(lengths, fanout), torch.long)
         logits = model(tokens, positions, cache, batch, logits_at=last_token_rows)  # [readers, vocab]
         next_tokens.append(sampler(logits, reader_ids, next_positions))
-        chunk_start = chunk_end
     return torch.cat(next_tokens)
 
 
