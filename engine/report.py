@@ -137,12 +137,9 @@ def sharing_report(setup, manager, generation) -> dict:
     """What sharing blocks saved: the samples forked, the prompt tokens found in the prefix
     cache, and the KV memory at the fullest step against what the same requests would hold with
     no block shared (the PagedAttention paper's measure, section 6.3)."""
-    g, args, tokenizer = generation, setup.args, setup.tokenizer
+    g, args, system = generation, setup.args, setup.num_system_prompt_tokens
     prompt_lens = [len(r.prompt_tokens) for r in setup.requests for _ in range(args.samples)]
     computed = [r for r, forked in enumerate(g.forked) if not forked]  # not forked: prefilled
-    # <|begin_of_text|> and the system turn: the tokens every request begins with.
-    system = (len(tokenizer.chat_prompt("", setup.system_prompt)) - len(tokenizer.chat_prompt("")) + 1
-              if setup.system_prompt is not None else 0)
     from_cache = sum(g.first_cached_tokens)
     not_forked_tokens = sum(prompt_lens[r] for r in computed)
     system_from_cache = sum(min(g.first_cached_tokens[r], system) for r in computed)

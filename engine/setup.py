@@ -198,6 +198,14 @@ class Setup:
         return self.model.args.kv_bytes_per_token(self.dtype)
 
     @property
+    def num_system_prompt_tokens(self) -> int:
+        """<|begin_of_text|> and the system turn: the tokens every request begins with (0: none)."""
+        if self.system_prompt is None:
+            return 0
+        chat = self.tokenizer.chat_prompt
+        return len(chat("", self.system_prompt)) - len(chat("")) + 1
+
+    @property
     def num_sequences(self) -> int:
         """What the scheduler runs: each prompt's --samples."""
         return len(self.requests) * self.args.samples

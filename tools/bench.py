@@ -255,9 +255,7 @@ def bench(a) -> dict:
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
     flops = prefill_flops(setup.model.args, [len(p) for p in prompts])
-    tokenizer = setup.tokenizer  # <|begin_of_text|> and the system turn, that all prompts share
-    system = (len(tokenizer.chat_prompt("", setup.system_prompt)) - len(tokenizer.chat_prompt("")) + 1
-              if setup.system_prompt is not None else 0)
+    system = setup.num_system_prompt_tokens
     # Recomputation prefills more than the prompts, prefix caching less: then the prompts' FLOPs
     # are not the work done.
     exact = result.num_prefilled_tokens == result.num_prompt_tokens
