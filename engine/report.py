@@ -61,7 +61,8 @@ def print_answers(requests, generation, tokenizer, show_all: bool, samples: int)
     for i, request in enumerate(requests[:shown]):
         print(f"\n--- request {request.id} ---\n> {request.prompt.strip()[:300]}\n")
         for k in range(samples):  # request i's samples are sequences i*K .. i*K + K-1
-            print(f"[sample {k + 1} of {samples}]" if samples > 1 else "", end="\n" * (samples > 1))
+            if samples > 1:
+                print(f"[sample {k + 1} of {samples}]")
             print(tokenizer.decode(generation.output_tokens[i * samples + k]))
     if shown < len(requests):
         print(f"\n({len(requests) - shown} more answers; --show-all prints them)")

@@ -46,7 +46,7 @@ from block_manager import BlockManager
 from engine.generate import PREFILL_CHUNK_TOKENS, EagerDecoder, generate_tokens, make_decoder
 from engine.scheduler import Scheduler
 from engine.kv_cache import DecodeBatch
-from engine.report import GB
+from engine.report import GB, sharing_report
 from engine.sampling import Sampler
 from engine.setup import (DTYPES, argument_parser, fraction, load, one_paragraph_errors,
                           positive_int, sequence_length)
@@ -255,7 +255,7 @@ def bench(a) -> dict:
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
     flops = prefill_flops(setup.model.args, [len(p) for p in prompts])
-    system = setup.num_system_prompt_tokens
+    sharing = sharing_report(setup, manager, result)  # what the scripts report, from the same run
     # Recomputation prefills more than the prompts, prefix caching less: then the prompts' FLOPs
     # are not the work done.
     exact = result.num_prefilled_tokens == result.num_prompt_tokens
@@ -277,10 +277,9 @@ def bench(a) -> dict:
         "recomputed_tokens": result.num_recomputed_tokens,
         "max_running": result.most_running,
         "num_prefilled_tokens": result.num_prefilled_tokens,
-        "prompt_tokens_from_prefix_cache": sum(result.first_cached_tokens),
-        "system_prompt_tokens": system,
-        "system_prompt_hit_percent": (100 * sum(min(c, system) for c in result.first_cached_tokens)
-                                      / (system * len(prompts)) if system else None),
+        "prompt_tokens_from_prefix_cache": sharing["prompt_tokens_from_prefix_cache"],
+        "system_prompt_tokens": sharing["system_prompt_tokens"],
+        "system_prompt_hit_percent": sharing["system_prompt_hit_percent"],
         "decode_seconds": result.decode_seconds,
         "decode_steps": result.decode_steps,
         "median_step": {"step": median_step, "seconds": step_seconds,
