@@ -7,18 +7,15 @@ a single column and request r's row is [r]. A request that stops after 300 token
 8,192 of its slots, which is why this script runs out of memory at a small batch.
 """
 
-from engine.errors import exit_quietly_on_ctrl_c
+from plumbing.cli import exit_quietly_on_ctrl_c
 
 SCRIPT = "llama3_naive.py"
 exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
 
 from block_manager import BlockManager
-from engine.generate import generate
-from engine.kv_cache import KVCache
-from engine.max_batch import find_max_batch
-from engine.errors import OUT_OF_MEMORY, UserError
-from engine.report import GB, report
-from engine.setup import argument_parser, kv_budget_bytes, load, one_paragraph_errors
+from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors
+from plumbing.report import GB, report
+from plumbing.setup import generate, kv_budget_bytes, kv_cache, load
 
 
 def allocate_kv_cache(setup):
@@ -38,18 +35,17 @@ def allocate_kv_cache(setup):
             f"of KV cache to reserve up front, and the KV budget is {budget / GB:,.3f} GB: "
             f"{fits} requests fit. Try fewer requests or a smaller --max-seq-len, or "
             f"llama3_paged.py, which reserves only the blocks requests fill.", OUT_OF_MEMORY)
-    cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
-                    setup.attention)
+    cache = kv_cache(setup, num_blocks, block_size)
     # The block table the kernel reads: [N, 1], one column: request r's row is its one block.
-    manager = BlockManager(num_blocks, block_size, max_requests=setup.num_sequences,
-                           max_blocks_per_request=1, device=setup.device)
-    return cache, manager
+    return cache, BlockManager(num_blocks, block_size, setup.num_sequences, 1, setup.device)
 
 
 def main(argv=None) -> None:
     with one_paragraph_errors(SCRIPT):
         setup = load(argument_parser(SCRIPT, __doc__).parse_args(argv))  # the model, the first N prompts
-        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.find_max_batch:
+            from plumbing.max_batch import find_max_batch
+            return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         report(setup, cache, manager, generate(setup, cache, manager))
 

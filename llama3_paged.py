@@ -9,7 +9,7 @@ full, and takes every block back the moment the request finishes. flash-attn's p
 each request's blocks through the block table, so they need not be contiguous.
 """
 
-from engine.errors import exit_quietly_on_ctrl_c
+from plumbing.cli import exit_quietly_on_ctrl_c
 
 SCRIPT = "llama3_paged.py"
 exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
@@ -17,14 +17,9 @@ exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends i
 import math
 
 from block_manager import BlockManager
-from engine.attention import FLASH_BLOCK_MULTIPLE
-from engine.errors import OUT_OF_MEMORY, UserError
-from engine.generate import generate
-from engine.kv_cache import KVCache
-from engine.max_batch import find_max_batch
-from engine.report import GB, report
-from engine.setup import (argument_parser, kv_budget_bytes, load, one_paragraph_errors,
-                          positive_int)
+from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors, positive_int
+from plumbing.report import GB, report
+from plumbing.setup import FLASH_BLOCK_MULTIPLE, generate, kv_budget_bytes, kv_cache, load
 
 
 def add_pool_arguments(parser) -> None:
@@ -37,7 +32,8 @@ def add_pool_arguments(parser) -> None:
                              "--kv-budget-gb)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full, even where its first blocks are in "
-                             "the pool already (prefix caching is on by default)")
+                             "the pool already (prefix caching is on with --system-prompt or "
+                             "--system-prompt-file, where requests share their first blocks)")
     parser.add_argument("--no-sharing", action="store_true",
                         help="every sequence holds blocks of its own: no prefix caching, and "
                              "--samples prefill a copy of the prompt each (the comparison run)")
@@ -56,16 +52,19 @@ def allocate_kv_cache(setup):
                         f"{kv_budget_bytes(setup) / GB:,.3f} GB. Use a smaller --block-size or a "
                         f"larger --kv-budget-gb.", OUT_OF_MEMORY)
     max_blocks_per_request = math.ceil(args.max_seq_len / block_size)
-    cache = KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
-                    setup.attention)
-    # The block table the kernel reads: [N x K, max_blocks_per_request], row r = request r's
-    # blocks (with --samples K, each sample is a request). Blocks can appear in several rows:
-    # samples of a prompt share it, and prompts share their cached prefix.
-    manager = BlockManager(num_blocks, block_size, max_requests=setup.num_sequences,
-                           max_blocks_per_request=max_blocks_per_request, device=setup.device,
-                           share_samples=not args.no_sharing,
-                           prefix_caching=not (args.no_sharing or args.no_prefix_cache))
-    return cache, manager
+    cache = kv_cache(setup, num_blocks, block_size)
+    # The block table the kernel reads: [N, max_blocks_per_request], row r = request r's blocks
+    # (with --samples K, each sample is a request).
+    # Blocks are shared where requests begin with the same tokens: samples of one prompt, or
+    # prompts after one system prompt (the prefix cache). Elsewhere the prefix cache would find
+    # next to nothing (1% of W2's prompt tokens), and the plain block manager runs.
+    prefix_caching = setup.system_prompt is not None and not args.no_prefix_cache
+    if args.no_sharing or not (args.samples > 1 or prefix_caching):
+        return cache, BlockManager(num_blocks, block_size, setup.num_sequences,
+                                   max_blocks_per_request, setup.device)
+    from features.sharing import SharingBlockManager
+    return cache, SharingBlockManager(cache, setup.num_sequences, max_blocks_per_request,
+                                      prefix_caching)
 
 
 def main(argv=None) -> None:
@@ -73,7 +72,9 @@ def main(argv=None) -> None:
         parser = argument_parser(SCRIPT, __doc__)
         add_pool_arguments(parser)
         setup = load(parser.parse_args(argv))  # the model and the first N prompts
-        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.find_max_batch:
+            from plumbing.max_batch import find_max_batch
+            return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         report(setup, cache, manager, generate(setup, cache, manager))
 

@@ -11,18 +11,16 @@ non-paged one: the rows are contiguous, so it needs no block table. Needs CUDA, 
 the cuda-python package.
 """
 
-from engine.errors import exit_quietly_on_ctrl_c
+from plumbing.cli import exit_quietly_on_ctrl_c
 
 SCRIPT = "llama3_virtual.py"
 exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
 
-from engine.errors import OUT_OF_MEMORY, UserError
-from engine.generate import generate
-from engine.max_batch import find_max_batch
-from engine.page_manager import PageManager
-from engine.report import GB, report
-from engine.setup import argument_parser, kv_budget_bytes, load, one_paragraph_errors
-from engine.virtual_kv_cache import LAYOUTS, VirtualKVCache
+from features.page_manager import PageManager
+from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
+from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors
+from plumbing.report import GB, report
+from plumbing.setup import generate, kv_budget_bytes, load
 
 
 def add_layout_arguments(parser):
@@ -62,7 +60,9 @@ def main(argv=None) -> None:
         args = add_layout_arguments(argument_parser(SCRIPT, __doc__)).parse_args(argv)
         setup = load(args)  # the model and the first N prompts
         require_cuda_and_flash_attn(setup)
-        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.find_max_batch:
+            from plumbing.max_batch import find_max_batch
+            return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         generation = generate(setup, cache, manager)
         report(setup, cache, manager, generation)

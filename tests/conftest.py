@@ -73,3 +73,31 @@ def hf_to_meta(model, out_dir: Path) -> Path:
     (out_dir / "params.json").write_text(json.dumps(params))
     torch.save({k: v.clone() for k, v in meta.items()}, out_dir / "consolidated.00.pth")
     return out_dir
+
+
+def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
+             continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False):
+    """Run prompts through the core engine as the scripts do (plumbing/setup.py's generate):
+    request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
+    `graphs`: decode through CUDA graphs (features/cuda_graphs.py)."""
+    from core.engine import EagerDecoder, Engine, greedy
+    from core.request import Request, Scheduler
+    from features.continuous import ContinuousScheduler
+    requests = [Request(r, p, min(b, max_seq_len - len(p)))
+                for r, (p, b) in enumerate(zip(prompts, budgets))]
+    scheduler = (ContinuousScheduler(manager, requests, max_running, chunk_tokens) if continuous
+                 else Scheduler(manager, requests))
+    sampler = sampler or greedy
+    decoder = EagerDecoder(model, cache, manager.block_table, sampler)
+    if graphs:
+        from features.cuda_graphs import GraphDecoder
+        decoder = GraphDecoder(decoder, max_running or len(requests))
+    engine = Engine(model, cache, manager, sampler, decoder)
+    engine.chunk_tokens = chunk_tokens
+    return engine.generate(scheduler, set(stop_ids), progress=False)
+
+
+def request(row: int, n: int, first: int = 0):
+    """A request of n distinct prompt tokens, for the block manager's tests."""
+    from core.request import Request
+    return Request(row, tokens(n, first), max_new_tokens=1)

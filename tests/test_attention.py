@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import TorchAttention
-from engine.kv_cache import DecodeBatch
+from core.attention import TorchAttention
+from core.kv_cache import DecodeBatch
 
 
 def dense_attention(q, keys, values):

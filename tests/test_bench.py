@@ -3,10 +3,10 @@
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine.attention import TorchAttention
+from core.attention import TorchAttention
 from tools.bench import parse_arguments, prefill_flops, script_arguments, weight_bytes_read_per_step
-from engine.checkpoints import random_model
-from engine.kv_cache import KVCache, PrefillBatch
+from plumbing.checkpoints import random_model
+from core.kv_cache import KVCache, PrefillBatch
 
 
 def test_prefill_flops_match_pytorchs_count():

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from engine.checkpoints import load_model, random_model
-from engine.errors import UserError
+from plumbing.checkpoints import load_model, random_model
+from plumbing.cli import UserError
 
 
 def test_missing_checkpoint_names_the_files_and_the_download(tmp_path):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
 
-import engine.errors
-import engine.prompts
+import plumbing.cli
+import plumbing.prompts
 import llama3_naive
 import llama3_paged
 from tools import bench, build_prompts, plot_memory
@@ -179,7 +179,7 @@ def test_a_damaged_prompts_file_exits_2(content, fragment, tmp_path, monkeypatch
     prompts = tmp_path / "sharegpt_filtered.json"
     if content is not None:
         prompts.write_text(content)
-    monkeypatch.setattr(engine.prompts, "PROMPTS_FILE", prompts)
+    monkeypatch.setattr(plumbing.prompts, "PROMPTS_FILE", prompts)
     assert_one_paragraph(*run_main(llama3_paged.main, ["1", *TINY], capsys)[::2], 2, fragment)
 
 
@@ -203,7 +203,7 @@ def test_running_out_of_memory_or_blocks_exits_1_with_the_numbers(script, argv, 
 
 
 def test_the_8b_model_on_a_small_machine_exits_1_with_the_numbers(monkeypatch, capsys):
-    monkeypatch.setattr(engine.errors, "host_available_bytes", lambda: 8 * 10**9)
+    monkeypatch.setattr(plumbing.cli, "host_available_bytes", lambda: 8 * 10**9)
     code, _, err = run_main(llama3_paged.main, ["2", "--random-weights", "--device", "cpu"], capsys)
     assert_one_paragraph(code, err, 1, "the model's weights needs 32.")  # 8.0 G params in fp32
     assert "8.00 GB available" in err

@@ -8,7 +8,7 @@ import torch
 
 import llama3_naive
 import llama3_paged
-from engine.model import PRESETS
+from core.model import PRESETS
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import TorchAttention
+from core.attention import TorchAttention
 from block_manager import BlockManager
-from conftest import tokens
-from engine.errors import OutOfBlocks
-from engine.checkpoints import random_model
-from engine.generate import decode_step, generate_tokens
-from engine.kv_cache import KVCache
-from engine.sampling import Sampler
+from conftest import generate, request
+from block_manager import OutOfBlocks
+from plumbing.checkpoints import random_model
+from core.engine import EagerDecoder, Engine
+from core.request import Request, Scheduler
+from core.kv_cache import KVCache
+from features.sampling import Sampler
 
 MAX_SEQ_LEN = 96
 
@@ -27,8 +28,8 @@ def run(model, prompts, budgets, num_blocks, block_size, stop_ids=frozenset(), c
     cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
     manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
                            max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
-    result = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(stop_ids),
-                             chunk_tokens=chunk_tokens, progress=False)
+    result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, stop_ids,
+                      chunk_tokens=chunk_tokens)
     return result, manager
 
 
@@ -102,23 +103,53 @@ def test_timeline_matches_the_owned_blocks(model):
         assert s.reserved_slots == sum(math.ceil((lengths[r] + s.step + 1) / 4) * 4 for r in live)
 
 
+def cached_keys_after_prefill_and_one_decode(model, prompts, num_blocks, block_size):
+    """Each request's K at positions 0..n, read from the pool at manager.slots(row, position),
+    after a prefill and one decode step of the core engine."""
+    cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
+    manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
+    requests = [Request(r, p, 5) for r, p in enumerate(prompts)]
+    scheduler, engine = Scheduler(manager, requests), Engine(model, cache, manager)
+    with torch.inference_mode():
+        first = engine.prefill(scheduler.schedule()).numpy()
+        step = scheduler.schedule()
+        slots = manager.slots(step.rows, step.positions)
+        engine.decoder.step(first, step.positions, step.rows, slots)
+    return [cache.k[:, manager.slots(np.full(len(p) + 1, r), np.arange(len(p) + 1))]
+            for r, p in enumerate(prompts)]
+
+
+def test_prefill_and_decode_write_each_token_where_slots_says(model):
+    """One translation from position to slot serves both passes: the paged pool, read through
+    slots, holds what the naive layout holds, for prompt tokens (prefill) and the next (decode)."""
+    prompts = random_prompts([6, 3, 8], seed=8)
+    paged = cached_keys_after_prefill_and_one_decode(model, prompts, num_blocks=8, block_size=4)
+    naive = cached_keys_after_prefill_and_one_decode(model, prompts, 3, MAX_SEQ_LEN)
+    for p, n in zip(paged, naive):
+        torch.testing.assert_close(p, n)
+        assert p.abs().sum() > 0
+
+
 def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
-    # CUDA graphs pad a batch up to a fixed size with rows at position -1.
+    # CUDA graphs pad a batch up to a fixed size with rows that write the spare slot.
     cache = KVCache(model.args, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu",
                     attention=TorchAttention())
     manager = BlockManager(8, 4, max_requests=2, max_blocks_per_request=4)
     torch.manual_seed(8)
     cache.k.normal_(), cache.v.normal_()  # stand-ins for the tokens cached so far
-    manager.allocate(0, tokens(7)), manager.allocate(1, tokens(4))  # 6 and 3 cached, plus this step's token
-    fed, positions, requests = torch.tensor([11, 12]), torch.tensor([6, 3]), torch.tensor([0, 1])
+    manager.allocate(request(0, 7)), manager.allocate(request(1, 4))  # the newest at 6 and 3
+    decoder = EagerDecoder(model, cache, manager.block_table)
+    rows, positions = np.array([0, 1]), np.array([6, 3])
+    fed = np.array([11, 12])
     before = cache.k.clone()
     with torch.inference_mode():
-        plain = decode_step(model, cache, manager.block_table, Sampler(), fed, positions, requests, 7)
+        plain = decoder.step(fed, positions, rows, manager.slots(rows, positions))
         written = cache.k.clone()
         cache.k.copy_(before)
-        padded = decode_step(model, cache, manager.block_table, Sampler(), torch.cat([fed, fed]),
-                             torch.cat([positions, torch.tensor([-1, -1])]),
-                             torch.cat([requests, torch.tensor([0, 1])]), 7)
+        spare = np.full(2, cache.spare_slot)
+        padded = decoder.step(np.tile(fed, 2), np.concatenate([positions, [0, 0]]),
+                              np.tile(rows, 2),
+                              np.concatenate([manager.slots(rows, positions), spare]))
     assert padded[:2].tolist() == plain.tolist()
     spare = cache.spare_slot
     torch.testing.assert_close(cache.k[:, :spare], written[:, :spare])

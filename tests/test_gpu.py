@@ -9,14 +9,18 @@ import torch
 
 from conftest import ROOT
 
-from engine.attention import FlashAttention, TorchAttention, TritonAttention, importable
+from core.attention import FlashAttention, TorchAttention
+from conftest import generate
+from features.sharing import SharingBlockManager
+from plumbing.setup import importable
 from block_manager import BlockManager
-from engine.checkpoints import random_model
-from engine.cuda_graphs import GraphDecoder
-from engine.generate import EagerDecoder, generate_tokens
-from engine.kv_cache import DecodeBatch, KVCache, PrefillBatch
-from engine.page_manager import PageManager
-from engine.sampling import Sampler
+from plumbing.checkpoints import random_model
+from core.kv_cache import DecodeBatch, KVCache, PrefillBatch
+from features.page_manager import PageManager
+from features.sampling import Sampler
+
+if importable("triton"):
+    from features.triton_attention import TritonAttention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and importable("flash_attn")), reason="needs CUDA and flash-attn")]
@@ -67,17 +71,17 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
-    n, sampler = len(prompts), sampler or Sampler()
+    n = len(prompts)
     cache = KVCache(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
                     attention())
-    manager = BlockManager(num_blocks, block_size, n, math.ceil(MAX_SEQ_LEN / block_size), "cuda",
-                           share_samples=share, prefix_caching=share)
-    decoder = (GraphDecoder(EagerDecoder(model, cache, manager.block_table, sampler), n)
-               if graphs else None)
-    result = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
-                             continuous=continuous, progress=False, decoder=decoder,
-                             sampler=sampler, samples=samples, max_running=max_running)
-    assert manager.num_free_blocks == num_blocks and (manager.ref_counts == 0).all()
+    max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
+    manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=True) if share
+               else BlockManager(num_blocks, block_size, n, max_blocks, "cuda"))
+    result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
+                      max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs)
+    assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
+    result.first_cached_tokens = manager.first_cached[:n].tolist() if share else [0] * n
+    result.num_copied_blocks = manager.num_copied if share else 0
     return result
 
 
@@ -126,7 +130,7 @@ needs_triton = pytest.mark.skipif(not importable("triton"), reason="needs Triton
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 def test_triton_paged_decode_matches_float64_attention(gqa, block_size, dtype):
-    from engine.triton_attention import paged_decode
+    from features.triton_attention import paged_decode
     g = torch.Generator(device="cuda").manual_seed(gqa * 1000 + block_size)
     batch, n_kv, d, longest = 10, 2, 128, 4096
     lengths = torch.randint(1, longest + 1, (batch,), device="cuda", generator=g)
@@ -192,7 +196,7 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32():
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
 def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
-    from engine.virtual_kv_cache import VirtualKVCache
+    from features.virtual_kv_cache import VirtualKVCache
     model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
     prompts = random_prompts(8, torch.Generator().manual_seed(0))
     budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
@@ -203,9 +207,8 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
     num_pages = 8 * cache.pages_per_row  # every row could fill up
     cache.create_pages(num_pages)
     manager = PageManager(num_pages, cache.tokens_per_page, 8, cache.pages_per_row, cache, "cuda")
-    decoder = GraphDecoder(EagerDecoder(model, cache, manager.block_table, Sampler()), 8)
-    virtual = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
-                              progress=False, decoder=decoder)
+    virtual = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, chunk_tokens=8192,
+                       graphs=True)
     assert virtual.output_tokens == paged.output_tokens == naive.output_tokens
     # Every page back in the pool; only the spare row's first page is still mapped.
     assert manager.num_free_blocks == num_pages and not manager.owned_blocks

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import hf_to_meta, tiny_hf_model
 
-from engine.attention import TorchAttention
-from engine.checkpoints import load_model
-from engine.kv_cache import KVCache, PrefillBatch
+from core.attention import TorchAttention
+from plumbing.checkpoints import load_model
+from core.kv_cache import KVCache, PrefillBatch
 
 PROMPT_LENGTHS = [5, 17, 40, 1]
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tokens
-from engine.errors import OutOfBlocks
-from engine.page_manager import PageManager
+from conftest import request
+from block_manager import OutOfBlocks
+from features.page_manager import PageManager
 
 
 class FakeMapper:
@@ -34,14 +34,14 @@ def manager(num_pages=8, tokens_per_page=4, max_requests=3, pages_per_row=5):
 
 def test_a_prompt_maps_the_pages_it_fills_and_its_slots_are_its_row():
     m = manager()
-    m.allocate(1, tokens(9))  # 9 tokens: pages 0, 1 and 2 of request 1's row
+    m.allocate(request(1, 9))  # 9 tokens: pages 0, 1 and 2 of request 1's row
     assert m.mapper.under == {(1, 0): 0, (1, 1): 1, (1, 2): 2}
-    assert m.slots(1, 0, 9).tolist() == list(range(40, 49))  # its row, 2 (row 0 is spare), at 2 * 5 * 4
+    assert m.slots(np.full(9, 1), np.arange(9)).tolist() == list(range(40, 49))  # its row, 2 (row 0 is spare), at 2 * 5 * 4
 
 
 def test_a_page_is_mapped_exactly_when_the_next_token_crosses_into_it():
     m = manager()
-    m.allocate(0, tokens(4))  # one full page
+    m.allocate(request(0, 4))  # one full page
     m.append_token(np.array([0]))  # token 4 starts page 1
     assert set(m.mapper.under) == {(0, 0), (0, 1)}
     for _ in range(3):  # tokens 5 to 7 fill page 1: nothing mapped
@@ -54,32 +54,32 @@ def test_a_page_is_mapped_exactly_when_the_next_token_crosses_into_it():
 def test_the_block_table_lists_each_rows_virtual_pages_and_never_changes():
     m = manager()
     table = m.block_table.clone()
-    # Request r's table row lists the pages of virtual row r + 1; the padding row, row 0's.
-    assert table.tolist() == [[5 * (r + 1) + j for j in range(5)] for r in range(3)] + [list(range(5))]
-    m.allocate(0, tokens(6)), m.allocate(2, tokens(3)), m.append_token(np.array([0, 2])), m.free(0)
+    # Request r's table row lists the pages of virtual row r + 1 (row 0 is the cache's spare).
+    assert table.tolist() == [[5 * (r + 1) + j for j in range(5)] for r in range(3)]
+    m.allocate(request(0, 6)), m.allocate(request(2, 3)), m.append_token(np.array([0, 2])), m.free(request(0, 0))
     assert (m.block_table == table).all()
 
 
 def test_freeing_unmaps_every_page_and_returns_it_to_the_pool():
     m = manager()
-    m.allocate(0, tokens(13))
-    m.allocate(1, tokens(2))
-    m.free(0)
+    m.allocate(request(0, 13))
+    m.allocate(request(1, 2))
+    m.free(request(0, 0))
     assert m.mapper.under == {(1, 0): 4} and m.num_free_blocks == 7
-    m.free(1)
+    m.free(request(1, 0))
     assert m.mapper.under == {} and m.num_free_blocks == 8 and m.num_reserved_slots == 0
 
 
 def test_running_out_of_pages_maps_nothing_and_changes_nothing():
     m = manager(num_pages=3)
-    m.allocate(0, tokens(4))
-    m.allocate(1, tokens(8))
+    m.allocate(request(0, 4))
+    m.allocate(request(1, 8))
     under, num_tokens = dict(m.mapper.under), m.num_tokens.copy()
     with pytest.raises(OutOfBlocks):
         m.append_token(np.array([0, 1]))  # both cross into a new page; none is free
     assert m.mapper.under == under and (m.num_tokens == num_tokens).all()
     with pytest.raises(OutOfBlocks):
-        m.allocate(2, tokens(1))
+        m.allocate(request(2, 1))
     assert m.mapper.under == under
 
 
@@ -92,18 +92,18 @@ operations = st.lists(st.tuples(st.sampled_from(["admit", "append", "free"]),
 def test_the_pages_under_each_row_are_the_pages_it_owns_under_any_operations(ops, tokens_per_page,
                                                                               num_pages):
     m = PageManager(num_pages, tokens_per_page, 4, 64, FakeMapper())
-    for op, request, count in ops:
+    for op, row, count in ops:
         try:
-            if op == "admit" and request not in m.owned_blocks:
-                m.allocate(request, tokens(count))
+            if op == "admit" and row not in m.owned_blocks:
+                m.allocate(request(row, count))
             elif op == "append":
                 m.append_token(np.array(sorted(m.owned_blocks), dtype=np.int64))
-            elif op == "free" and request in m.owned_blocks:
-                m.free(request)
+            elif op == "free" and row in m.owned_blocks:
+                m.free(request(row, 0))
         except OutOfBlocks:
             pass
         expected = {(r, j): page for r, pages in m.owned_blocks.items() for j, page in enumerate(pages)}
         assert m.mapper.under == expected
-    for request in list(m.owned_blocks):
-        m.free(request)
+    for row in list(m.owned_blocks):
+        m.free(request(row, 0))
     assert m.mapper.under == {} and m.num_free_blocks == num_pages

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from engine.sampling import Sampler
+from features.sampling import Sampler
 
 DRAWS = 40_000
 

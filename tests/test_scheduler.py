@@ -9,12 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import BlockManager
-from engine.attention import TorchAttention
-from engine.checkpoints import random_model
-from engine.errors import UserError
-from engine.generate import generate_tokens
-from engine.kv_cache import KVCache
-from engine.scheduler import Scheduler
+from core.attention import TorchAttention
+from plumbing.checkpoints import random_model
+from plumbing.cli import UserError
+from conftest import generate
+from core.kv_cache import KVCache
+from core.request import Request
+from features.continuous import ContinuousScheduler, RequestTooLarge
+from features.sharing import SharingBlockManager
 
 MAX_SEQ_LEN = 640  # room for prompts of two blocks of 256 and their new tokens
 
@@ -28,9 +30,20 @@ def run(model, prompts, budgets, num_blocks, block_size, **scheduling):
     cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
     manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
                            max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
-    result = generate_tokens(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, set(),
-                             progress=False, **scheduling)
+    scheduling.setdefault("chunk_tokens", 8192)
+    result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, **scheduling)
     return result, manager
+
+
+def feed_one_token(step) -> list:
+    """What the engine does with a step's tokens, without a model: one token for each of its
+    requests (distinct, so that no two requests' outputs look alike); returns those done."""
+    done = []
+    for request in step.requests:
+        request.output_tokens.append(1000 * (request.row + 1) + len(request.output_tokens))
+        if len(request.output_tokens) >= request.max_new_tokens:
+            done.append(request)
+    return done
 
 
 def random_prompts(lengths, seed):
@@ -49,7 +62,7 @@ def test_preemption_changes_no_token(model, block_size):
     needed = max(math.ceil((len(p) + b - 1) / block_size) for p, b in zip(prompts, budgets))
     continuous, manager = run(model, prompts, budgets, num_blocks=needed, block_size=block_size,
                               continuous=True)
-    assert continuous.num_preemptions > 0 and continuous.num_recomputed_tokens > 0
+    assert continuous.scheduler.num_preemptions > 0 and continuous.scheduler.num_recomputed_tokens > 0
     assert continuous.output_tokens == static.output_tokens
     assert manager.num_free_blocks == needed and not manager.owned_blocks, "every block back"
 
@@ -60,21 +73,18 @@ def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
     # readmits the preempted one, which recomputes its prompt and its first token.
     prompts, budgets = random_prompts([4, 4], seed=5), [2, 5]  # 1 grows to 8 tokens: 2 blocks
     manager = BlockManager(2, 4, max_requests=2, max_blocks_per_request=8)
-    scheduler = Scheduler(manager, np.array([4, 4]), np.array(budgets), continuous=True,
-                          max_running=None, chunk_tokens=64,
-                          sequence_tokens=lambda r: prompts[r] + [0] * num_generated[r])
-    num_generated = np.zeros(2, dtype=np.int64)
+    requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    scheduler = ContinuousScheduler(manager, requests, max_running=None, chunk_tokens=64)
     steps = []
     while scheduler.has_work():
-        step = scheduler.schedule(num_generated)
-        steps.append(("prefill" if step.is_prefill else "decode", step.requests.tolist()))
-        num_generated[step.requests] += 1
-        scheduler.finish(step.requests[num_generated[step.requests] >= np.array(budgets)[step.requests]])
+        step = scheduler.schedule()
+        steps.append(("prefill" if step.is_prefill else "decode", step.rows.tolist()))
+        scheduler.finish(feed_one_token(step))
     assert steps[:3] == [("prefill", [0, 1]), ("decode", [0]), ("prefill", [1])]
     assert scheduler.num_preemptions == 1 and scheduler.num_recomputed_tokens == 4
     static, _ = run(model, prompts, budgets, num_blocks=8, block_size=4)
     continuous, _ = run(model, prompts, budgets, num_blocks=2, block_size=4, continuous=True)
-    assert continuous.output_tokens == static.output_tokens and continuous.num_preemptions == 1
+    assert continuous.output_tokens == static.output_tokens and continuous.scheduler.num_preemptions == 1
 
 
 def test_the_queue_drains_and_running_never_exceeds_max_running(model):
@@ -91,9 +101,9 @@ def test_the_queue_drains_and_running_never_exceeds_max_running(model):
 
 def test_a_request_larger_than_the_whole_pool_is_refused_up_front(model):
     prompts = random_prompts([20, 5], seed=8)
-    with pytest.raises(UserError) as refused:  # 20 + 30 - 1 tokens need 7 blocks of 8; there are 6
+    with pytest.raises(RequestTooLarge) as refused:  # 20 + 30 - 1 tokens need 7 blocks of 8; there are 6
         run(model, prompts, [30, 5], num_blocks=6, block_size=8, continuous=True)
-    assert refused.value.exit_code == 1 and "could never finish" in str(refused.value)
+    assert (refused.value.request.row, refused.value.blocks, refused.value.num_blocks) == (0, 7, 6)
 
 
 def test_naive_continuous_runs_one_max_length_block_per_request_and_never_preempts(model):
@@ -103,7 +113,7 @@ def test_naive_continuous_runs_one_max_length_block_per_request_and_never_preemp
     orca_max, _ = run(model, prompts, budgets, num_blocks=2, block_size=MAX_SEQ_LEN,
                       continuous=True)
     assert orca_max.output_tokens == static.output_tokens
-    assert orca_max.num_preemptions == 0 and orca_max.most_running == 2
+    assert orca_max.scheduler.num_preemptions == 0 and orca_max.most_running == 2
     # A request never outgrows its block, so no block is held back as headroom: 10 of 10 run.
     many, _ = run(model, random_prompts([5] * 12, seed=10), [3] * 12, num_blocks=10,
                   block_size=MAX_SEQ_LEN, continuous=True)
@@ -122,38 +132,48 @@ def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spar
     `shared_prefix` tokens share those blocks."""
     prompts = [[7] * min(shared_prefix, p) + [100 + i] * (p - min(shared_prefix, p))
                for i, (p, _) in enumerate(requests) for _ in range(samples)]
-    prompt_lens = np.array([len(p) for p in prompts])
-    limits = np.array([g for _, g in requests for _ in range(samples)])
+    limits = [g for _, g in requests for _ in range(samples)]
     n = len(prompts)
     largest = max(math.ceil((p + g - 1) / block_size) for p, g in requests)
-    manager = BlockManager(largest + spare_blocks, block_size, n, largest, share_samples=share,
-                           prefix_caching=share)
-    num_generated = np.zeros(n, dtype=np.int64)
-    tokens_of = lambda r: prompts[r] + [1000 * (r + 1) + i for i in range(num_generated[r])]
-    scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=max_running,
-                          chunk_tokens=chunk_tokens, sequence_tokens=tokens_of, samples=samples)
+    num_blocks, max_blocks = largest + spare_blocks, largest
+    manager = (SharingBlockManager(FakeCache(num_blocks, block_size), n, max_blocks, True) if share
+               else BlockManager(num_blocks, block_size, n, max_blocks))
+    queue = [Request(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
+    scheduler = ContinuousScheduler(manager, queue, max_running, chunk_tokens)
     finished: set[int] = set()
     for _ in range(10_000):
         if not scheduler.has_work():
             break
-        step = scheduler.schedule(num_generated)
-        num_generated[step.requests] += 1
-        done = step.requests[num_generated[step.requests] >= limits[step.requests]]
+        step = scheduler.schedule()
+        done = feed_one_token(step)
         scheduler.finish(done)
-        finished |= set(done.tolist())
-        running, waiting = set(scheduler.running.tolist()), set(scheduler.waiting)
+        finished |= {r.row for r in done}
+        running, waiting = set(scheduler.rows.tolist()), {r.row for r in scheduler.waiting}
+        assert running == {r.row for r in scheduler.running}
         assert len(running) + len(waiting) + len(finished) == n
         assert not (running & waiting or running & finished or waiting & finished)
         assert len(running) <= (max_running or n)
         held = [b for blocks in manager.owned_blocks.values() for b in blocks]
-        counts = np.bincount(held, minlength=manager.num_blocks) if held else 0
-        assert (manager.ref_counts == counts).all(), "a reference count that is not its holders"
-        if not share:
+        if share:
+            counts = np.bincount(held, minlength=manager.num_blocks) if held else 0
+            assert (manager.ref_counts == counts).all(), "a reference count that is not its holders"
+        else:
             assert len(held) == len(set(held)), "a block held twice"
         assert set(manager.owned_blocks) == running, "only running requests hold blocks"
-        for r in running:  # the cache holds every token of a running request but its newest
-            assert manager.num_tokens[r] == prompt_lens[r] + num_generated[r] - 1
-            assert len(manager.owned_blocks[r]) == math.ceil(manager.num_tokens[r] / block_size)
+        for r in scheduler.running:  # the cache holds every token of a running request but its newest
+            assert manager.num_tokens[r.row] == len(r.tokens) - 1
+            assert len(manager.owned_blocks[r.row]) == math.ceil(manager.num_tokens[r.row] / block_size)
     assert not scheduler.has_work(), "the queue drains"
-    assert (num_generated == limits).all()
-    assert manager.num_free_blocks == manager.num_blocks and (manager.ref_counts == 0).all()
+    assert all(len(r.output_tokens) == r.max_new_tokens for r in queue)
+    assert manager.num_free_blocks == manager.num_blocks
+    if share:
+        assert (manager.ref_counts == 0).all()
+
+
+class FakeCache:
+    """A KV cache of one layer, head and value per slot: what SharingBlockManager copies."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.block_shape, self.spare_slot = (num_blocks, block_size, 1, 1), num_blocks * block_size
+        self.k, self.v = (torch.zeros(1, self.spare_slot + 1, 1, 1) for _ in range(2))

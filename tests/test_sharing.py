@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from engine.attention import TorchAttention
-from engine.checkpoints import random_model
-from engine.generate import generate_tokens
-from engine.kv_cache import KVCache
-from engine.sampling import Sampler
+from core.attention import TorchAttention
+from plumbing.checkpoints import random_model
+from conftest import generate
+from features.sharing import SharingBlockManager
+from core.kv_cache import KVCache
+from features.sampling import Sampler
 
 MAX_SEQ_LEN = 160
 
@@ -29,18 +30,26 @@ def model64():
 
 def run(model, prompts, budgets, block_size=8, num_blocks=256, samples=1, share=False,
         prefix_caching=False, sampler=None, **scheduling):
-    """Each prompt's `samples` sequences, as generate() lays them out: r*K .. r*K + K-1."""
+    """Each prompt's `samples` sequences, as the scripts lay them out: r*K .. r*K + K-1."""
     dtype = model.output.weight.dtype
     cache = KVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttention())
     sequences = [p for p in prompts for _ in range(samples)]
-    manager = BlockManager(num_blocks, block_size, max_requests=len(sequences),
-                           max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size),
-                           share_samples=share, prefix_caching=prefix_caching)
-    result = generate_tokens(model, cache, manager, sequences,
-                             [b for b in budgets for _ in range(samples)], MAX_SEQ_LEN, set(),
-                             progress=False, sampler=sampler, samples=samples, **scheduling)
+    max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
+    sharing = share or prefix_caching
+    manager = (SharingBlockManager(cache, len(sequences), max_blocks, prefix_caching) if sharing
+               else BlockManager(num_blocks, block_size, len(sequences), max_blocks))
+    scheduling.setdefault("chunk_tokens", 8192)
+    result = generate(model, cache, manager, sequences, [b for b in budgets for _ in range(samples)],
+                      MAX_SEQ_LEN, sampler=sampler, **scheduling)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks, "every block back"
-    assert (manager.ref_counts == 0).all()
+    if sharing:
+        assert (manager.ref_counts == 0).all()
+    n = len(sequences)
+    result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
+    result.forked = manager.forked[:n].tolist() if sharing else [False] * n
+    result.first_cached_tokens = manager.first_cached[:n].tolist() if sharing else [0] * n
+    result.num_copied_blocks = manager.num_copied if sharing else 0
+    result.unshared_slots = manager.unshared_slots_at_step if sharing else None
     return result
 
 
@@ -61,10 +70,10 @@ def test_k_greedy_samples_equal_the_single_greedy_output(model):
         assert forked.output_tokens[3 * r:3 * r + 3] == [expected] * 3
     assert sum(forked.forked) == 2 * len(prompts), "two of each prompt's three samples forked"
     assert forked.num_prefilled_tokens == single.num_prefilled_tokens, "each prompt computed once"
-    # Copy on write: a prompt that ends inside a block leaves it shared by three samples; the
-    # first two to write copy it, the last writes in place. A prompt of whole blocks needs none.
-    part_full = sum(n % 8 != 0 for n in LENGTHS)
-    assert forked.num_copied_blocks == 2 * part_full
+    # Copy on write: a sample forked from a prompt of n tokens computes token n - 1 itself, in
+    # a block the three samples hold, unless that token opens a block (n % 8 == 1): of those
+    # that write into it, all but the last holder copy it first.
+    assert forked.num_copied_blocks == 2 * sum(n % 8 != 1 for n in LENGTHS)
 
 
 def test_forked_samples_hold_less_memory_than_copies_of_the_prompt(model):
@@ -73,12 +82,17 @@ def test_forked_samples_hold_less_memory_than_copies_of_the_prompt(model):
     shared = run(model, prompts, budgets, samples=4, share=True)
     unshared = run(model, prompts, budgets, samples=4)
     assert shared.output_tokens == unshared.output_tokens
-    first = shared.timeline[0]  # each sample holds its prompt and one new token
-    assert first.unshared_slots == unshared.timeline[0].reserved_slots
-    # Shared: each prompt's full blocks once; each sample a last block of its own.
-    full = sum(len(p) // 8 for p in prompts)
-    own = sum(4 * (math.ceil((len(p) + 1) / 8) - len(p) // 8) for p in prompts)
-    assert first.reserved_slots == 8 * (full + own) < first.unshared_slots
+    # At the second decode step the first sample holds its prompt and two new tokens, the three
+    # forked one step behind it, one new token. The blocks before the forks' own first write
+    # (token n - 1) are held once; every block from there on, by its sample alone.
+    second = shared.timeline[1]
+    shared_blocks = sum((len(p) - 1) // 8 for p in prompts)
+    own = sum(math.ceil((len(p) + 2) / 8) + 3 * math.ceil((len(p) + 1) / 8) - 4 * ((len(p) - 1) // 8)
+              for p in prompts)
+    assert second.reserved_slots == 8 * (shared_blocks + own) < shared.unshared_slots[1]
+    unshared_at_second = sum(8 * (math.ceil((len(p) + 2) / 8) + 3 * math.ceil((len(p) + 1) / 8))
+                             for p in prompts)
+    assert shared.unshared_slots[1] == unshared_at_second
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
@@ -96,17 +110,18 @@ def test_prefix_caching_on_and_off_give_identical_tokens(model, block_size):
     assert on.num_prefilled_tokens == off.num_prefilled_tokens - 5 * cached_per_request
 
 
-def test_a_prompt_cached_whole_recomputes_only_its_last_token(model):
-    # Two blocks exactly, asked twice: the second request finds both blocks, yet needs the
-    # logits of its last token, so that token is computed again (its K/V is not rewritten).
+def test_a_prompt_cached_whole_computes_its_last_block_again(model):
+    # Two blocks exactly, asked twice: the second request needs the logits of its last token,
+    # and a slot of its own for that token's K/V, so it takes only the first block from the
+    # cache and computes the second (vLLM does the same).
     prompt = random_prompts([16], seed=5)[0]
     budgets = [11, 11]
     alone = run(model, [prompt], budgets[:1])
     twice = run(model, [prompt, prompt], budgets, continuous=True, max_running=1,
                 prefix_caching=True)
     assert twice.output_tokens == [alone.output_tokens[0]] * 2
-    assert twice.first_cached_tokens == [0, 16]
-    assert twice.num_prefilled_tokens == 16 + 1
+    assert twice.first_cached_tokens == [0, 8]
+    assert twice.num_prefilled_tokens == 16 + 8
 
 
 def test_a_preempted_request_comes_back_to_its_cached_blocks(model):

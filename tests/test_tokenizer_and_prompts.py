@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from engine.prompts import PROMPTS_FILE, load_requests
-from engine.tokenizer import load_tokenizer
+from plumbing.prompts import PROMPTS_FILE, load_prompts
+from plumbing.prompts import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_prompts_are_filtered_sharegpt_in_dataset_order(tokenizer):
 
 
 def test_loader_gives_chat_prompts_and_reply_lengths(tokenizer):
-    requests = load_requests(3, tokenizer)
+    requests = load_prompts(3, tokenizer)
     records = json.loads(PROMPTS_FILE.read_text(encoding="utf-8"))[:3]
     assert [r.id for r in requests] == [record["id"] for record in records]
     for request, record in zip(requests, records):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from engine.errors import UserError, exit_quietly_on_ctrl_c, writable_file
+from plumbing.cli import UserError, exit_quietly_on_ctrl_c, writable_file
 
 exit_quietly_on_ctrl_c("bench.py")  # before torch loads
 
@@ -43,13 +43,13 @@ import llama3_naive
 import llama3_paged
 import llama3_virtual
 from block_manager import BlockManager
-from engine.generate import PREFILL_CHUNK_TOKENS, EagerDecoder, generate_tokens, make_decoder
-from engine.scheduler import Scheduler
-from engine.kv_cache import DecodeBatch
-from engine.report import GB, sharing_report
-from engine.sampling import Sampler
-from engine.setup import (DTYPES, argument_parser, fraction, load, one_paragraph_errors,
-                          positive_int, sequence_length)
+from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy
+from core.kv_cache import DecodeBatch
+from core.request import Request
+from features.continuous import ContinuousScheduler
+from plumbing.cli import argument_parser, fraction, one_paragraph_errors, positive_int, sequence_length
+from plumbing.report import GB, sharing_report
+from plumbing.setup import DTYPES, load, make_decoder, make_scheduler
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 WORKLOADS = {  # what each flag left unset takes
@@ -115,15 +115,18 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     prompt_lens, limits = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
     manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
                            max_requests=n, max_blocks_per_request=2048 // block_size)
-    scheduler = Scheduler(manager, prompt_lens, limits, continuous=True, max_running=running,
-                          chunk_tokens=PREFILL_CHUNK_TOKENS,
-                          sequence_tokens=lambda r: [0] * (prompt_lens[r] + num_generated[r]))
-    num_generated, times = np.zeros(n, dtype=np.int64), []
+    requests = [Request(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
+    scheduler = ContinuousScheduler(manager, requests, running, PREFILL_CHUNK_TOKENS)
+    times = []
     while scheduler.has_work() and len(times) < steps:
         start = time.perf_counter()
-        step = scheduler.schedule(num_generated)
-        num_generated[step.requests] += 1
-        scheduler.finish(step.requests[num_generated[step.requests] >= limits[step.requests]])
+        step = scheduler.schedule()
+        done = []
+        for request in step.requests:  # as core.engine.record does with the sampled tokens
+            request.output_tokens.append(0)
+            if len(request.output_tokens) >= request.max_new_tokens:
+                done.append(request)
+        scheduler.finish(done)
         if not step.is_prefill:  # admissions are a prefill's host work
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -140,7 +143,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
     for r, n in enumerate(lengths):
         if manager.blocks_needed(n) > manager.num_free_blocks:
             break
-        manager.allocate(r, [0] * n)
+        manager.allocate(Request(r, [0] * n, 1))
         fitting.append(n)
     lengths = fitting
     args = setup.model.args
@@ -218,17 +221,18 @@ def bench(a) -> dict:
     matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
     setup = load(script_arguments(a))
     cache, manager = SCRIPTS[a.script].allocate_kv_cache(setup)
-    sampler = Sampler()  # greedy
-    decoder = make_decoder(setup.model, cache, manager, sampler,
-                           min(len(setup.requests), a.max_running or len(setup.requests)), not a.eager)
-    prompts = [r.prompt_tokens for r in setup.requests]
-    budgets = ([min(r.num_reply_tokens, a.new_tokens) for r in setup.requests] if a.sharegpt_replies
+    decoder = make_decoder(setup, cache, manager, greedy,
+                           min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
+    engine = Engine(setup.model, cache, manager, greedy, decoder)
+    prompts = [p.prompt_tokens for p in setup.prompts]
+    budgets = ([min(p.num_reply_tokens, a.new_tokens) for p in setup.prompts] if a.sharegpt_replies
                else [a.new_tokens] * len(prompts))
     if a.sharegpt_replies:  # W2's "at most": a request also stops at --max-seq-len
         budgets = [min(b, a.max_seq_len - len(p)) for p, b in zip(prompts, budgets)]
-    run = lambda prompts, budgets: generate_tokens(
-        setup.model, cache, manager, prompts, budgets, a.max_seq_len, stop_ids=set(),
-        continuous=a.continuous, max_running=a.max_running, decoder=decoder, sampler=sampler)
+
+    def run(prompts, budgets):
+        requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+        return engine.generate(make_scheduler(setup, manager, requests), progress=False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
@@ -273,8 +277,8 @@ def bench(a) -> dict:
         "prefill_seconds": result.prefill_seconds,
         "prefill_flops": flops,
         "prefill_share_of_matmul_rate": prefill_share,
-        "preemptions": result.num_preemptions,
-        "recomputed_tokens": result.num_recomputed_tokens,
+        "preemptions": getattr(result.scheduler, "num_preemptions", 0),
+        "recomputed_tokens": getattr(result.scheduler, "num_recomputed_tokens", 0),
         "max_running": result.most_running,
         "num_prefilled_tokens": result.num_prefilled_tokens,
         "prompt_tokens_from_prefix_cache": sharing["prompt_tokens_from_prefix_cache"],

@@ -14,12 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from engine.errors import UserError, exit_quietly_on_ctrl_c, writable_file
+from plumbing.cli import UserError, exit_quietly_on_ctrl_c, writable_file
 
 exit_quietly_on_ctrl_c("build_prompts.py")
 
-from engine.prompts import PROMPTS_FILE
-from engine.tokenizer import load_tokenizer
+from plumbing.prompts import PROMPTS_FILE, load_tokenizer
 
 NUM_RECORDS = 4000  # enough that a paged run on a 141 GB GPU runs out of memory first
 

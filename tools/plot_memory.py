@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from engine.errors import exit_quietly_on_ctrl_c, writable_file
+from plumbing.cli import exit_quietly_on_ctrl_c, writable_file
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 

@@ -16,16 +16,16 @@ Two layouts of the rows (--layout):
   flash-attn reads as long as the last dimension is contiguous.
 
 Row 0 belongs to no request (request r lives in row r + 1): its first page stays mapped, for
-the padding rows of a CUDA-graph step (their K/V go to its first slot, the spare slot, and they
-read it back), and because torch takes a tensor over a range only where its first page is mapped.
+the padding rows of a CUDA-graph step (their K/V go to its first slot, the spare slot), and
+because torch takes a tensor over a range only where its first page is mapped.
 """
 
 import sys
 
 import torch
 
-from engine.kv_cache import PrefillBatch
-from engine.virtual_memory import VirtualMemory
+from core.kv_cache import PrefillBatch
+from features.virtual_memory import VirtualMemory
 
 LAYOUTS = ["per-token", "per-layer"]
 

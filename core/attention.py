@@ -1,18 +1,15 @@
-"""Attention over a block-table KV cache, three ways: the PyTorch reference, flash-attn, and a
-Triton kernel (`triton_attention.py`) for GPUs without flash-attn.
+"""Attention over a block-table KV cache, two ways: the PyTorch reference and flash-attn.
+(features/triton_attention.py adds a Triton kernel, for GPUs without flash-attn.)
 
 Both read the same pool, `[num_blocks, block_size, n_kv_heads, head_dim]` per layer, through the
 same `block_table` (`[batch, max_blocks]`: row r lists the physical blocks of request r, in order)
 and `cache_seqlens` (`[batch]`: how many of those slots hold tokens).
 """
 
-import importlib
 import math
 
 import torch
 import torch.nn.functional as F
-
-from engine.errors import UserError
 
 FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
 
@@ -94,66 +91,3 @@ class FlashAttention:
                                 cache_seqlens=batch.cache_seqlens, block_table=batch.block_table,
                                 causal=True)
         return out[:, 0]
-
-
-class TritonAttention:
-    """Decode through the Triton kernel in triton_attention.py, which reads blocks of any
-    power-of-two size from 16 up; prefill through PyTorch's SDPA on the packed prompts."""
-
-    name = "triton"
-    cuda_graphs = True  # the kernel reads block_table and cache_seqlens on the GPU
-
-    def __init__(self):
-        from engine.triton_attention import paged_decode
-        self.paged_decode = paged_decode
-
-    def prefill(self, q, k, v, batch):
-        """One SDPA call for the whole chunk: the prompts as a nested (jagged) tensor, which
-        PyTorch's fused kernels take on CUDA. They want as many K/V heads as query heads."""
-        group = q.shape[1] // k.shape[1]
-        offsets, bounds = batch.cu_seqlens.long(), batch.cu_seqlens_host
-        shortest = min(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-        as_nested = lambda t: torch.nested.nested_tensor_from_jagged(  # [B, heads, length, d]
-            t.contiguous(), offsets, min_seqlen=shortest, max_seqlen=batch.max_seqlen  # no sync
-        ).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            as_nested(q), as_nested(k.repeat_interleave(group, 1)),
-            as_nested(v.repeat_interleave(group, 1)), is_causal=True)
-        return out.transpose(1, 2).values()  # [T, n_heads, d]
-
-    # After a cached prefix, the reference's loop: the fused SDPA kernels' causal mask is aligned
-    # to the first key, which is right only where a prompt has no cached tokens before its own.
-    prefill_after_prefix = TorchAttention.prefill_after_prefix
-
-    def decode(self, q, key_blocks, value_blocks, batch):
-        return self.paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)
-
-
-def importable(module: str) -> bool:
-    """Whether an optional package (flash_attn, triton) is installed and loads."""
-    try:
-        importlib.import_module(module)
-        return True
-    except ImportError:
-        return False
-
-
-def choose_attention(name: str, device: torch.device):
-    """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
-    PyTorch reference."""
-    if name == "auto":
-        name = ("torch" if device.type != "cuda" else "flash" if importable("flash_attn")
-                else "triton" if importable("triton") else "torch")
-    if name == "torch":
-        return TorchAttention()
-    if device.type != "cuda":
-        raise UserError(f"--attn {name} needs a CUDA device; use --attn torch on the CPU.")
-    if name == "triton":
-        if not importable("triton"):
-            raise UserError("--attn triton: Triton is not installed (it comes with PyTorch's CUDA "
-                            "builds); use --attn torch.")
-        return TritonAttention()
-    if not importable("flash_attn"):
-        raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
-                        "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
-    return FlashAttention()

@@ -23,18 +23,18 @@ class PageManager(BlockManager):
                  pages_per_row: int, mapper, device="cpu"):
         super().__init__(num_pages, tokens_per_page, max_requests, pages_per_row, device)
         self.mapper, self.row_tokens = mapper, pages_per_row * tokens_per_page
-        # The fixed table: request r lives in virtual row r + 1 and its table row lists that row's
-        # pages. The padding row points at row 0, whose first page is always mapped.
-        rows = torch.arange(1, max_requests + 2, dtype=torch.int32) % (max_requests + 1)
+        # The fixed table: request r lives in virtual row r + 1 (row 0 is the cache's spare row)
+        # and its table row lists that row's pages.
+        rows = torch.arange(1, max_requests + 1)
         self.block_table.copy_(rows[:, None] * pages_per_row + torch.arange(pages_per_row))
 
-    def _place(self, requests: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
-        for request, column, page in zip(requests.tolist(), columns.tolist(), pages):
-            self.mapper.map(page, request, column)
+    def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
+        for row, column, page in zip(rows.tolist(), columns.tolist(), pages):
+            self.mapper.map(page, row, column)
 
-    def _clear(self, request: int, pages: list[int]) -> None:
-        self.mapper.unmap(request, len(pages))
+    def _clear(self, row: int, pages: list[int]) -> None:
+        self.mapper.unmap(row, len(pages))
 
-    def slots(self, request: int, start: int, end: int) -> np.ndarray:
-        """Positions start..end-1 of the request's row: contiguous, whatever pages are under it."""
-        return (request + 1) * self.row_tokens + np.arange(start, end)
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Position p of request r is slot p of its row: contiguous, whatever pages are under it."""
+        return (rows + 1) * self.row_tokens + positions

@@ -7,12 +7,17 @@ running weighted sum of values `acc`, rescaled by exp(m_old - m_new) whenever th
 So every cached K and V is read once, and the scores never leave the chip. The query heads that
 share the KV head (GQA) are handled together, so one read of a block serves all of them.
 
-Triton comes with PyTorch on CUDA: this kernel needs no package beyond torch.
+`TritonAttention` plugs it into the cache as the third attention backend (--attn triton):
+decode through this kernel, which reads blocks of any power-of-two size from 16 up, and prefill
+through PyTorch's SDPA. Triton comes with PyTorch on CUDA: it needs no package beyond torch.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from core.attention import TorchAttention
 
 TOKENS_PER_TILE = 64  # tokens loaded per loop step, whatever the block size: a tile of 64 tokens
                       # spans four blocks of 16, or a quarter of a block of 256
@@ -77,3 +82,31 @@ def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens) -> tor
         GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=TOKENS_PER_TILE,
         num_warps=NUM_WARPS)
     return out
+
+
+class TritonAttention:
+    """Decode through `paged_decode`; prefill through PyTorch's SDPA on the packed prompts."""
+
+    name = "triton"
+    cuda_graphs = True  # the kernel reads block_table and cache_seqlens on the GPU
+
+    def prefill(self, q, k, v, batch):
+        """One SDPA call for the whole chunk: the prompts as a nested (jagged) tensor, which
+        PyTorch's fused kernels take on CUDA. They want as many K/V heads as query heads."""
+        group = q.shape[1] // k.shape[1]
+        offsets, bounds = batch.cu_seqlens.long(), batch.cu_seqlens_host
+        shortest = min(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+        as_nested = lambda t: torch.nested.nested_tensor_from_jagged(  # [B, heads, length, d]
+            t.contiguous(), offsets, min_seqlen=shortest, max_seqlen=batch.max_seqlen  # no sync
+        ).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            as_nested(q), as_nested(k.repeat_interleave(group, 1)),
+            as_nested(v.repeat_interleave(group, 1)), is_causal=True)
+        return out.transpose(1, 2).values()  # [T, n_heads, d]
+
+    # After a cached prefix, the reference's loop: the fused SDPA kernels' causal mask is aligned
+    # to the first key, which is right only where a prompt has no cached tokens before its own.
+    prefill_after_prefix = TorchAttention.prefill_after_prefix
+
+    def decode(self, q, key_blocks, value_blocks, batch):
+        return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)

@@ -14,9 +14,10 @@ import time
 
 import torch
 
-from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError
-from engine.generate import generate
-from engine.report import GB, memory_report, write_json
+from block_manager import OutOfBlocks
+from plumbing.cli import OUT_OF_MEMORY, UserError
+from plumbing.report import GB, memory_report, write_json
+from plumbing.setup import generate
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ def run_batch(setup, allocate_kv_cache):
 def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
     """One run of the first `num_requests` prompts, in this process."""
     args = argparse.Namespace(**vars(setup.args) | {"num_requests": num_requests})
-    batch = dataclasses.replace(setup, args=args, requests=setup.requests[:num_requests])
+    batch = dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
     start = time.perf_counter()
     try:
         generation, memory = run_batch(batch, allocate_kv_cache)

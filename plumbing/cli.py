@@ -1,33 +1,80 @@
-"""Everything a run needs around its KV cache: the command line, the model, the prompts, how much
-memory is left for KV, and how a failure ends the program.
+"""The command line: the flags every script takes, and how a run ends.
 
-The scripts parse the same arguments (the paged and virtual ones add their own) and `load` the
-same things. Each then asks `kv_budget_bytes` how much memory its KV cache may take.
+Every failure a user can cause or hit ends the program with one paragraph and an exit code,
+never a traceback: `one_paragraph_errors` words the errors of the layers below in flags.
+
+This module imports nothing heavy: a script installs `exit_quietly_on_ctrl_c` before it imports
+torch, so that Ctrl-C during the imports ends in one line too.
 """
 
 import argparse
 import contextlib
 import math
+import os
+import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from engine.attention import choose_attention
-from engine.checkpoints import load_model, random_model
-from engine.errors import OUT_OF_MEMORY, OutOfBlocks, UserError, writable_file
-from engine.generate import PREFILL_CHUNK_TOKENS
-from engine.kv_cache import KVCache, PrefillBatch
-from engine.prompts import SYSTEM_PROMPT_FILE, load_requests
-from engine.report import GB
-from engine.sampling import ROWS_AT_ONCE, Sampler
-from engine.tokenizer import load_tokenizer
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_POSITIONS = 131_072  # Llama 3.1's longest context; a longer --max-seq-len has no model to run
 CPU_KV_BUDGET_GB = 0.125  # on the CPU the naive cache fits 7 requests in it, as the original
                           # experiment's 24 GB GPU did; the paged one fits about 300
+SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent.parent / "system_prompt.txt"
+
+USAGE = 2  # bad arguments, missing or damaged files: fix the command and run again
+OUT_OF_MEMORY = 1  # the run itself did not fit: fewer requests or a smaller cache
+INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
+
+
+class UserError(Exception):
+    """Printed as a message without a traceback; the scripts exit with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = USAGE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def host_available_bytes() -> int:
+    """Memory the CPU can still hand out: Linux's MemAvailable, else all physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(needed_bytes: int, what: str, advice: str) -> None:
+    """Refuse a host allocation that cannot fit, before making it. Linux hands out memory it does
+    not have (overcommit) and kills the process when it is touched, so an allocation that
+    "succeeds" is no proof: the check must come first."""
+    available = host_available_bytes()
+    if needed_bytes > available:
+        raise UserError(f"Out of memory: {what} needs {needed_bytes / 1e9:,.2f} GB, and the CPU "
+                        f"has {available / 1e9:,.2f} GB available. {advice}", OUT_OF_MEMORY)
+
+
+def writable_file(text: str) -> Path:
+    """Checked before the run, so that no result is computed only to be lost."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return path
+
+
+def exit_quietly_on_ctrl_c(program: str) -> None:
+    """Ctrl-C at any moment (importing, loading, inside the decode loop) prints one line and
+    exits 130. os._exit, not an exception: no half-finished `finally` can print a traceback."""
+    def interrupted(signum, frame):
+        sys.stdout.flush()
+        print(f"\n{program}: interrupted (Ctrl-C).", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)
+    signal.signal(signal.SIGINT, interrupted)
 
 
 # Argument types: each refuses a value that makes no sense before anything is loaded (exit 2).
@@ -91,9 +138,10 @@ def seed(text: str) -> int:
     return value
 
 
-def device(text: str) -> torch.device:
+def device(text: str):
     """cpu, or cuda / cuda:N for a GPU that is there: torch accepts more (meta, mps, ...) than
     this project can compute on."""
+    import torch
     try:
         parsed = torch.device(text)
     except RuntimeError:
@@ -114,6 +162,7 @@ def device(text: str) -> torch.device:
 def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     """The flags every script takes. `script` names the program in messages and reports; the
     first line of `description` (the script's docstring) heads --help."""
+    import torch  # for the default device, once the script has loaded it
     p = argparse.ArgumentParser(prog=script, description=description.strip().split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.set_defaults(script=script)
@@ -133,7 +182,7 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                    help="shapes for --random-weights")
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
                    help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
                         "else the PyTorch reference")
@@ -182,137 +231,11 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
-class Setup:
-    args: argparse.Namespace
-    device: torch.device
-    dtype: torch.dtype
-    model: torch.nn.Module
-    attention: object
-    tokenizer: object
-    requests: list
-    system_prompt: str | None = None  # the system turn every request begins with, if any
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.model.args.kv_bytes_per_token(self.dtype)
-
-    @property
-    def num_system_prompt_tokens(self) -> int:
-        """<|begin_of_text|> and the system turn: the tokens every request begins with (0: none)."""
-        if self.system_prompt is None:
-            return 0
-        chat = self.tokenizer.chat_prompt
-        return len(chat("", self.system_prompt)) - len(chat("")) + 1
-
-    @property
-    def num_sequences(self) -> int:
-        """What the scheduler runs: each prompt's --samples."""
-        return len(self.requests) * self.args.samples
-
-
-def load(args) -> Setup:
-    """Check the arguments, then load tokenizer, prompts and model: all before any KV memory."""
-    if args.max_running and not args.continuous:
-        raise UserError("--max-running limits continuous batching; add --continuous (a static "
-                        "batch runs all N requests at once).")
-    if args.top_p < 1 and args.temperature == 0:
-        raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
-                        "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
-    device = args.device
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    attention = choose_attention(args.attn, device)
-    ckpt_dir = None if args.random_weights else args.ckpt_dir
-    tokenizer = load_tokenizer(args.tokenizer, ckpt_dir)
-    system = system_prompt(args)
-    requests = load_requests(args.num_requests, tokenizer, system)
-    too_long = [r for r in requests if len(r.prompt_tokens) >= args.max_seq_len]
-    if too_long:
-        raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
-                        f"prompt, leaving no room to generate within --max-seq-len "
-                        f"{args.max_seq_len}. Raise --max-seq-len.")
-    if args.random_weights:
-        print("Random weights: end-of-text is ignored and each request generates as many tokens "
-              "as its ShareGPT reply (at most --max-new-tokens).")
-        model = random_model(args.model, device, dtype, args.max_seq_len, args.seed)
-    else:
-        model = load_model(args.ckpt_dir, device, dtype, args.max_seq_len)
-    if model.args.vocab_size < tokenizer.encoding.n_vocab:  # an id past the embedding table
-        raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
-                        f"tokenizer's {tokenizer.encoding.n_vocab:,}: they do not belong together.")
-    return Setup(args, device, dtype, model, attention, tokenizer, requests, system)
-
-
-def system_prompt(args) -> str | None:
-    if args.system_prompt_file is None:
-        return args.system_prompt
-    try:
-        return args.system_prompt_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"Could not read --system-prompt-file {args.system_prompt_file}: {e}") from e
-
-
-def kv_budget_bytes(setup) -> float:
-    """The memory the KV cache may take, the same for every script: --kv-budget-gb if given. Else
-    on CUDA --gpu-memory-utilization of the GPU's memory, less what is allocated (the weights),
-    less the peak of the activations; on the CPU, whose memory is not the point, a small fixed
-    budget, so that the naive cache runs out there as it does on a GPU."""
-    if setup.args.kv_budget_gb:
-        return setup.args.kv_budget_gb * GB
-    if setup.device.type != "cuda":
-        return CPU_KV_BUDGET_GB * GB
-    total = torch.cuda.get_device_properties(setup.device).total_memory
-    allowed = total * setup.args.gpu_memory_utilization
-    weights = torch.cuda.memory_allocated(setup.device)
-    budget = allowed - weights - activation_peak_bytes(setup)
-    if budget <= 0:
-        raise UserError(f"No GPU memory left for KV blocks: {allowed / GB:.1f} GB allowed, "
-                        f"{weights / GB:.1f} GB taken by the weights. Raise "
-                        f"--gpu-memory-utilization or use a smaller --model.", OUT_OF_MEMORY)
-    return budget
-
-
-def activation_peak_bytes(setup) -> int:
-    """Measured, not guessed: run one full prefill chunk on a throwaway cache and read the peak.
-    Decode needs less, apart from the logits of the whole batch, which are added."""
-    model, seq_len = setup.model, min(PREFILL_CHUNK_TOKENS, setup.args.max_seq_len)
-    total = (PREFILL_CHUNK_TOKENS // seq_len) * seq_len
-    scratch = KVCache(model.args, num_blocks=1, block_size=PREFILL_CHUNK_TOKENS, dtype=setup.dtype,
-                      device=setup.device, attention=setup.attention)  # total <= one chunk
-    bounds = list(range(0, total + 1, seq_len))
-    batch = PrefillBatch(slot_mapping=torch.arange(total, device=setup.device),
-                         cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=setup.device),
-                         cu_seqlens_host=bounds, max_seqlen=seq_len)
-    tokens = torch.randint(model.args.vocab_size, (total,), device=setup.device)
-    positions = torch.arange(total, device=setup.device) % seq_len
-    torch.cuda.synchronize(setup.device)
-    torch.cuda.reset_peak_memory_stats(setup.device)
-    before = torch.cuda.memory_allocated(setup.device)
-    with torch.inference_mode():
-        model(tokens, positions, scratch, batch,
-              logits_at=torch.tensor(bounds[1:], device=setup.device) - 1)
-    prefill_peak = torch.cuda.max_memory_allocated(setup.device) - before
-    decode_logits = setup.num_sequences * model.args.vocab_size * (setup.dtype.itemsize + 4)
-    return max(prefill_peak, decode_logits + sampling_peak_bytes(setup))
-
-
-def sampling_peak_bytes(setup) -> int:
-    """Sampling's own memory (softmax, sort, sums), measured on one batch of rows."""
-    if setup.args.temperature == 0:
-        return 0  # greedy: an argmax
-    sampler = Sampler(setup.args.temperature, setup.args.top_p, setup.args.seed)
-    rows = min(setup.num_sequences, ROWS_AT_ONCE)
-    logits = torch.zeros(rows, setup.model.args.vocab_size, dtype=setup.dtype, device=setup.device)
-    ids = torch.arange(rows, device=setup.device)
-    torch.cuda.reset_peak_memory_stats(setup.device)
-    before = torch.cuda.memory_allocated(setup.device)
-    sampler(logits, ids, ids)
-    return torch.cuda.max_memory_allocated(setup.device) - before
-
-
 @contextlib.contextmanager
 def one_paragraph_errors(script: str):
     """Turn the failures a run can end in into one paragraph on stderr and an exit code."""
+    import torch
+    from block_manager import OutOfBlocks
     try:
         yield
     except UserError as e:

@@ -5,23 +5,20 @@ A slot is one token's K and V in one layer; slot `s` lives in block `s // block_
 paged script makes many small blocks and hands them out as requests grow. The code is the same:
 only `num_blocks` and `block_size` differ, and who writes the block table.
 
-One spare slot sits past the last block. No request owns it: the padding rows of a CUDA-graph
-decode step (`cuda_graphs.py`) write their K and V there, where no one reads.
+One spare slot sits past the last block, in no block: K and V that a step must write and no one
+will read go there (the padding rows of a fixed-size batch, features/cuda_graphs.py).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from engine.attention import FLASH_BLOCK_MULTIPLE
-from engine.errors import OUT_OF_MEMORY, UserError, check_host_memory
-
 
 @dataclass
 class PrefillBatch:
-    """Whole prompts packed into one sequence of T tokens. With prefix caching a prompt may begin
-    with tokens already cached: then only the rest is packed here, and attention reads all of
-    them, cached and new, from the pool through the block table."""
+    """Prompts packed into one sequence of T tokens. A prompt may begin with tokens cached already
+    (a shared prefix, or a part prefilled before): then only the rest is packed here, and
+    attention reads all of them, cached and new, from the pool through the block table."""
 
     slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
     cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
@@ -45,32 +42,14 @@ class DecodeBatch:
 
 class KVCache:
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
-        if attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
-            raise UserError(
-                f"KV blocks of {block_size} tokens (the paged script's --block-size; the naive "
-                f"script's block is --max-seq-len long): flash-attn 2's paged kernel needs blocks "
-                f"of a multiple of {FLASH_BLOCK_MULTIPLE} tokens. Use a multiple of "
-                f"{FLASH_BLOCK_MULTIPLE}, or --attn triton or torch for any size.")
         self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
         self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_dim)
         # [n_layers, num_blocks * block_size + 1, n_kv_heads, head_dim]: allocated once, up front.
         # Zeroed, so that slots no token has written stay finite.
         self.spare_slot = num_blocks * block_size
         slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_dim)
-        per_token = args.kv_bytes_per_token(dtype)
-        if torch.device(device).type == "cpu":
-            check_host_memory((self.spare_slot + 1) * per_token, "the KV cache",
-                              "Ask for a smaller cache (--kv-budget-gb, --num-blocks).")
-        try:
-            self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
-            self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
-        except torch.OutOfMemoryError as e:
-            free = torch.cuda.mem_get_info(device)[0]
-            raise UserError(
-                f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "
-                f"{block_size:,} tokens x {per_token // 1024} KiB per token = "
-                f"{num_blocks * block_size * per_token / 1e9:.1f} GB needed, {free / 1e9:.1f} GB "
-                f"free after the weights. Try fewer requests or a smaller cache.", OUT_OF_MEMORY) from e
+        self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -87,13 +66,3 @@ class KVCache:
         if isinstance(batch, PrefillBatch):
             return self.attention_backend.prefill_after_prefix(q, key_blocks, value_blocks, batch)
         return self.attention_backend.decode(q, key_blocks, value_blocks, batch)
-
-    def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
-        """Copy on write: each source block's K and V, every layer, into its destination. One
-        copy per block, in place: gathering them all first would take as much memory again
-        (1,000 forked blocks of 256 tokens: 17 GB)."""
-        shape = (self.k.shape[0], *self.block_shape)  # [n_layers, num_blocks, block_size, H, D]
-        for pool in (self.k, self.v):
-            blocks = pool[:, :self.spare_slot].view(shape)
-            for source, destination in zip(sources, destinations):
-                blocks[:, destination].copy_(blocks[:, source])

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.errors import OUT_OF_MEMORY, UserError, check_host_memory
-from engine.model import PRESETS, Llama, ModelArgs, RopeScaling
+from plumbing.cli import OUT_OF_MEMORY, UserError, check_host_memory
+from core.model import PRESETS, Llama, ModelArgs, RopeScaling
 
 DOWNLOAD_HINT = (
     "Download Meta's checkpoint with\n"

@@ -11,9 +11,10 @@ import json
 import os
 import statistics
 
+import numpy as np
 import torch
 
-from engine.errors import UserError
+from plumbing.cli import UserError
 
 GB = 1e9
 ANSWERS_SHOWN = 3
@@ -28,20 +29,20 @@ def device_total_bytes(device: torch.device) -> int:
 def report(setup, cache, manager, generation) -> None:
     """Print the first answers and the report; write --json if asked."""
     args = setup.args
-    print_answers(setup.requests, generation, setup.tokenizer, args.show_all, args.samples)
+    print_answers(setup.prompts, generation, setup.tokenizer, args.show_all, args.samples)
     memory = memory_report(setup, cache, manager, generation)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
     sharing = sharing_report(setup, manager, generation)
     print_report(args.script, memory, throughput, scheduling, sharing)
     if args.json:
-        samples = [(r, k) for r in setup.requests for k in range(args.samples)]  # one per sequence
+        samples = [(p, k) for p in setup.prompts for k in range(args.samples)]  # one per sequence
         write_json(args, {
             "script": args.script,
             "requests": [{"id": r.id, "sample": k, "prompt_tokens": r.prompt_tokens,
                           "output_tokens": out}
                          for (r, k), out in zip(samples, generation.output_tokens)],
-            "preemptions": generation.num_preemptions, "max_running": generation.most_running,
+            "preemptions": scheduling["preemptions"], "max_running": generation.most_running,
             "memory": memory, "throughput": throughput, "scheduling": scheduling,
             "sharing": sharing,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
@@ -56,16 +57,16 @@ def write_json(args, record: dict) -> None:
         raise UserError(f"Could not write --json {args.json}: {e}") from e
 
 
-def print_answers(requests, generation, tokenizer, show_all: bool, samples: int) -> None:
-    shown = len(requests) if show_all else min(ANSWERS_SHOWN, len(requests))
-    for i, request in enumerate(requests[:shown]):
-        print(f"\n--- request {request.id} ---\n> {request.prompt.strip()[:300]}\n")
+def print_answers(prompts, generation, tokenizer, show_all: bool, samples: int) -> None:
+    shown = len(prompts) if show_all else min(ANSWERS_SHOWN, len(prompts))
+    for i, prompt in enumerate(prompts[:shown]):
+        print(f"\n--- request {prompt.id} ---\n> {prompt.prompt.strip()[:300]}\n")
         for k in range(samples):  # request i's samples are sequences i*K .. i*K + K-1
             if samples > 1:
                 print(f"[sample {k + 1} of {samples}]")
             print(tokenizer.decode(generation.output_tokens[i * samples + k]))
-    if shown < len(requests):
-        print(f"\n({len(requests) - shown} more answers; --show-all prints them)")
+    if shown < len(prompts):
+        print(f"\n({len(prompts) - shown} more answers; --show-all prints them)")
 
 
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
@@ -122,44 +123,52 @@ def throughput_report(generation) -> dict:
 
 def scheduling_report(generation, continuous: bool) -> dict:
     g = generation
-    waits = [w for w in g.queue_wait_seconds if w == w]  # NaN: never admitted
+    waits = [r.admitted_at for r in g.requests if r.admitted_at is not None]
     return {
         "mode": "continuous" if continuous else "static",
         "requests_completed": len(waits),
         "max_running": g.most_running,
-        "preemptions": g.num_preemptions,
-        "recomputed_tokens": g.num_recomputed_tokens,
+        # Only continuous batching preempts (features/continuous.py).
+        "preemptions": getattr(g.scheduler, "num_preemptions", 0),
+        "recomputed_tokens": getattr(g.scheduler, "num_recomputed_tokens", 0),
         "queue_wait_median_seconds": statistics.median(waits) if waits else 0.0,
         "queue_wait_max_seconds": max(waits, default=0.0),
     }
 
 
 def sharing_report(setup, manager, generation) -> dict:
-    """What sharing blocks saved: the samples forked, the prompt tokens found in the prefix
-    cache, and the KV memory at the fullest step against what the same requests would hold with
-    no block shared (the PagedAttention paper's measure, section 6.3)."""
-    g, args, system = generation, setup.args, setup.num_system_prompt_tokens
-    prompt_lens = [len(r.prompt_tokens) for r in setup.requests for _ in range(args.samples)]
-    computed = [r for r, forked in enumerate(g.forked) if not forked]  # not forked: prefilled
-    from_cache = sum(g.first_cached_tokens)
+    """What sharing blocks saved (features/sharing.py): the samples forked, the prompt tokens found
+    in the prefix cache, and the KV memory at the fullest step against what the same requests
+    would hold with no block shared (the PagedAttention paper's measure, section 6.3). Zeros for
+    a manager that shares nothing."""
+    g, system = generation, setup.num_system_prompt_tokens
+    sharing = hasattr(manager, "ref_counts")
+    n = len(g.requests)
+    forked = manager.forked[:n].tolist() if sharing else [False] * n
+    first_cached = np.maximum(manager.first_cached[:n], 0).tolist() if sharing else [0] * n
+    prompt_lens = [len(r.prompt_tokens) for r in g.requests]
+    computed = [r for r in range(n) if not forked[r]]  # not forked: prefilled
+    from_cache = sum(first_cached[r] for r in computed)
     not_forked_tokens = sum(prompt_lens[r] for r in computed)
-    system_from_cache = sum(min(g.first_cached_tokens[r], system) for r in computed)
+    system_from_cache = sum(min(first_cached[r], system) for r in computed)
     fullest = g.fullest if g.timeline else None
-    unshared = fullest.unshared_slots * setup.kv_bytes_per_token if fullest else 0
     reserved = fullest.reserved_slots * setup.kv_bytes_per_token if fullest else 0
+    unshared = (manager.unshared_slots_at_step[fullest.step] * setup.kv_bytes_per_token
+                if fullest and sharing else reserved)
     return {
-        "samples_per_prompt": args.samples,
-        "samples_forked": sum(g.forked),
-        "prompt_tokens_shared_by_forks": sum(n for n, forked in zip(prompt_lens, g.forked) if forked),
-        "prefix_caching": manager.prefix_cache is not None,
+        "block_sharing": sharing,
+        "samples_per_prompt": setup.args.samples,
+        "samples_forked": sum(forked),
+        "prompt_tokens_shared_by_forks": sum(n for n, f in zip(prompt_lens, forked) if f),
+        "prefix_caching": sharing and manager.prefix_cache is not None,
         # Over the requests not forked, at their first admission:
         "prompt_tokens_from_prefix_cache": from_cache,
         "prefix_cache_hit_percent": 100 * from_cache / not_forked_tokens if not_forked_tokens else 0.0,
         "system_prompt_tokens": system,
         "system_prompt_hit_percent": (100 * system_from_cache / (system * len(computed))
                                       if system and computed else 0.0),
-        "block_references_shared": g.num_shared_blocks,
-        "blocks_copied_on_write": g.num_copied_blocks,
+        "block_references_shared": manager.num_shared if sharing else 0,
+        "blocks_copied_on_write": manager.num_copied if sharing else 0,
         "at_fullest_step_reserved_bytes": reserved,
         "at_fullest_step_unshared_bytes": unshared,
         "saved_bytes_at_fullest_step": unshared - reserved,
@@ -192,7 +201,8 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
                   f"{gb(step['reserved_bytes'])}, filled {gb(step['filled_bytes'])}, unfilled "
                   f"{gb(step['unfilled_bytes'])} ({step['unfilled_percent_of_reserved']:.1f}% of "
                   f"reserved)")
-    print_sharing(sharing, gb)
+    if sharing["block_sharing"]:
+        print_sharing(sharing, gb)
     print(f"Fragmented Memory: {m['fragmented_bytes'] / GB:.2f} GB "
           f"({m['fragmented_percent_of_device']:.2f}%)")
 

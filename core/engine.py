@@ -1,0 +1,231 @@
+"""The generation loop: admit, prefill, decode one token per step, retire.
+
+Each step the scheduler (request.py) says who runs. A prefill step computes the prompts of the
+requests just admitted, packed into one sequence; a decode step feeds every running request its
+newest token. Either way the block manager's `slots` says where each new token's K and V go.
+
+Host work per decode step does not grow with layers x requests: block bookkeeping touches only
+requests that cross a block boundary, and the only GPU-to-CPU copy is the sampled tokens, once
+per step.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from core.kv_cache import DecodeBatch, PrefillBatch
+
+PREFILL_CHUNK_TOKENS = 8192  # tokens per prefill pass: big enough for full-speed matmuls,
+                             # small enough that activations stay a small share of memory
+
+
+@dataclass
+class KVSnapshot:
+    """The cache at one decode step, in slots (multiply by kv_bytes_per_token for bytes), as the
+    block manager counts them."""
+
+    step: int
+    running_requests: int
+    waiting_requests: int
+    reserved_slots: int  # slots in blocks owned by running requests
+    unfilled_slots: int  # of those, slots holding no token: the fragmentation
+    seconds: float = 0.0  # the step's time on the GPU (CUDA events), or wall time on the CPU
+
+    @property
+    def filled_slots(self) -> int:
+        return self.reserved_slots - self.unfilled_slots
+
+
+@dataclass
+class Generation:
+    requests: list  # every Request, in order, with its output_tokens (stop token excluded)
+    num_prefilled_tokens: int  # tokens computed by prefill passes
+    prefill_seconds: float  # wall time of the prefill steps
+    decode_seconds: float  # wall time of the decode steps
+    timeline: list[KVSnapshot] = field(default_factory=list)  # one per decode step
+    most_running: int = 0  # the largest number of requests running at once
+    scheduler: object = None  # who ran when, for the report
+
+    @property
+    def output_tokens(self) -> list[list[int]]:
+        return [r.output_tokens for r in self.requests]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_tokens) for r in self.requests)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(r.output_tokens) for r in self.requests)
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.timeline)
+
+    @property
+    def fullest(self) -> KVSnapshot:
+        """The step at which the cache held the most tokens."""
+        return max(self.timeline, key=lambda s: s.filled_slots)
+
+
+def greedy(logits, rows, positions) -> torch.Tensor:
+    """The most likely next token of each row: [B, vocab] -> [B]. features/sampling.py samples."""
+    return logits.argmax(-1)
+
+
+def packed_chunks(sizes: list[int], chunk_tokens: int):
+    """Consecutive ranges of items whose sizes add up to at most chunk_tokens (one item at least)."""
+    start = 0
+    while start < len(sizes):
+        end, total = start + 1, sizes[start]
+        while end < len(sizes) and total + sizes[end] <= chunk_tokens:
+            total, end = total + sizes[end], end + 1
+        yield range(start, end)
+        start = end
+
+
+class EagerDecoder:
+    """One decode step, run from Python kernel by kernel: the readable path, and the one --eager
+    takes. features/cuda_graphs.py replays the same `decode` as CUDA graphs."""
+
+    def __init__(self, model, cache, block_table, sampler=greedy):
+        self.model, self.cache, self.block_table, self.sampler = model, cache, block_table, sampler
+
+    def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
+        """One token for each of B requests: tokens, positions, rows, slots are [B] on device."""
+        batch = DecodeBatch(slot_mapping=slots, block_table=self.block_table[rows],  # [B, max_blocks]
+                            cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
+        logits = self.model(tokens, positions, self.cache, batch)  # [B, vocab]
+        return self.sampler(logits, rows, positions + 1)  # [B]
+
+    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
+        """The same from host arrays ([B] each): the next tokens, [B] on device."""
+        device = self.block_table.device
+        on_device = [torch.from_numpy(a).to(device) for a in (tokens, positions, rows, slots)]
+        return self.decode(*on_device, int(positions.max()) + 1)
+
+
+class StepTimer:
+    """Each step's GPU time from CUDA events, read once at the end so that timing adds no sync;
+    wall time on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.starts, self.stops = [], []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.starts.append(self._now())
+
+    def stop(self) -> None:
+        self.stops.append(self._now())
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return [stop - start for start, stop in zip(self.starts, self.stops)]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(stop) / 1000 for start, stop in zip(self.starts, self.stops)]
+
+
+class Engine:
+    chunk_tokens = PREFILL_CHUNK_TOKENS
+
+    def __init__(self, model, cache, manager, sampler=greedy, decoder=None):
+        self.model, self.cache, self.manager, self.sampler = model, cache, manager, sampler
+        self.decoder = decoder or EagerDecoder(model, cache, manager.block_table, sampler)
+        self.device = manager.block_table.device
+
+    @torch.inference_mode()
+    def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> Generation:
+        """Run every request waiting in `scheduler` to the end. A request stops at a token in
+        `stop_ids` (not returned) or after its max_new_tokens, then leaves the batch and gives its
+        blocks back."""
+        requests = list(scheduler.waiting)
+        newest = np.array([r.tokens[-1] for r in requests])  # fed to each one's next decode step
+        timeline, timer, num_prefilled = [], StepTimer(self.device), 0
+        seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
+        # A context, so that the bar is gone before an error message (out of blocks) is printed.
+        with tqdm(desc="decode", unit="step", disable=not progress, leave=False) as bar:
+            while scheduler.has_work():
+                start = time.perf_counter()
+                step = scheduler.schedule()
+                if step.is_prefill:
+                    next_tokens = self.prefill(step)
+                    num_prefilled += sum(len(r.tokens) for r in step.requests) - step.num_cached.sum()
+                else:
+                    timeline.append(KVSnapshot(len(timeline), len(step.requests),
+                                               len(scheduler.waiting), self.manager.num_reserved_slots,
+                                               self.manager.num_unfilled_slots))
+                    timer.start()
+                    slots = self.manager.slots(step.rows, step.positions)
+                    next_tokens = self.decoder.step(newest[step.rows], step.positions, step.rows, slots)
+                    timer.stop()
+                new_tokens = next_tokens.cpu().numpy()  # the one sync per step
+                newest[step.rows] = new_tokens
+                scheduler.finish(record(step.requests, new_tokens, stop_ids))
+                seconds["prefill" if step.is_prefill else "decode"] += time.perf_counter() - start
+                if not step.is_prefill:
+                    bar.update()
+                    bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                                    blocks=self.manager.num_used_blocks, refresh=False)
+        for snapshot, step_seconds in zip(timeline, timer.seconds()):
+            snapshot.seconds = step_seconds
+        return Generation(requests, int(num_prefilled), seconds["prefill"], seconds["decode"],
+                          timeline, scheduler.most_running, scheduler)
+
+    def prefill(self, step) -> torch.Tensor:
+        """Compute the uncached tokens of every request in a prefill step, packed into chunks of
+        about chunk_tokens, writing each token's K/V into its slot. Returns each request's next
+        token, [B] on device."""
+        sequences = [r.tokens for r in step.requests]
+        new = [len(s) - int(c) for s, c in zip(sequences, step.num_cached)]
+        return torch.cat([self._prefill_chunk(step.rows[chunk],
+                                              [sequences[i] for i in chunk],
+                                              step.num_cached[chunk])
+                          for chunk in packed_chunks(new, self.chunk_tokens)])
+
+    def _prefill_chunk(self, rows: np.ndarray, sequences: list[list[int]], starts: np.ndarray):
+        """One forward pass over sequences[i][starts[i]:] for each request rows[i]."""
+        to_device = lambda a, dtype=torch.long: torch.from_numpy(np.asarray(a)).to(self.device, dtype)
+        lengths = np.array([len(s) for s in sequences])  # each one's tokens, cached and new
+        new = lengths - starts  # the tokens computed here
+        cu_seqlens = np.concatenate([[0], np.cumsum(new)])
+        positions = np.concatenate([np.arange(b, n) for b, n in zip(starts, lengths)])  # [T]
+        slots = self.manager.slots(np.repeat(rows, new), positions)  # the same translation as decode
+        batch = PrefillBatch(slot_mapping=to_device(slots), cu_seqlens=to_device(cu_seqlens, torch.int32),
+                             cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=int(new.max()))
+        if starts.any():  # attention must read the cached tokens too, through the block table
+            cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
+            batch.block_table = self.manager.block_table[to_device(rows)]
+            batch.cu_seqlens_k = to_device(cu_seqlens_k, torch.int32)
+            batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), int(lengths.max())
+        tokens = to_device(np.concatenate([s[b:] for s, b in zip(sequences, starts)]))  # [T]
+        # Every input goes to the device before the forward pass is queued: a copy from host
+        # memory waits for the GPU to finish what it has, so one after it would stall.
+        last_token_rows, positions = to_device(cu_seqlens[1:] - 1), to_device(positions)
+        rows_on_device, next_positions = to_device(rows), to_device(lengths)
+        logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)  # [B, vocab]
+        return self.sampler(logits, rows_on_device, next_positions)
+
+
+def record(requests: list, new_tokens: np.ndarray, stop_ids) -> list:
+    """Append each request's new token; return those that are done: a stop token (not kept) or
+    their last allowed token."""
+    done = []
+    for request, token in zip(requests, new_tokens.tolist()):
+        if token in stop_ids:
+            done.append(request)
+            continue
+        request.output_tokens.append(token)
+        if len(request.output_tokens) >= request.max_new_tokens:
+            done.append(request)
+    return done

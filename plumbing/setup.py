@@ -1,0 +1,276 @@
+"""What a run is made of: the model, the prompts, the memory left for KV, and the parts the flags
+choose.
+
+The scripts parse the same arguments (plumbing/cli.py) and `load` the same things. Each then
+asks `kv_budget_bytes` how much memory its KV cache may take, and `generate` runs the requests
+through it with the features the flags ask for: a feature's file is imported only then, so a
+plain run executes the core alone.
+"""
+
+import argparse
+import importlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from core.attention import FlashAttention, TorchAttention
+from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy
+from core.kv_cache import KVCache, PrefillBatch
+from core.request import Request, Scheduler
+from plumbing.checkpoints import load_model, random_model
+from plumbing.cli import CPU_KV_BUDGET_GB, OUT_OF_MEMORY, UserError, check_host_memory
+from plumbing.prompts import load_prompts, load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
+GB = 1e9
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    attention: object
+    tokenizer: object
+    prompts: list
+    system_prompt: str | None = None  # the system turn every request begins with, if any
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.args.kv_bytes_per_token(self.dtype)
+
+    @property
+    def num_system_prompt_tokens(self) -> int:
+        """<|begin_of_text|> and the system turn: the tokens every request begins with (0: none)."""
+        if self.system_prompt is None:
+            return 0
+        chat = self.tokenizer.chat_prompt
+        return len(chat("", self.system_prompt)) - len(chat("")) + 1
+
+    @property
+    def num_sequences(self) -> int:
+        """What the scheduler runs: each prompt's --samples."""
+        return len(self.prompts) * self.args.samples
+
+
+def load(args) -> Setup:
+    """Check the arguments, then load tokenizer, prompts and model: all before any KV memory."""
+    if args.max_running and not args.continuous:
+        raise UserError("--max-running limits continuous batching; add --continuous (a static "
+                        "batch runs all N requests at once).")
+    if args.top_p < 1 and args.temperature == 0:
+        raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
+                        "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
+    device = args.device
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    attention = choose_attention(args.attn, device)
+    ckpt_dir = None if args.random_weights else args.ckpt_dir
+    tokenizer = load_tokenizer(args.tokenizer, ckpt_dir)
+    system = system_prompt(args)
+    prompts = load_prompts(args.num_requests, tokenizer, system)
+    too_long = [p for p in prompts if len(p.prompt_tokens) >= args.max_seq_len]
+    if too_long:
+        raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
+                        f"prompt, leaving no room to generate within --max-seq-len "
+                        f"{args.max_seq_len}. Raise --max-seq-len.")
+    if args.random_weights:
+        print("Random weights: end-of-text is ignored and each request generates as many tokens "
+              "as its ShareGPT reply (at most --max-new-tokens).")
+        model = random_model(args.model, device, dtype, args.max_seq_len, args.seed)
+    else:
+        model = load_model(args.ckpt_dir, device, dtype, args.max_seq_len)
+    if model.args.vocab_size < tokenizer.encoding.n_vocab:  # an id past the embedding table
+        raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
+                        f"tokenizer's {tokenizer.encoding.n_vocab:,}: they do not belong together.")
+    return Setup(args, device, dtype, model, attention, tokenizer, prompts, system)
+
+
+def system_prompt(args) -> str | None:
+    if args.system_prompt_file is None:
+        return args.system_prompt
+    try:
+        return args.system_prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Could not read --system-prompt-file {args.system_prompt_file}: {e}") from e
+
+
+def importable(module: str) -> bool:
+    """Whether an optional package (flash_attn, triton) is installed and loads."""
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+def choose_attention(name: str, device: torch.device):
+    """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
+    PyTorch reference."""
+    if name == "auto":
+        name = ("torch" if device.type != "cuda" else "flash" if importable("flash_attn")
+                else "triton" if importable("triton") else "torch")
+    if name == "torch":
+        return TorchAttention()
+    if device.type != "cuda":
+        raise UserError(f"--attn {name} needs a CUDA device; use --attn torch on the CPU.")
+    if name == "triton":
+        if not importable("triton"):
+            raise UserError("--attn triton: Triton is not installed (it comes with PyTorch's CUDA "
+                            "builds); use --attn torch.")
+        from features.triton_attention import TritonAttention
+        return TritonAttention()
+    if not importable("flash_attn"):
+        raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
+                        "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
+    return FlashAttention()
+
+
+def kv_budget_bytes(setup) -> float:
+    """The memory the KV cache may take, the same for every script: --kv-budget-gb if given. Else
+    on CUDA --gpu-memory-utilization of the GPU's memory, less what is allocated (the weights),
+    less the peak of the activations; on the CPU, whose memory is not the point, a small fixed
+    budget, so that the naive cache runs out there as it does on a GPU."""
+    if setup.args.kv_budget_gb:
+        return setup.args.kv_budget_gb * GB
+    if setup.device.type != "cuda":
+        return CPU_KV_BUDGET_GB * GB
+    total = torch.cuda.get_device_properties(setup.device).total_memory
+    allowed = total * setup.args.gpu_memory_utilization
+    weights = torch.cuda.memory_allocated(setup.device)
+    budget = allowed - weights - activation_peak_bytes(setup)
+    if budget <= 0:
+        raise UserError(f"No GPU memory left for KV blocks: {allowed / GB:.1f} GB allowed, "
+                        f"{weights / GB:.1f} GB taken by the weights. Raise "
+                        f"--gpu-memory-utilization or use a smaller --model.", OUT_OF_MEMORY)
+    return budget
+
+
+def activation_peak_bytes(setup) -> int:
+    """Measured, not guessed: run one full prefill chunk on a throwaway cache and read the peak.
+    Decode needs less, apart from the logits of the whole batch, which are added."""
+    model, seq_len = setup.model, min(PREFILL_CHUNK_TOKENS, setup.args.max_seq_len)
+    total = (PREFILL_CHUNK_TOKENS // seq_len) * seq_len
+    scratch = KVCache(model.args, num_blocks=1, block_size=PREFILL_CHUNK_TOKENS, dtype=setup.dtype,
+                      device=setup.device, attention=setup.attention)  # total <= one chunk
+    bounds = list(range(0, total + 1, seq_len))
+    batch = PrefillBatch(slot_mapping=torch.arange(total, device=setup.device),
+                         cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=setup.device),
+                         cu_seqlens_host=bounds, max_seqlen=seq_len)
+    tokens = torch.randint(model.args.vocab_size, (total,), device=setup.device)
+    positions = torch.arange(total, device=setup.device) % seq_len
+    torch.cuda.synchronize(setup.device)
+    torch.cuda.reset_peak_memory_stats(setup.device)
+    before = torch.cuda.memory_allocated(setup.device)
+    with torch.inference_mode():
+        model(tokens, positions, scratch, batch,
+              logits_at=torch.tensor(bounds[1:], device=setup.device) - 1)
+    prefill_peak = torch.cuda.max_memory_allocated(setup.device) - before
+    decode_logits = setup.num_sequences * model.args.vocab_size * (setup.dtype.itemsize + 4)
+    return max(prefill_peak, decode_logits + sampling_peak_bytes(setup))
+
+
+def sampling_peak_bytes(setup) -> int:
+    """Sampling's own memory (softmax, sort, sums), measured on one batch of rows."""
+    if setup.args.temperature == 0:
+        return 0  # greedy: an argmax
+    sampler = make_sampler(setup.args)
+    from features.sampling import ROWS_AT_ONCE
+    rows = min(setup.num_sequences, ROWS_AT_ONCE)
+    logits = torch.zeros(rows, setup.model.args.vocab_size, dtype=setup.dtype, device=setup.device)
+    ids = torch.arange(rows, device=setup.device)
+    torch.cuda.reset_peak_memory_stats(setup.device)
+    before = torch.cuda.memory_allocated(setup.device)
+    sampler(logits, ids, ids)
+    return torch.cuda.max_memory_allocated(setup.device) - before
+
+
+def kv_cache(setup, num_blocks: int, block_size: int) -> KVCache:
+    """The pool of num_blocks blocks of block_size tokens, checked against what the kernel takes
+    and what memory holds."""
+    if setup.attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
+        raise UserError(
+            f"KV blocks of {block_size} tokens (the paged script's --block-size; the naive "
+            f"script's block is --max-seq-len long): flash-attn 2's paged kernel needs blocks "
+            f"of a multiple of {FLASH_BLOCK_MULTIPLE} tokens. Use a multiple of "
+            f"{FLASH_BLOCK_MULTIPLE}, or --attn triton or torch for any size.")
+    per_token, slots = setup.kv_bytes_per_token, num_blocks * block_size + 1
+    if setup.device.type == "cpu":
+        check_host_memory(slots * per_token, "the KV cache",
+                          "Ask for a smaller cache (--kv-budget-gb, --num-blocks).")
+    try:
+        return KVCache(setup.model.args, num_blocks, block_size, setup.dtype, setup.device,
+                       setup.attention)
+    except torch.OutOfMemoryError as e:
+        free = torch.cuda.mem_get_info(setup.device)[0]
+        raise UserError(
+            f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "
+            f"{block_size:,} tokens x {per_token // 1024} KiB per token = "
+            f"{num_blocks * block_size * per_token / 1e9:.1f} GB needed, {free / 1e9:.1f} GB "
+            f"free after the weights. Try fewer requests or a smaller cache.", OUT_OF_MEMORY) from e
+
+
+def make_requests(setup) -> list[Request]:
+    """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1.
+    With random weights text is nonsense: each stops where its ShareGPT reply stopped."""
+    args, requests = setup.args, []
+    for prompt in setup.prompts:
+        new_tokens = min(prompt.num_reply_tokens if args.random_weights else args.max_new_tokens,
+                         args.max_new_tokens, args.max_seq_len - len(prompt.prompt_tokens))
+        requests += [Request(len(requests) + k, prompt.prompt_tokens, new_tokens)
+                     for k in range(args.samples)]
+    return requests
+
+
+def make_sampler(args):
+    if args.temperature == 0:
+        return greedy
+    from features.sampling import Sampler
+    return Sampler(args.temperature, args.top_p, args.seed)
+
+
+def make_scheduler(setup, manager, requests: list[Request]) -> Scheduler:
+    """Static batching, or with --continuous a stream with preemption."""
+    if not setup.args.continuous:
+        return Scheduler(manager, requests)
+    from features.continuous import ContinuousScheduler, RequestTooLarge
+    try:
+        return ContinuousScheduler(manager, requests, setup.args.max_running, Engine.chunk_tokens)
+    except RequestTooLarge as e:
+        prompt = len(e.request.prompt_tokens)
+        raise UserError(
+            f"Request {e.request.row} can grow to {e.largest_tokens:,} tokens ({prompt:,} prompt + "
+            f"{e.request.max_new_tokens:,} new), {e.blocks:,} blocks of {e.block_size:,}: more "
+            f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
+            f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
+            f"--max-new-tokens.", OUT_OF_MEMORY) from e
+
+
+def make_decoder(setup, cache, manager, sampler, largest_batch: int, progress: bool):
+    """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
+    unless --eager; else the eager decoder."""
+    eager = EagerDecoder(setup.model, cache, manager.block_table, sampler)
+    if setup.args.eager or setup.device.type != "cuda" or not setup.attention.cuda_graphs:
+        return eager
+    from features.cuda_graphs import GraphDecoder
+    start = time.perf_counter()
+    decoder = GraphDecoder(eager, largest_batch)
+    if progress:
+        print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
+              f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    return decoder
+
+
+def generate(setup, cache, manager, progress: bool = True):
+    """Every request of the run through `cache`, with the parts the flags choose: what the
+    scripts call."""
+    args, requests = setup.args, make_requests(setup)
+    sampler = make_sampler(args)
+    scheduler = make_scheduler(setup, manager, requests)
+    largest_batch = min(len(requests), args.max_running or len(requests))
+    decoder = make_decoder(setup, cache, manager, sampler, largest_batch, progress)
+    stop_ids = set() if args.random_weights else setup.tokenizer.stop_ids
+    engine = Engine(setup.model, cache, manager, sampler, decoder)
+    return engine.generate(scheduler, stop_ids, progress)
