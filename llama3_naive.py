@@ -15,7 +15,7 @@ exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends i
 from block_manager import BlockManager
 from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors
 from plumbing.report import GB, report
-from plumbing.setup import generate, kv_budget_bytes, kv_cache, load
+from plumbing.setup import find_max_batch, generate, kv_budget_bytes, kv_cache, load
 
 
 def allocate_kv_cache(setup):
@@ -43,9 +43,7 @@ def allocate_kv_cache(setup):
 def main(argv=None) -> None:
     with one_paragraph_errors(SCRIPT):
         setup = load(argument_parser(SCRIPT, __doc__).parse_args(argv))  # the model, the first N prompts
-        if setup.args.find_max_batch:
-            from plumbing.max_batch import find_max_batch
-            return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         report(setup, cache, manager, generate(setup, cache, manager))
 

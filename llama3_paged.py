@@ -17,9 +17,11 @@ exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends i
 import math
 
 from block_manager import BlockManager
-from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors, positive_int
+from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors,
+                          positive_int)
 from plumbing.report import GB, report
-from plumbing.setup import FLASH_BLOCK_MULTIPLE, generate, kv_budget_bytes, kv_cache, load
+from plumbing.setup import (FLASH_BLOCK_MULTIPLE, find_max_batch, generate, kv_budget_bytes,
+                            kv_cache, load)
 
 
 def add_pool_arguments(parser) -> None:
@@ -72,9 +74,7 @@ def main(argv=None) -> None:
         parser = argument_parser(SCRIPT, __doc__)
         add_pool_arguments(parser)
         setup = load(parser.parse_args(argv))  # the model and the first N prompts
-        if setup.args.find_max_batch:
-            from plumbing.max_batch import find_max_batch
-            return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         report(setup, cache, manager, generate(setup, cache, manager))
 

@@ -20,7 +20,7 @@ from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
 from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors
 from plumbing.report import GB, report
-from plumbing.setup import generate, kv_budget_bytes, load
+from plumbing.setup import find_max_batch, generate, kv_budget_bytes, load
 
 
 def add_layout_arguments(parser):
@@ -60,9 +60,7 @@ def main(argv=None) -> None:
         args = add_layout_arguments(argument_parser(SCRIPT, __doc__)).parse_args(argv)
         setup = load(args)  # the model and the first N prompts
         require_cuda_and_flash_attn(setup)
-        if setup.args.find_max_batch:
-            from plumbing.max_batch import find_max_batch
-            return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
         generation = generate(setup, cache, manager)
         report(setup, cache, manager, generation)

@@ -77,7 +77,7 @@ def greedy(logits, rows, positions) -> torch.Tensor:
 
 
 def packed_chunks(sizes: list[int], chunk_tokens: int):
-    """Consecutive ranges of items whose sizes add up to at most chunk_tokens (one item at least)."""
+    """Consecutive ranges of items whose sizes add up to at most chunk_tokens (one at least)."""
     start = 0
     while start < len(sizes):
         end, total = start + 1, sizes[start]
@@ -96,15 +96,16 @@ class EagerDecoder:
 
     def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
         """One token for each of B requests: tokens, positions, rows, slots are [B] on device."""
-        batch = DecodeBatch(slot_mapping=slots, block_table=self.block_table[rows],  # [B, max_blocks]
+        batch = DecodeBatch(slot_mapping=slots,
+                            block_table=self.block_table[rows],  # [B, max_blocks]: their rows
                             cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
         logits = self.model(tokens, positions, self.cache, batch)  # [B, vocab]
         return self.sampler(logits, rows, positions + 1)  # [B]
 
     def step(self, tokens, positions, rows, slots) -> torch.Tensor:
         """The same from host arrays ([B] each): the next tokens, [B] on device."""
-        device = self.block_table.device
-        on_device = [torch.from_numpy(a).to(device) for a in (tokens, positions, rows, slots)]
+        inputs = np.stack([tokens, positions, rows, slots])  # [4, B]: one copy to the device
+        on_device = torch.from_numpy(inputs).to(self.block_table.device)
         return self.decode(*on_device, int(positions.max()) + 1)
 
 
@@ -160,14 +161,17 @@ class Engine:
                 step = scheduler.schedule()
                 if step.is_prefill:
                     next_tokens = self.prefill(step)
-                    num_prefilled += sum(len(r.tokens) for r in step.requests) - step.num_cached.sum()
+                    num_prefilled += sum(len(r.tokens) for r in step.requests)
+                    num_prefilled -= sum(step.num_cached)
                 else:
                     timeline.append(KVSnapshot(len(timeline), len(step.requests),
-                                               len(scheduler.waiting), self.manager.num_reserved_slots,
+                                               len(scheduler.waiting),
+                                               self.manager.num_reserved_slots,
                                                self.manager.num_unfilled_slots))
                     timer.start()
-                    slots = self.manager.slots(step.rows, step.positions)
-                    next_tokens = self.decoder.step(newest[step.rows], step.positions, step.rows, slots)
+                    slots = self.manager.slots(step.rows, step.positions)  # where the K/V go
+                    next_tokens = self.decoder.step(newest[step.rows], step.positions, step.rows,
+                                                    slots)
                     timer.stop()
                 new_tokens = next_tokens.cpu().numpy()  # the one sync per step
                 newest[step.rows] = new_tokens
@@ -195,13 +199,14 @@ class Engine:
 
     def _prefill_chunk(self, rows: np.ndarray, sequences: list[list[int]], starts: np.ndarray):
         """One forward pass over sequences[i][starts[i]:] for each request rows[i]."""
-        to_device = lambda a, dtype=torch.long: torch.from_numpy(np.asarray(a)).to(self.device, dtype)
+        to_device = lambda a, dtype=torch.long: torch.from_numpy(a).to(self.device, dtype)
         lengths = np.array([len(s) for s in sequences])  # each one's tokens, cached and new
         new = lengths - starts  # the tokens computed here
         cu_seqlens = np.concatenate([[0], np.cumsum(new)])
         positions = np.concatenate([np.arange(b, n) for b, n in zip(starts, lengths)])  # [T]
-        slots = self.manager.slots(np.repeat(rows, new), positions)  # the same translation as decode
-        batch = PrefillBatch(slot_mapping=to_device(slots), cu_seqlens=to_device(cu_seqlens, torch.int32),
+        slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
+        batch = PrefillBatch(slot_mapping=to_device(slots),
+                             cu_seqlens=to_device(cu_seqlens, torch.int32),
                              cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=int(new.max()))
         if starts.any():  # attention must read the cached tokens too, through the block table
             cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
@@ -213,8 +218,8 @@ class Engine:
         # memory waits for the GPU to finish what it has, so one after it would stall.
         last_token_rows, positions = to_device(cu_seqlens[1:] - 1), to_device(positions)
         rows_on_device, next_positions = to_device(rows), to_device(lengths)
-        logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)  # [B, vocab]
-        return self.sampler(logits, rows_on_device, next_positions)
+        logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)
+        return self.sampler(logits, rows_on_device, next_positions)  # [B, vocab] -> [B]
 
 
 def record(requests: list, new_tokens: np.ndarray, stop_ids) -> list:

@@ -47,7 +47,7 @@ class ContinuousScheduler(Scheduler):
             self._refuse_if_larger_than_the_pool(request)
 
     def schedule(self) -> Step:
-        """A prefill of newly admitted requests if any can join, else a decode of every running one."""
+        """A prefill of newly admitted requests if any can join, else a decode of all running."""
         joining = self._head_that_fits()
         if joining:
             for _ in joining:

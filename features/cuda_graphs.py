@@ -28,8 +28,8 @@ class GraphDecoder:
         self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
         largest, device = self.buckets[-1], eager.block_table.device
         # The graphs' inputs: tokens, positions, rows and slots, [4, largest]. A step fills the
-        # first B columns, and pads the rest of its bucket (see `_pad`). One pinned host buffer,
-        # so that one copy that does not wait moves them all.
+        # first B columns and pads the rest of its bucket (`_pad`); the bucket's graph reads no
+        # further. One pinned host buffer, so that one copy that does not wait moves them all.
         self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
         self.host_inputs = torch.zeros(4, largest, dtype=torch.long).pin_memory()
         self.spare_slot = eager.cache.spare_slot
@@ -65,7 +65,7 @@ class GraphDecoder:
         for i, values in enumerate((tokens, positions, rows, slots)):
             self.host_inputs[i, :batch] = torch.from_numpy(values)
         self._pad(batch, bucket, rows[0])
-        self.inputs[:, :bucket].copy_(self.host_inputs[:, :bucket], non_blocking=True)
+        self.inputs.copy_(self.host_inputs, non_blocking=True)  # all of it: one contiguous copy
         self.graphs[bucket].replay()
         return self.next_tokens[bucket][:batch]
 

@@ -149,7 +149,7 @@ class SharingBlockManager(BlockManager):
 
     def free(self, request) -> None:
         """Let go of every block; those no one else holds return to the pool. With prefix
-        caching, the request's cached tokens key its full blocks, so that they can be found again."""
+        caching, the request's cached tokens key its full blocks, so that they are found again."""
         row = request.row
         blocks = self.owned_blocks.pop(row)
         if self.prefix_cache:

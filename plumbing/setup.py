@@ -274,3 +274,9 @@ def generate(setup, cache, manager, progress: bool = True):
     stop_ids = set() if args.random_weights else setup.tokenizer.stop_ids
     engine = Engine(setup.model, cache, manager, sampler, decoder)
     return engine.generate(scheduler, stop_ids, progress)
+
+
+def find_max_batch(setup, allocate_kv_cache) -> None:
+    """--find-max-batch (plumbing/max_batch.py), loaded only when asked for."""
+    from plumbing import max_batch
+    max_batch.find_max_batch(setup, allocate_kv_cache)

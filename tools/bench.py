@@ -231,7 +231,8 @@ def bench(a) -> dict:
         budgets = [min(b, a.max_seq_len - len(p)) for p, b in zip(prompts, budgets)]
 
     def run(prompts, budgets):
-        requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+        requests = [Request(r, p, min(b, a.max_seq_len - len(p)))
+                    for r, (p, b) in enumerate(zip(prompts, budgets))]
         return engine.generate(make_scheduler(setup, manager, requests), progress=False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
