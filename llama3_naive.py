@@ -13,8 +13,9 @@ SCRIPT = "llama3_naive.py"
 exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
 
 from block_manager import BlockManager
-from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors
-from plumbing.report import GB, report
+from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
+                          one_paragraph_errors)
+from plumbing.report import report
 from plumbing.setup import find_max_batch, generate, kv_budget_bytes, kv_cache, load
 
 
@@ -31,9 +32,9 @@ def allocate_kv_cache(setup):
         asked = max(num_blocks, 1)
         raise UserError(
             f"Out of memory: {asked:,} requests x {block_size:,} tokens x "
-            f"{setup.kv_bytes_per_token // 1024} KiB per token = {asked * cache_bytes / GB:,.2f} GB "
-            f"of KV cache to reserve up front, and the KV budget is {budget / GB:,.3f} GB: "
-            f"{fits} requests fit. Try fewer requests or a smaller --max-seq-len, or "
+            f"{setup.kv_bytes_per_token // 1024} KiB per token = {format_bytes(asked * cache_bytes)} "
+            f"of KV cache to reserve up front, and the KV budget is {format_bytes(budget)}: "
+            f"{fits:,} requests fit. Try fewer requests or a smaller --max-seq-len, or "
             f"llama3_paged.py, which reserves only the blocks requests fill.", OUT_OF_MEMORY)
     cache = kv_cache(setup, num_blocks, block_size)
     # The block table the kernel reads: [N, 1], one column: request r's row is its one block.

@@ -17,9 +17,9 @@ exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends i
 import math
 
 from block_manager import BlockManager
-from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors,
-                          positive_int)
-from plumbing.report import GB, report
+from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
+                          one_paragraph_errors, positive_int)
+from plumbing.report import report
 from plumbing.setup import (FLASH_BLOCK_MULTIPLE, find_max_batch, generate, kv_budget_bytes,
                             kv_cache, load)
 
@@ -50,8 +50,8 @@ def allocate_kv_cache(setup):
     num_blocks = args.num_blocks or int(kv_budget_bytes(setup) // block_bytes)
     if num_blocks == 0:
         raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
-                        f"{block_bytes / GB:,.3f} GB, more than the KV budget of "
-                        f"{kv_budget_bytes(setup) / GB:,.3f} GB. Use a smaller --block-size or a "
+                        f"{format_bytes(block_bytes)}, more than the KV budget of "
+                        f"{format_bytes(kv_budget_bytes(setup))}. Use a smaller --block-size or a "
                         f"larger --kv-budget-gb.", OUT_OF_MEMORY)
     max_blocks_per_request = math.ceil(args.max_seq_len / block_size)
     cache = kv_cache(setup, num_blocks, block_size)

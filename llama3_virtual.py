@@ -18,8 +18,9 @@ exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends i
 
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
-from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, one_paragraph_errors
-from plumbing.report import GB, report
+from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
+                          one_paragraph_errors)
+from plumbing.report import report
 from plumbing.setup import find_max_batch, generate, kv_budget_bytes, load
 
 
@@ -46,7 +47,7 @@ def allocate_kv_cache(setup):
     page_bytes = cache.tokens_per_page * setup.kv_bytes_per_token  # a page in every tensor
     num_pages = int(kv_budget_bytes(setup) // page_bytes)
     if num_pages == 0:
-        raise UserError(f"Not one page of {page_bytes / GB:.3f} GB fits in the KV budget. Raise "
+        raise UserError(f"Not one page of {format_bytes(page_bytes)} fits in the KV budget. Raise "
                         f"--kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
     cache.create_pages(num_pages)
     # The block table never changes: row r lists the virtual pages of row r; the MMU does the rest.

@@ -155,7 +155,8 @@ class Engine:
         timeline, timer, num_prefilled = [], StepTimer(self.device), 0
         seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
         # A context, so that the bar is gone before an error message (out of blocks) is printed.
-        with tqdm(desc="decode", unit="step", disable=not progress, leave=False) as bar:
+        with tqdm(desc="decode", unit="step", total=steps_left(scheduler), disable=not progress,
+                  leave=False) as bar:
             while scheduler.has_work():
                 start = time.perf_counter()
                 step = scheduler.schedule()
@@ -179,6 +180,8 @@ class Engine:
                 seconds["prefill" if step.is_prefill else "decode"] += time.perf_counter() - start
                 if not step.is_prefill:
                     bar.update()
+                    if bar.n >= bar.total:  # requests from the queue: more steps to come
+                        bar.total = bar.n + steps_left(scheduler)
                     bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
                                     blocks=self.manager.num_used_blocks, refresh=False)
         for snapshot, step_seconds in zip(timeline, timer.seconds()):
@@ -220,6 +223,13 @@ class Engine:
         rows_on_device, next_positions = to_device(rows), to_device(lengths)
         logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)
         return self.sampler(logits, rows_on_device, next_positions)  # [B, vocab] -> [B]
+
+
+def steps_left(scheduler) -> int:
+    """Decode steps until the longest request still to run could end, for the progress bar: all
+    of them in a static batch, the fewest there can be with a queue."""
+    pending = [*scheduler.running, *scheduler.waiting]
+    return max((r.max_new_tokens - len(r.output_tokens) for r in pending), default=0)
 
 
 def record(requests: list, new_tokens: np.ndarray, stop_ids) -> list:

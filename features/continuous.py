@@ -40,8 +40,8 @@ class ContinuousScheduler(Scheduler):
         self.max_running, self.chunk_tokens = max_running or len(requests), chunk_tokens
         # Headroom is for growing into new blocks: a request of one max-length block (the naive
         # cache) never needs another, so its pool keeps none.
-        grows = manager.table.shape[1] > 1
-        self.watermark_blocks = int(WATERMARK * manager.num_blocks) if grows else 0
+        self.grows = manager.table.shape[1] > 1
+        self.watermark_blocks = int(WATERMARK * manager.num_blocks) if self.grows else 0
         self.num_preemptions = self.num_recomputed_tokens = 0
         for request in requests:
             self._refuse_if_larger_than_the_pool(request)
@@ -63,7 +63,8 @@ class ContinuousScheduler(Scheduler):
         """The longest head of the queue that can join now. A prefill step reads every weight, as
         a decode step does: one for a few short prompts costs nearly a decode step and adds
         little. So while others run, admission waits until it can take a quarter of a chunk, or
-        the rest of the queue."""
+        the rest of the queue, or (the naive cache, whose requests never grow) until no other
+        request could take a free block: waiting would leave it idle."""
         joining, tokens, blocks = [], 0, 0
         for request in self.waiting:
             n = len(request.tokens) - self._cached_tokens(request)
@@ -77,7 +78,8 @@ class ContinuousScheduler(Scheduler):
                 break
             joining.append(request)
             tokens += n
-        if self.running and len(joining) < len(self.waiting) and tokens < self.chunk_tokens // 4:
+        waits = self.grows and len(joining) < len(self.waiting)
+        if self.running and waits and tokens < self.chunk_tokens // 4:
             return []
         return joining
 

@@ -246,11 +246,24 @@ def _read_json(path: Path) -> dict:
         raise UserError(f"Could not read {path}: {e}") from e
 
 
+HUGGING_FACE_HINT = (
+    "A Hugging Face config.json is an object of settings such as \"hidden_size\" and "
+    "\"num_hidden_layers\": download the model's folder again (config.json + *.safetensors), "
+    "point --ckpt-dir at Meta's layout (params.json + consolidated.00.pth), or run with "
+    "--random-weights.")
+
+
 def _model_args(to_args, config, source: Path) -> ModelArgs:
-    """The config's numbers as ModelArgs, or one paragraph on what is wrong with them."""
+    """The config's numbers as ModelArgs, or one paragraph on what is wrong with them, with the
+    advice for the layout the file belongs to."""
+    hint = HUGGING_FACE_HINT if source.name == "config.json" else DOWNLOAD_HINT
+    if not isinstance(config, dict):
+        held = type(config).__name__ if config is not None else "null"
+        raise UserError(f"{source} is malformed: it holds {held}, not an object of settings.\n"
+                        + hint)
     try:
         return to_args(config)
     except KeyError as e:
-        raise UserError(f"{source} is malformed: it has no {e}.\n" + DOWNLOAD_HINT) from e
+        raise UserError(f"{source} is malformed: it has no {e}.\n" + hint) from e
     except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
-        raise UserError(f"{source} is malformed: {e}.\n" + DOWNLOAD_HINT) from e
+        raise UserError(f"{source} is malformed: {e}.\n" + hint) from e

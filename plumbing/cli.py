@@ -23,6 +23,7 @@ SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent.parent / "system_prompt.txt
 USAGE = 2  # bad arguments, missing or damaged files: fix the command and run again
 OUT_OF_MEMORY = 1  # the run itself did not fit: fewer requests or a smaller cache
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
+BROKEN_PIPE = 141  # the reader of the output went away, as a shell reports SIGPIPE
 
 
 class UserError(Exception):
@@ -56,7 +57,10 @@ def check_host_memory(needed_bytes: int, what: str, advice: str) -> None:
 
 
 def writable_file(text: str) -> Path:
-    """Checked before the run, so that no result is computed only to be lost."""
+    """Checked before the run, so that no result is computed only to be lost. (That it names no
+    file the run reads is checked once every input is known: `refuse_output_over_input`.)"""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file name, got an empty one")
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
@@ -65,6 +69,40 @@ def writable_file(text: str) -> Path:
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: not writable")
     return path
+
+
+def refuse_output_over_input(output: Path | None, inputs: list, flag: str) -> None:
+    """An output path must not be a file the run reads: writing it would destroy an input."""
+    if output is None:
+        return
+    for path in inputs:
+        if path is not None and Path(path).exists() and Path(path).resolve() == output.resolve():
+            raise UserError(f"{flag} {output} is a file this run reads; writing it would "
+                            f"overwrite it. Name another file.")
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(a temporary file beside path), then rename it to path: a write that fails (a full
+    disk) leaves whatever path held untouched. A path that is no regular file (a device, a pipe)
+    is written directly. Failures end as a UserError that names the file."""
+    direct = path.exists() and not path.is_file()
+    temporary = path if direct else path.with_name(f".partial-{path.name}")  # keeps the suffix
+    try:
+        write(temporary)
+        if not direct:
+            os.replace(temporary, path)
+    except OSError as e:
+        if not direct:
+            temporary.unlink(missing_ok=True)
+        raise UserError(f"Could not write {path}: {e.strerror or e}.") from e
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the unit that fits their scale (powers of 10: GB = 10^9 bytes)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} bytes"
 
 
 def exit_quietly_on_ctrl_c(program: str) -> None:
@@ -114,10 +152,14 @@ def fraction(text: str) -> float:
     return value
 
 
+MAX_GB = 1e6  # a petabyte: far beyond any machine, small enough to count in blocks
+
+
 def gigabytes(text: str) -> float:
     value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of GB, got {text}")
+    if not 0 < value <= MAX_GB:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GB, at most "
+                                         f"{MAX_GB:,.0f}, got {text}")
     return value
 
 
@@ -159,12 +201,26 @@ def device(text: str):
     return parsed
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless the help names its default itself or the
+    flag has none."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def first_paragraph(docstring: str) -> str:
+    return " ".join(docstring.strip().split("\n\n")[0].split())
+
+
 def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     """The flags every script takes. `script` names the program in messages and reports; the
     first line of `description` (the script's docstring) heads --help."""
     import torch  # for the default device, once the script has loaded it
-    p = argparse.ArgumentParser(prog=script, description=description.strip().split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=script, description=first_paragraph(description),
+                                formatter_class=HelpFormatter)
     p.set_defaults(script=script)
     p.add_argument("num_requests", metavar="N", type=positive_int,
                    help="decode the first N prompts of sharegpt_filtered.json as one batch "
@@ -194,8 +250,8 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                    help="completions per prompt (vLLM's n): N x K sequences in all; the paged "
                         "script's share the prompt's blocks")
     p.add_argument("--temperature", type=temperature, default=0.0,
-                   help="0: greedy, the most likely token; above 0: sample from the softmax of "
-                        "logits / temperature")
+                   help="0: greedy, the most likely token (so is any temperature below 1e-5); "
+                        "above 0: sample from the softmax of logits / temperature")
     p.add_argument("--top-p", type=fraction, default=1.0,
                    help="with --temperature: sample only from the most likely tokens whose "
                         "probabilities add up to this")
@@ -236,15 +292,21 @@ def one_paragraph_errors(script: str):
     """Turn the failures a run can end in into one paragraph on stderr and an exit code."""
     import torch
     from block_manager import OutOfBlocks
+    if hasattr(sys.stdout, "reconfigure"):  # text the terminal cannot show prints as '?'
+        sys.stdout.reconfigure(errors="replace")
     try:
         yield
+        sys.stdout.flush()  # a full or closed output is found here, not at exit
+    except BrokenPipeError:  # the reader went away (`| head`): --json is written already
+        silence_stdout()
+        sys.exit(BROKEN_PIPE)
     except UserError as e:
         fail(script, str(e), e.exit_code)
     except OutOfBlocks as e:
         smaller = (", a larger --num-blocks, or a smaller --block-size (with --attn triton or "
                    "torch)" if e.unit == "blocks" else "")
-        fail(script, f"The KV {e.unit} ran out: {e.needed} more {e.unit} of {e.block_size} "
-                     f"tokens were needed with {e.free} of {e.total} free. Without --continuous "
+        fail(script, f"The KV {e.unit} ran out: {e.needed:,} more {e.unit} of {e.block_size:,} "
+                     f"tokens were needed with {e.free:,} of {e.total:,} free. Without --continuous "
                      f"every prompt is admitted up front and none is preempted, so the whole batch "
                      f"must fit. Try --continuous, fewer requests, a larger --kv-budget-gb (on a "
                      f"GPU, --gpu-memory-utilization){smaller}.", OUT_OF_MEMORY)
@@ -253,6 +315,25 @@ def one_paragraph_errors(script: str):
                      f"The KV cache was reserved, but activations for this batch did not fit "
                      f"beside it. Try fewer requests, or leave more room "
                      f"(--gpu-memory-utilization).", OUT_OF_MEMORY)
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "allocate" not in str(e):
+            raise  # not an allocator's failure: a bug, which should show where it is
+        fail(script, f"Out of memory: the CPU's allocator refused ({str(e).splitlines()[0]}). "
+                     f"This machine has {host_available_bytes() / 1e9:,.2f} GB available. Try "
+                     f"fewer requests or --samples, a smaller --model, or a smaller KV cache "
+                     f"(--kv-budget-gb).", OUT_OF_MEMORY)
+    except OSError as e:  # standard output on a full disk; a file that failed mid-run
+        silence_stdout()
+        where = e.filename or "standard output"
+        fail(script, f"Could not write {where}: {e.strerror or e}.", USAGE)
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null, so that flushing it at exit cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # not a real file (a test's capture): nothing to flush there
+        pass
 
 
 def fail(script: str, message: str, exit_code: int):

@@ -15,8 +15,8 @@ import time
 import torch
 
 from block_manager import OutOfBlocks
-from plumbing.cli import OUT_OF_MEMORY, UserError
-from plumbing.report import GB, memory_report, write_json
+from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes
+from plumbing.report import memory_report, write_json
 from plumbing.setup import generate
 
 
@@ -35,7 +35,7 @@ def run_batch(setup, allocate_kv_cache):
     """One run as the script's main() makes it. The cache lives in this frame only, so it is
     freed on return, or with the traceback when the run fails."""
     cache, manager = allocate_kv_cache(setup)
-    generation = generate(setup, cache, manager, progress=False)
+    generation = generate(setup, cache, manager, progress=True)
     return generation, memory_report(setup, cache, manager, generation)
 
 
@@ -43,6 +43,7 @@ def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
     """One run of the first `num_requests` prompts, in this process."""
     args = argparse.Namespace(**vars(setup.args) | {"num_requests": num_requests})
     batch = dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
+    print(f"  N={num_requests:<6,} running ...", flush=True)  # a bar shows its decode steps
     start = time.perf_counter()
     try:
         generation, memory = run_batch(batch, allocate_kv_cache)
@@ -63,8 +64,9 @@ def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
         torch.cuda.empty_cache()
     result.seconds = time.perf_counter() - start
     pool = f", pool of {result.kv_pool_blocks:,} blocks" if result.kv_pool_blocks else ""
-    fragmented = (f", Fragmented Memory {result.fragmented_bytes / GB:.2f} GB "
-                  f"({result.fragmented_percent_of_device:.2f}%)" if result.fragmented_bytes is not None else "")
+    fragmented = (f", Fragmented Memory {format_bytes(result.fragmented_bytes)} "
+                  f"({result.fragmented_percent_of_device:.2f}%)"
+                  if result.fragmented_bytes is not None else "")
     print(f"  N={num_requests:<6,} {result.outcome} in {result.seconds:.1f} s{pool}{fragmented}",
           flush=True)
     return result
@@ -81,8 +83,9 @@ def find_max_batch(setup, allocate_kv_cache) -> None:
         middle = (fits + fails) // 2
         attempts.append(attempt(setup, middle, allocate_kv_cache))
         fits, fails = (middle, fails) if attempts[-1].outcome == "completes" else (fits, middle)
+    runs = f"{len(attempts)} run{'s' if len(attempts) > 1 else ''}"
     print(f"Largest batch that completes: {fits:,} requests "
-          f"({len(attempts)} runs, {sum(a.seconds for a in attempts):.0f} s)")
+          f"({runs}, {sum(a.seconds for a in attempts):.0f} s)")
     if setup.args.json:
         write_json(setup.args, {"script": setup.args.script, "largest_batch_that_completes": fits,
                                 "attempts": [dataclasses.asdict(a) for a in attempts]})

@@ -74,6 +74,9 @@ class Tokenizer:
 
 def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:
     if explicit is not None:
+        if Path(explicit).is_dir():
+            raise UserError(f"--tokenizer {explicit} is a directory; name the tokenizer.model "
+                            f"file in it.")
         if not Path(explicit).is_file():
             raise UserError(f"--tokenizer {explicit}: no such file (a Llama 3 tokenizer.model).")
         return Path(explicit)
@@ -120,6 +123,8 @@ def load_prompts(n: int, tokenizer, system_prompt: str | None = None,
         raise UserError(f"The prompts file {path} is damaged ({e}). {rebuild}") from e
     if not isinstance(records, list):
         raise UserError(f"The prompts file {path} holds no list of conversations. {rebuild}")
+    if not records:
+        raise UserError(f"The prompts file {path} holds no prompts: its list is empty. {rebuild}")
     if not 1 <= n <= len(records):
         raise UserError(f"N must be between 1 and {len(records)}, the prompts in {path.name}; got {n}.")
     requests = []

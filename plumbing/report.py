@@ -3,8 +3,8 @@
 Reserved: KV slots in blocks owned by running requests. Filled: the reserved slots that hold a
 token's K and V. Unfilled: reserved minus filled, memory no one can use until its request ends;
 the block manager counts it. Fragmented Memory is the unfilled memory at the step the cache held
-the most tokens, in GB (10^9 bytes) and as a percentage of the device's total memory, as the
-original experiment printed it.
+the most tokens, in GB (10^9 bytes; MB under a GB) and as a percentage of the device's total
+memory, as the original experiment printed it.
 """
 
 import json
@@ -14,7 +14,7 @@ import statistics
 import numpy as np
 import torch
 
-from plumbing.cli import UserError
+from plumbing.cli import format_bytes, write_atomically
 
 GB = 1e9
 ANSWERS_SHOWN = 3
@@ -27,14 +27,13 @@ def device_total_bytes(device: torch.device) -> int:
 
 
 def report(setup, cache, manager, generation) -> None:
-    """Print the first answers and the report; write --json if asked."""
+    """Write --json if asked, then print the first answers and the report: the file first, so
+    that a reader who stops reading the output early (`| head`) still gets it."""
     args = setup.args
-    print_answers(setup.prompts, generation, setup.tokenizer, args.show_all, args.samples)
     memory = memory_report(setup, cache, manager, generation)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
     sharing = sharing_report(setup, manager, generation)
-    print_report(args.script, memory, throughput, scheduling, sharing)
     if args.json:
         samples = [(p, k) for p in setup.prompts for k in range(args.samples)]  # one per sequence
         write_json(args, {
@@ -47,14 +46,22 @@ def report(setup, cache, manager, generation) -> None:
             "sharing": sharing,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
+    print_answers(setup.prompts, generation, setup.tokenizer, args.show_all, args.samples)
+    print_report(args.script, memory, throughput, scheduling, sharing)
+
+
+def as_json_value(value):
+    """What json cannot write itself: numpy's numbers as numbers, paths and devices as text."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return str(value)
 
 
 def write_json(args, record: dict) -> None:
-    arguments = vars(args)  # paths and the device are written as text
-    try:
-        args.json.write_text(json.dumps({"arguments": arguments} | record, default=str))
-    except OSError as e:  # checked before the run, but a disk can still fill up
-        raise UserError(f"Could not write --json {args.json}: {e}") from e
+    text = json.dumps({"arguments": vars(args)} | record, default=as_json_value)
+    write_atomically(args.json, lambda path: path.write_text(text))
 
 
 def print_answers(prompts, generation, tokenizer, show_all: bool, samples: int) -> None:
@@ -179,7 +186,7 @@ def sharing_report(setup, manager, generation) -> dict:
 def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
                  sharing: dict) -> None:
     m, t, s = memory, throughput, scheduling
-    gb = lambda b: f"{b / GB:.2f} GB" if b >= GB / 10 else f"{b / 1e6:.2f} MB"
+    gb = format_bytes
     print(f"\n=== {script} ===")
     print(f"Tokens: {t['num_prompt_tokens']:,} prompt, {t['num_generated_tokens']:,} generated")
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
@@ -187,7 +194,7 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
           f"{s['max_running']:,} running at once; {s['preemptions']:,} preemptions, "
           f"{s['recomputed_tokens']:,} tokens recomputed; queue wait median "
           f"{s['queue_wait_median_seconds']:.2f} s, longest {s['queue_wait_max_seconds']:.2f} s")
-    print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']} steps in "
+    print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']:,} steps in "
           f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); "
           f"end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
     print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
@@ -203,7 +210,7 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
                   f"reserved)")
     if sharing["block_sharing"]:
         print_sharing(sharing, gb)
-    print(f"Fragmented Memory: {m['fragmented_bytes'] / GB:.2f} GB "
+    print(f"Fragmented Memory: {format_bytes(m['fragmented_bytes'])} "
           f"({m['fragmented_percent_of_device']:.2f}%)")
 
 

@@ -19,12 +19,16 @@ from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy
 from core.kv_cache import KVCache, PrefillBatch
 from core.request import Request, Scheduler
 from plumbing.checkpoints import load_model, random_model
-from plumbing.cli import CPU_KV_BUDGET_GB, OUT_OF_MEMORY, UserError, check_host_memory
-from plumbing.prompts import load_prompts, load_tokenizer
+from plumbing.cli import (CPU_KV_BUDGET_GB, OUT_OF_MEMORY, UserError, check_host_memory,
+                          refuse_output_over_input)
+from plumbing.prompts import PROMPTS_FILE, load_prompts, load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
 GB = 1e9
+MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
+                     # softmax as one-hot as the argmax for any two logits 0.001 apart
 
 
 @dataclass
@@ -64,6 +68,14 @@ def load(args) -> Setup:
     if args.top_p < 1 and args.temperature == 0:
         raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
                         "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
+    if args.find_max_batch and args.continuous:
+        raise UserError("--find-max-batch finds the largest static batch that fits the KV cache; "
+                        "with --continuous every batch completes, as requests wait and are "
+                        "preempted when blocks run out. Drop one of the two.")
+    if args.num_requests * args.samples > MAX_SEQUENCES:
+        raise UserError(f"N x --samples = {args.num_requests * args.samples:,} sequences; this "
+                        f"project runs at most {MAX_SEQUENCES:,} at once.")
+    refuse_output_over_input(args.json, inputs_of(args), "--json")
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     attention = choose_attention(args.attn, device)
@@ -86,6 +98,12 @@ def load(args) -> Setup:
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
                         f"tokenizer's {tokenizer.encoding.n_vocab:,}: they do not belong together.")
     return Setup(args, device, dtype, model, attention, tokenizer, prompts, system)
+
+
+def inputs_of(args) -> list:
+    """Every file a run reads: the prompts, the system prompt, the tokenizer, the checkpoint."""
+    ckpt = [] if args.random_weights or not args.ckpt_dir.is_dir() else list(args.ckpt_dir.iterdir())
+    return [PROMPTS_FILE, args.system_prompt_file, args.tokenizer, *ckpt]
 
 
 def system_prompt(args) -> str | None:
@@ -174,7 +192,7 @@ def activation_peak_bytes(setup) -> int:
 
 def sampling_peak_bytes(setup) -> int:
     """Sampling's own memory (softmax, sort, sums), measured on one batch of rows."""
-    if setup.args.temperature == 0:
+    if setup.args.temperature < GREEDY_BELOW:
         return 0  # greedy: an argmax
     sampler = make_sampler(setup.args)
     from features.sampling import ROWS_AT_ONCE
@@ -214,18 +232,19 @@ def kv_cache(setup, num_blocks: int, block_size: int) -> KVCache:
 
 def make_requests(setup) -> list[Request]:
     """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1.
-    With random weights text is nonsense: each stops where its ShareGPT reply stopped."""
+    With random weights text is nonsense: each stops where its ShareGPT reply stopped (after one
+    token at least: the prefill always makes one)."""
     args, requests = setup.args, []
     for prompt in setup.prompts:
-        new_tokens = min(prompt.num_reply_tokens if args.random_weights else args.max_new_tokens,
-                         args.max_new_tokens, args.max_seq_len - len(prompt.prompt_tokens))
+        reply = max(prompt.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens
+        new_tokens = min(reply, args.max_new_tokens, args.max_seq_len - len(prompt.prompt_tokens))
         requests += [Request(len(requests) + k, prompt.prompt_tokens, new_tokens)
                      for k in range(args.samples)]
     return requests
 
 
 def make_sampler(args):
-    if args.temperature == 0:
+    if args.temperature < GREEDY_BELOW:
         return greedy
     from features.sampling import Sampler
     return Sampler(args.temperature, args.top_p, args.seed)

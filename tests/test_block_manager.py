@@ -21,9 +21,9 @@ def check_invariants(m: BlockManager):
     assert len(owned) + len(m.free_blocks) == m.num_blocks
     table = m.block_table.numpy()
     assert ((0 <= table) & (table < m.num_blocks)).all(), "a table entry points outside the pool"
-    for request, blocks in m.owned_blocks.items():
-        assert table[request, :len(blocks)].tolist() == blocks
-        assert len(blocks) == m.blocks_needed(int(m.num_tokens[request]))
+    for row, blocks in m.owned_blocks.items():
+        assert table[row, :len(blocks)].tolist() == blocks
+        assert len(blocks) == m.blocks_needed(int(m.num_tokens[row]))
 
 
 def test_a_prompt_that_exactly_fills_blocks_takes_no_extra_block():

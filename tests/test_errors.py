@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
@@ -113,6 +115,14 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--gpu-memory-utilization", "-1"], 2, "fraction above 0"),
     (["2", *TINY, "--gpu-memory-utilization", "nan"], 2, "expected a number"),
     (["2", *TINY, "--kv-budget-gb", "0"], 2, "positive number of GB"),
+    (["2", *TINY, "--kv-budget-gb", "1e300"], 2, "at most 1,000,000"),
+    (["2", *TINY, "--samples", str(10**30)], 2, "at most 1,000,000 at once"),
+    (["2", *TINY, "--find-max-batch", "--continuous"], 2, "Drop one of the two"),
+    (["2", *TINY, "--json", ""], 2, "an empty one"),
+    (["2", *TINY, "--json", str(ROOT / "sharegpt_filtered.json")], 2, "is a file this run reads"),
+    (["2", *TINY, "--system-prompt-file", str(ROOT / "system_prompt.txt"), "--json",
+      str(ROOT / "system_prompt.txt")], 2, "is a file this run reads"),
+    (["2", *TINY, "--tokenizer", "{tmp}"], 2, "is a directory; name the tokenizer.model"),
     (["2", *TINY, "--seed", str(2**64)], 2, "whole number from 0"),
     (["2", *TINY, "--json", "{tmp}"], 2, "is a directory"),
     (["2", *TINY, "--json", "{tmp}/no/such/folder/run.json"], 2, "does not exist"),
@@ -174,6 +184,7 @@ def test_damaged_checkpoints_and_tokenizers_exit_2(script, damaged, flag, fragme
     ('[{"id": "a", "conversations": [{"value": "hi"}, {"val', "is damaged"),
     ('[{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}]', "has no id, prompt and reply"),
     ('{"not": "a list"}', "holds no list of conversations"),
+    ("[]", "holds no prompts"),
 ])
 def test_a_damaged_prompts_file_exits_2(content, fragment, tmp_path, monkeypatch, capsys):
     prompts = tmp_path / "sharegpt_filtered.json"
@@ -184,12 +195,13 @@ def test_a_damaged_prompts_file_exits_2(content, fragment, tmp_path, monkeypatch
 
 
 OUT_OF_MEMORY = [  # each says how much was asked for and how much there is
-    ("naive", ["8", *TINY], "KV budget is 0.125 GB: 7 requests fit"),
-    ("naive", ["1", *TINY, "--max-seq-len", "131072"], "0.27 GB of KV cache"),
+    ("naive", ["8", *TINY], "KV budget is 125.00 MB: 7 requests fit"),
+    ("naive", ["1", *TINY, "--max-seq-len", "131072"], "268.44 MB of KV cache"),
     ("paged", ["4", *TINY, "--block-size", "16", "--num-blocks", "5"], "KV blocks ran out"),
     ("paged", ["2", *TINY, "--block-size", "100000000"], "Not one KV block fits"),
     ("paged", ["2", *TINY, "--num-blocks", "1000000000"], "the KV cache needs"),
     ("paged", ["2", *TINY, "--kv-budget-gb", "100000"], "the KV cache needs"),
+    ("paged", ["2", *TINY, "--kv-budget-gb", "1e-12"], "takes 32.77 KB, more than the KV budget of 0 bytes"),
     ("naive", ["3", *TINY, "--find-max-batch", "--kv-budget-gb", "0.001"], "Not even one request"),
     ("paged", ["3", *TINY, "--find-max-batch", "--num-blocks", "1"], "Not even one request"),
     ("paged", ["2", *TINY, "--continuous", "--num-blocks", "4"], "could never finish"),
@@ -285,8 +297,8 @@ def interrupt(argv, when: str):
 
 @pytest.mark.parametrize("argv, when", [
     (["llama3_paged.py", "7", *TINY], ""),  # importing torch
-    (["llama3_naive.py", "7", *TINY], "decode: [1-9]"),  # inside the decode loop, a step done
-    (["llama3_paged.py", "7", *TINY], "decode: [1-9]"),
+    (["llama3_naive.py", "7", *TINY], r"\| [1-9]\d*/"),  # inside the decode loop, a step done
+    (["llama3_paged.py", "7", *TINY], r"\| [1-9]\d*/"),
     (["tools/bench.py", "paged"], ""),
 ])
 def test_ctrl_c_at_any_moment_prints_one_line_and_exits_130(argv, when):
@@ -301,3 +313,82 @@ def test_ctrl_c_while_the_plot_imports_or_draws_exits_130(one_run, tmp_path):
                            "-o", tmp_path / "p.png"], "")
     assert code == 130, err
     assert "interrupted (Ctrl-C)" in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_a_checkpoint_config_that_is_not_an_object_says_so_for_its_layout(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("null")
+    code, _, err = run_main(llama3_paged.main, ["2", "--device", "cpu", "--ckpt-dir", tmp_path],
+                            capsys)
+    assert_one_paragraph(code, err, 2, "holds null, not an object of settings")
+    assert "Hugging Face config.json" in err and "params.json" in err
+
+
+def test_the_allocator_refusing_memory_exits_1_in_one_paragraph(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 34359738368 bytes.")
+    monkeypatch.setattr(torch, "empty", refuse)  # as materialising the weights calls it
+    code, _, err = run_main(llama3_paged.main, ["2", *TINY], capsys)
+    assert_one_paragraph(code, err, 1, "Out of memory: the CPU's allocator refused")
+
+
+def run_process(argv, **kwargs):
+    return subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def test_a_closed_pipe_ends_quietly_and_the_json_is_written(tmp_path):
+    process = run_process(["llama3_paged.py", "2", *TINY, "--max-new-tokens", "3",
+                           "--json", tmp_path / "run.json"], stdout=subprocess.PIPE)
+    process.stdout.readline()  # `| head -1`: the reader takes a line and goes away
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 141 and "Traceback" not in err, err
+    assert json.loads((tmp_path / "run.json").read_text())["script"] == "llama3_paged.py"
+
+
+def test_a_full_standard_output_exits_2_in_one_paragraph():
+    with open("/dev/full", "w") as full:
+        process = run_process(["llama3_paged.py", "2", *TINY, "--max-new-tokens", "3"],
+                              stdout=full)
+        err = process.stderr.read()
+    assert process.wait(timeout=300) == 2 and "Traceback" not in err, err
+    assert "Could not write standard output: No space left on device" in err
+
+
+def test_an_output_that_cannot_show_the_answers_prints_them_anyway():
+    process = run_process(["llama3_paged.py", "2", *TINY, "--max-new-tokens", "3"],
+                          stdout=subprocess.PIPE, env=os.environ | {"PYTHONIOENCODING": "ascii"})
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0 and "Traceback" not in err, err
+    assert "Fragmented Memory" in out
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(tmp_path):
+    runs = {}
+    for name, extra in [("greedy", []), ("tiny", ["--temperature", "1e-38"])]:
+        llama3_paged.main(["2", *TINY, "--max-new-tokens", "5", *extra,
+                           "--json", str(tmp_path / f"{name}.json")])
+        runs[name] = [r["output_tokens"] for r in
+                      json.loads((tmp_path / f"{name}.json").read_text())["requests"]]
+    assert runs["tiny"] == runs["greedy"]
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(one_run, tmp_path, monkeypatch, capsys):
+    picture = tmp_path / "kv.png"
+    picture.write_bytes(b"the previous picture")
+
+    def full_disk(self, path, **kwargs):
+        Path(path).write_bytes(b"half a pict")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(plot_memory.plt.Figure, "savefig", full_disk)
+    code, _, err = run_main(plot_memory.main, [one_run / "run.json", "-o", picture], capsys)
+    assert_one_paragraph(code, err, 2, "No space left on device")
+    assert picture.read_bytes() == b"the previous picture" and list(tmp_path.iterdir()) == [picture]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text("[the prompts]")
+    monkeypatch.setattr(build_prompts, "build", lambda: "new prompts")
+    monkeypatch.setattr(Path, "write_text", lambda self, text, **kw: full_disk(None, self))
+    code, _, err = run_main(build_prompts.main, ["--output", prompts], capsys)
+    assert code == 2 and "No space left on device" in err and "Traceback" not in err
+    assert prompts.read_bytes() == b"[the prompts]"

@@ -14,7 +14,6 @@ from plumbing.checkpoints import random_model
 from core.engine import EagerDecoder, Engine
 from core.request import Request, Scheduler
 from core.kv_cache import KVCache
-from features.sampling import Sampler
 
 MAX_SEQ_LEN = 96
 

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from block_manager import BlockManager
 from core.attention import TorchAttention
 from plumbing.checkpoints import random_model
-from plumbing.cli import UserError
 from conftest import generate
 from core.kv_cache import KVCache
 from core.request import Request
@@ -177,3 +176,17 @@ class FakeCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.block_shape, self.spare_slot = (num_blocks, block_size, 1, 1), num_blocks * block_size
         self.k, self.v = (torch.zeros(1, self.spare_slot + 1, 1, 1) for _ in range(2))
+
+
+def test_naive_continuous_fills_every_free_slot_while_requests_wait(model):
+    # Short prompts, far below a quarter of a prefill chunk: a paged pool would wait to gather
+    # more before a prefill step, but a naive request never grows into the free memory, so a
+    # free max-length block is taken at once.
+    prompts = random_prompts([5, 7, 4, 9, 6, 3, 8, 5, 6, 4], seed=12)
+    budgets = [3, 9, 4, 12, 5, 7, 3, 10, 6, 8]
+    static, _ = run(model, prompts, budgets, num_blocks=10, block_size=MAX_SEQ_LEN)
+    orca_max, _ = run(model, prompts, budgets, num_blocks=3, block_size=MAX_SEQ_LEN,
+                      continuous=True)
+    assert orca_max.output_tokens == static.output_tokens
+    waiting_steps = [s for s in orca_max.timeline if s.waiting_requests]
+    assert waiting_steps and all(s.running_requests == 3 for s in waiting_steps)

@@ -47,8 +47,11 @@ from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy
 from core.kv_cache import DecodeBatch
 from core.request import Request
 from features.continuous import ContinuousScheduler
-from plumbing.cli import argument_parser, fraction, one_paragraph_errors, positive_int, sequence_length
-from plumbing.report import GB, sharing_report
+from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fraction,
+                          one_paragraph_errors, positive_int, refuse_output_over_input,
+                          sequence_length, write_atomically)
+from plumbing.prompts import PROMPTS_FILE
+from plumbing.report import GB, as_json_value, sharing_report
 from plumbing.setup import DTYPES, load, make_decoder, make_scheduler
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
@@ -157,8 +160,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
 
 
 def parse_arguments(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("script", choices=SCRIPTS,
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
@@ -349,12 +351,14 @@ def print_table(r: dict) -> None:
 def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("bench.py"):
+        refuse_output_over_input(a.json, [PROMPTS_FILE, a.system_prompt_file], "--json")
         if not torch.cuda.is_available():
             raise UserError("needs a CUDA GPU; the figures it reports are GPU limits.")
         result = bench(a)
-    print_table(result)
-    if a.json:
-        a.json.write_text(json.dumps(result))
+        if a.json:  # before the table, which a closed pipe may cut short
+            text = json.dumps(result, default=as_json_value)
+            write_atomically(a.json, lambda path: path.write_text(text))
+        print_table(result)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import UserError, exit_quietly_on_ctrl_c, writable_file
+from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
+                          writable_file, write_atomically)
 
 exit_quietly_on_ctrl_c("build_prompts.py")
 
@@ -68,15 +69,16 @@ def build(num_records: int = NUM_RECORDS) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=first_paragraph(__doc__),
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--output", type=writable_file, default=str(PROMPTS_FILE))
     args = parser.parse_args(argv)
     try:
         text = build()
+        write_atomically(args.output, lambda path: path.write_text(text, encoding="utf-8"))
     except UserError as e:
         print(f"build_prompts.py: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    args.output.write_text(text, encoding="utf-8")
     print(f"wrote {args.output}")
 
 

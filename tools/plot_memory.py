@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import exit_quietly_on_ctrl_c, writable_file
+from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
+                          format_bytes, writable_file, write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
@@ -66,30 +67,32 @@ def image_file(text: str) -> Path:
     return path
 
 
-def draw(ax, run: dict) -> None:
+def draw(ax, run: dict, scale: float) -> None:
+    """One run's panel, its bytes drawn in units of `scale` bytes."""
     timeline, memory = run["timeline"], run["memory"]
     steps = [s["step"] for s in timeline]
-    reserved = [s["reserved_bytes"] / GB for s in timeline]
-    filled = [s["filled_bytes"] / GB for s in timeline]
-    ax.axhline(memory["kv_pool_bytes"] / GB, color="gray", linestyle="--", linewidth=1,
-               label=f"KV pool allocated up front ({memory['kv_pool_bytes'] / GB:.1f} GB)")
+    reserved = [s["reserved_bytes"] / scale for s in timeline]
+    filled = [s["filled_bytes"] / scale for s in timeline]
+    ax.axhline(memory["kv_pool_bytes"] / scale, color="gray", linestyle="--", linewidth=1,
+               label=f"KV pool allocated up front ({format_bytes(memory['kv_pool_bytes'])})")
     ax.plot(steps, reserved, color="tab:red", label="reserved by running requests")
     ax.plot(steps, filled, color="tab:blue", label="filled with tokens")
     ax.fill_between(steps, filled, reserved, color="tab:red", alpha=0.25, label="unfilled")
     peak = memory["at_fullest_step"]
-    ax.plot([peak["step"]], [peak["filled_bytes"] / GB], "ko")
-    ax.annotate(f"fullest step {peak['step']}: {peak['filled_bytes'] / GB:.1f} GB filled,\n"
-                f"{peak['unfilled_bytes'] / GB:.1f} GB unfilled ({peak['unfilled_percent_of_reserved']:.0f}% "
-                f"of reserved)", (peak["step"], peak["filled_bytes"] / GB),
+    ax.plot([peak["step"]], [peak["filled_bytes"] / scale], "ko")
+    ax.annotate(f"fullest step {peak['step']}: {format_bytes(peak['filled_bytes'])} filled,\n"
+                f"{format_bytes(peak['unfilled_bytes'])} unfilled "
+                f"({peak['unfilled_percent_of_reserved']:.0f}% of reserved)",
+                (peak["step"], peak["filled_bytes"] / scale),
                 textcoords="axes fraction", xytext=(0.3, 0.6), fontsize=8,
                 bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9},
                 arrowprops={"arrowstyle": "->", "color": "black"})
     ax.set_ylim(bottom=0)
     arguments = run.get("arguments", {})
     mode = " --continuous" if arguments.get("continuous") else ""
-    ax.set_title(f"{run.get('script', '?')} {arguments.get('num_requests', '')}{mode}: Fragmented Memory "
-                 f"{memory['fragmented_bytes'] / GB:.2f} GB ({memory['fragmented_percent_of_device']:.2f}%)",
-                 fontsize=10)
+    ax.set_title(f"{run.get('script', '?')} {arguments.get('num_requests', '')}{mode}: "
+                 f"Fragmented Memory {format_bytes(memory['fragmented_bytes'])} "
+                 f"({memory['fragmented_percent_of_device']:.2f}%)", fontsize=10)
     ax.set_xlabel("decode step")
     counts = ax.twinx()  # requests, not bytes
     counts.plot(steps, [s["running_requests"] for s in timeline], color="tab:green",
@@ -103,7 +106,7 @@ def draw(ax, run: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("runs", nargs="+", type=run_json,
                    help="--json files of llama3_naive.py / llama3_paged.py")
     p.add_argument("-o", "--output", type=image_file, default="kv_memory.png",
@@ -111,11 +114,17 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     runs = args.runs
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), sharey=True, squeeze=False)
+    # One unit for the shared axis: GB, or MB where every pool is under a GB (the CPU's).
+    scale, unit = (GB, "GB") if max(r["memory"]["kv_pool_bytes"] for r in runs) >= GB else (1e6, "MB")
     for ax, run in zip(axes[0], runs):
-        draw(ax, run)
-    axes[0][0].set_ylabel("KV cache (GB)")
+        draw(ax, run, scale)
+    axes[0][0].set_ylabel(f"KV cache ({unit})")
     fig.tight_layout()
-    fig.savefig(args.output, dpi=100)
+    try:
+        write_atomically(args.output, lambda path: fig.savefig(path, dpi=100))
+    except UserError as e:
+        print(f"plot_memory.py: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     print(f"Wrote {args.output} ({args.output.stat().st_size / 1e3:.0f} KB)")
 
 
