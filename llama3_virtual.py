@@ -18,10 +18,11 @@ exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends i
 
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
+from features.virtual_memory import DriverOutOfMemory
 from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
                           one_paragraph_errors)
 from plumbing.report import report
-from plumbing.setup import find_max_batch, generate, kv_budget_bytes, load
+from plumbing.setup import find_max_batch, generate, importable, kv_budget_bytes, load
 
 
 def add_layout_arguments(parser):
@@ -36,20 +37,28 @@ def require_cuda_and_flash_attn(setup) -> None:
     if setup.device.type != "cuda" or setup.attention.name != "flash":
         raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn's non-paged "
                         "kernel: it needs --device cuda and flash-attn (--attn flash or auto).")
+    if not importable("cuda.bindings"):
+        raise UserError("llama3_virtual.py maps GPU memory with CUDA's virtual memory API, which "
+                        "Python reaches through the cuda-python package: `pip install cuda-python`.")
 
 
 def allocate_kv_cache(setup):
     """A row of address space for every request, reserved up front at no cost, and physical pages,
     as many as memory holds, to be mapped under the rows as requests grow."""
     args = setup.args
-    cache = VirtualKVCache(setup.model.args, setup.num_sequences, args.max_seq_len, setup.dtype,
-                           setup.device, setup.attention, args.layout)
-    page_bytes = cache.tokens_per_page * setup.kv_bytes_per_token  # a page in every tensor
-    num_pages = int(kv_budget_bytes(setup) // page_bytes)
-    if num_pages == 0:
-        raise UserError(f"Not one page of {format_bytes(page_bytes)} fits in the KV budget. Raise "
-                        f"--kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
-    cache.create_pages(num_pages)
+    try:
+        cache = VirtualKVCache(setup.model.args, setup.num_sequences, args.max_seq_len,
+                               setup.dtype, setup.device, setup.attention, args.layout)
+        page_bytes = cache.tokens_per_page * setup.kv_bytes_per_token  # a page in every tensor
+        num_pages = int(kv_budget_bytes(setup) // page_bytes)
+        if num_pages == 0:
+            raise UserError(f"Not one page of {format_bytes(page_bytes)} fits in the KV budget. "
+                            f"Raise --kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
+        cache.create_pages(num_pages)
+    except DriverOutOfMemory as e:
+        raise UserError(f"Out of GPU memory in {e.call}: the KV pages did not fit beside the "
+                        f"weights. Lower --kv-budget-gb or --gpu-memory-utilization.",
+                        OUT_OF_MEMORY) from e
     # The block table never changes: row r lists the virtual pages of row r; the MMU does the rest.
     manager = PageManager(num_pages, cache.tokens_per_page, setup.num_sequences,
                           cache.pages_per_row, mapper=cache, device=setup.device)

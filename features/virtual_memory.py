@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from plumbing.cli import OUT_OF_MEMORY, UserError
 
 try:
     from cuda.bindings import driver
@@ -22,12 +21,19 @@ except ImportError:
     driver = None
 
 
+class DriverOutOfMemory(Exception):
+    """A driver call found too little GPU memory (creating the KV pages)."""
+
+    def __init__(self, call: str):
+        self.call = call
+        super().__init__(f"{call}: out of GPU memory")
+
+
 def check(result, call: str):
     """cuda-python returns (error, *values): raise unless the call succeeded, else the values."""
     error, *values = result
     if error == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-        raise UserError(f"Out of GPU memory in {call}: the KV pages did not fit beside the "
-                        f"weights. Lower --kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
+        raise DriverOutOfMemory(call)
     if error != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{call} failed: {driver.cuGetErrorName(error)[1].decode()}")
     return values[0] if len(values) == 1 else values
@@ -36,9 +42,7 @@ def check(result, call: str):
 class VirtualMemory:
     def __init__(self, device: torch.device):
         if driver is None:
-            raise UserError("llama3_virtual.py maps GPU memory with CUDA's virtual memory API, "
-                            "which Python reaches through the cuda-python package: "
-                            "`pip install cuda-python`.")
+            raise ModuleNotFoundError("cuda-python (cuda.bindings) is not installed")
         self.device = device = torch.device(device)
         torch.zeros(1, device=device)  # the CUDA context the driver calls work in
         self.page_properties = driver.CUmemAllocationProp()

@@ -392,3 +392,16 @@ def test_a_failed_write_leaves_the_previous_file_whole(one_run, tmp_path, monkey
     code, _, err = run_main(build_prompts.main, ["--output", prompts], capsys)
     assert code == 2 and "No space left on device" in err and "Traceback" not in err
     assert prompts.read_bytes() == b"[the prompts]"
+
+
+def test_an_empty_prompt_or_reply_is_a_request_like_any_other(tmp_path, monkeypatch, capsys):
+    prompts = tmp_path / "sharegpt_filtered.json"
+    prompts.write_text(json.dumps([
+        {"id": "no-prompt", "conversations": [{"value": ""}, {"value": "an answer"}]},
+        {"id": "no-reply", "conversations": [{"value": "a question"}, {"value": ""}]}]))
+    monkeypatch.setattr(plumbing.prompts, "PROMPTS_FILE", prompts)
+    code, _, err = run_main(llama3_paged.main, ["2", *TINY, "--json", tmp_path / "run.json"],
+                            capsys)
+    assert code == 0 and "Traceback" not in err, err
+    outputs = [r["output_tokens"] for r in json.loads((tmp_path / "run.json").read_text())["requests"]]
+    assert len(outputs[0]) == 2 and len(outputs[1]) == 1  # "an answer"; one token at least
