@@ -80,6 +80,7 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
                       max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
+    result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
     result.first_cached_tokens = manager.first_cached[:n].tolist() if share else [0] * n
     result.num_copied_blocks = manager.num_copied if share else 0
     return result
