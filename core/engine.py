@@ -152,7 +152,7 @@ class Engine:
         blocks back."""
         requests = list(scheduler.waiting)
         newest = np.array([r.tokens[-1] for r in requests])  # fed to each one's next decode step
-        timeline, timer, num_prefilled = [], StepTimer(self.device), 0
+        self.timeline, self.timer, num_prefilled = [], StepTimer(self.device), 0
         seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
         # A context, so that the bar is gone before an error message (out of blocks) is printed.
         with tqdm(desc="decode", unit="step", total=steps_left(scheduler), disable=not progress,
@@ -165,15 +165,7 @@ class Engine:
                     num_prefilled += sum(len(r.tokens) for r in step.requests)
                     num_prefilled -= sum(step.num_cached)
                 else:
-                    timeline.append(KVSnapshot(len(timeline), len(step.requests),
-                                               len(scheduler.waiting),
-                                               self.manager.num_reserved_slots,
-                                               self.manager.num_unfilled_slots))
-                    timer.start()
-                    slots = self.manager.slots(step.rows, step.positions)  # where the K/V go
-                    next_tokens = self.decoder.step(newest[step.rows], step.positions, step.rows,
-                                                    slots)
-                    timer.stop()
+                    next_tokens = self.decode(step, newest[step.rows], len(scheduler.waiting))
                 new_tokens = next_tokens.cpu().numpy()  # the one sync per step
                 newest[step.rows] = new_tokens
                 scheduler.finish(record(step.requests, new_tokens, stop_ids))
@@ -184,10 +176,23 @@ class Engine:
                         bar.total = bar.n + steps_left(scheduler)
                     bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
                                     blocks=self.manager.num_used_blocks, refresh=False)
-        for snapshot, step_seconds in zip(timeline, timer.seconds()):
+        for snapshot, step_seconds in zip(self.timeline, self.timer.seconds()):
             snapshot.seconds = step_seconds
         return Generation(requests, int(num_prefilled), seconds["prefill"], seconds["decode"],
-                          timeline, scheduler.most_running, scheduler)
+                          self.timeline, scheduler.most_running, scheduler)
+
+    def decode(self, step, tokens: np.ndarray, num_waiting: int) -> torch.Tensor:
+        """One token for every running request: `tokens` ([B], each one's newest) at
+        step.positions, their K/V written where the block manager's slots say. Returns the next
+        tokens, [B] on device, and notes the cache as the step found it."""
+        self.timeline.append(KVSnapshot(len(self.timeline), len(step.requests), num_waiting,
+                                        self.manager.num_reserved_slots,
+                                        self.manager.num_unfilled_slots))
+        self.timer.start()
+        slots = self.manager.slots(step.rows, step.positions)  # [B]: the same translation as prefill
+        next_tokens = self.decoder.step(tokens, step.positions, step.rows, slots)
+        self.timer.stop()
+        return next_tokens
 
     def prefill(self, step) -> torch.Tensor:
         """Compute the uncached tokens of every request in a prefill step, packed into chunks of
