@@ -3,10 +3,10 @@
     python llama3_paged.py 49 --random-weights
 
 The pool is sized once from the KV budget (on a GPU, the memory left after the weights and the
-activations; on the CPU, --kv-budget-gb). The block
-manager gives each prompt the blocks it fills, one more block whenever a request's last block is
-full, and takes every block back the moment the request finishes. flash-attn's paged kernel finds
-each request's blocks through the block table, so they need not be contiguous.
+activations; on the CPU, --kv-budget-gb). The block manager gives each prompt the blocks it
+fills, one more block whenever a request's last block is full, and takes every block back the
+moment the request finishes. flash-attn's paged kernel finds each request's blocks through the
+block table, so they need not be contiguous.
 """
 
 from plumbing.cli import exit_quietly_on_ctrl_c
