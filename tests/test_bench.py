@@ -36,3 +36,30 @@ def test_workload_w_is_what_the_paged_script_would_run():
     assert w.random_weights and w.model == "8b" and w.attn == "flash" and w.script == "llama3_paged.py"
     naive = script_arguments(parse_arguments(["naive", "--eager", "--num-requests", "49"]))
     assert naive.eager and naive.num_requests == 49 and not hasattr(naive, "block_size")
+
+
+def test_decode_flops_are_the_matmuls_pytorch_counts():
+    from core.kv_cache import DecodeBatch
+    from tools.bench import decode_flops_per_token
+    model = random_model("tiny", "cpu", torch.float32, 64, seed=0)
+    a, batch, cached = model.args, 3, 5
+    cache = KVCache(a, batch, 8, torch.float32, "cpu", TorchAttention())
+    step = DecodeBatch(torch.arange(batch) * 8 + cached - 1,
+                       torch.arange(batch, dtype=torch.int32)[:, None],
+                       torch.full((batch,), cached, dtype=torch.int32), cached)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.inference_mode():
+        model(torch.arange(batch), torch.full((batch,), cached - 1), cache, step)
+    # The projections and the output head are the step's matrix multiplies (aten.mm); the
+    # attention over the cache is left to the K/V bytes.
+    assert batch * decode_flops_per_token(a) == counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+
+
+def test_a_step_floor_is_bound_by_the_weights_when_small_and_the_flops_when_large():
+    from tools.bench import step_floor_seconds
+    hardware = {"matmul_flops_per_second": 1e15, "copy_bandwidth_bytes_per_second": 4e12}
+    weights, per_token = 16e9, 15e9  # 8B in bf16: 16 GB read, ~15 GFLOP per token
+    # Batch 1: reading 16 GB (4 ms) beats computing 15 GFLOP (15 us); plus 4 GB of K/V (1 ms).
+    assert step_floor_seconds(1, 4e9, weights, per_token, hardware) == 16e9 / 4e12 + 4e9 / 4e12
+    # Batch 512: 7.68 TFLOP take 7.68 ms, longer than the weights' 4 ms.
+    assert step_floor_seconds(512, 0, weights, per_token, hardware) == 512 * 15e9 / 1e15

@@ -13,11 +13,12 @@ naive caches fit); flash-attn; one static batch. Workload W2: the first 2,000 pr
 generating its ShareGPT reply's length (at most 2,048), end-of-text ignored, --max-seq-len 8192,
 the default memory utilization, continuous batching. Every flag changes one part of either.
 
-A decode step must read every weight once and the K/V of every token cached so far; no step can
-be faster than those bytes over the memory bandwidth. Each step is set against that bound, with
-the bandwidth measured here, on this GPU, by a device-to-device copy. Prefill does ~15 GFLOP per
-token and is set against a bf16 matmul rate measured the same way. GPU work is timed with CUDA
-events after a warm-up; figures are medians.
+The floor (a roofline): a decode step of B tokens must compute its projections, B x ~15 GFLOP for
+8B, and read every weight once: whichever takes longer, at the bf16 matmul rate and the copy
+bandwidth measured here, on this GPU. It must also read the K/V of every token cached so far.
+The prefill must compute the prompts' FLOPs at the matmul rate. The workload's floor is the
+prefill's and every decode step's added up, and each measured figure is set against its own.
+GPU work is timed with CUDA events after a warm-up; figures are medians.
 
 Also a CPU micro-benchmark of the scheduler's and block manager's bookkeeping per decode step
 with 1,000 requests running: the host work a step needs before the GPU can start it.
@@ -99,6 +100,26 @@ def prefill_flops(args, prompt_lens: list[int]) -> float:
     attention = sum(2 * args.n_heads * args.head_dim * n * (n + 1) for n in prompt_lens)
     return (2 * per_layer_params * tokens * args.n_layers + attention * args.n_layers
             + 2 * args.dim * args.vocab_size * len(prompt_lens))
+
+
+def decode_flops_per_token(args) -> float:
+    """Matmul FLOPs to decode one token: every projection once, and the output head over the
+    vocabulary. (Attention's, 4 x n_heads x head_dim per cached token, are left out: reading the
+    K/V, not computing on it, is what bounds it.)"""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    per_layer_params = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.ffn_dim
+    return 2 * (per_layer_params * args.n_layers + args.dim * args.vocab_size)
+
+
+def step_floor_seconds(batch: int, kv_bytes: float, weight_bytes: float, flops_per_token: float,
+                       hardware: dict) -> float:
+    """The fastest one decode step of `batch` tokens can be on this GPU: the projections take the
+    longer of computing their FLOPs at the measured matmul rate and reading every weight at the
+    measured bandwidth (small batches are bound by the reading, large ones by the computing), and
+    the K/V must be read besides."""
+    projections = max(batch * flops_per_token / hardware["matmul_flops_per_second"],
+                      weight_bytes / hardware["copy_bandwidth_bytes_per_second"])
+    return projections + kv_bytes / hardware["copy_bandwidth_bytes_per_second"]
 
 
 def weight_bytes_read_per_step(model) -> int:
@@ -256,7 +277,10 @@ def bench(a) -> dict:
     mapping = cache.memory if a.script == "virtual" else None
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     weights_read = weight_bytes_read_per_step(setup.model)
-    bounds = [(weights_read + s.filled_slots * kv_bytes_per_token) / bandwidth for s in result.timeline]
+    hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
+    per_token = decode_flops_per_token(setup.model.args)
+    floors = [step_floor_seconds(s.running_requests, s.filled_slots * kv_bytes_per_token,
+                                 weights_read, per_token, hardware) for s in result.timeline]
     by_time = sorted(range(len(result.timeline)), key=lambda i: result.timeline[i].seconds)
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
@@ -266,6 +290,7 @@ def bench(a) -> dict:
     # are not the work done.
     exact = result.num_prefilled_tokens == result.num_prompt_tokens
     prefill_share = flops / result.prefill_seconds / matmul_rate if exact else None
+    floor = {"prefill_seconds": flops / matmul_rate, "decode_seconds": sum(floors)}
     return {
         "workload": vars(a) | {"json": str(a.json) if a.json else None},
         "device": torch.cuda.get_device_name(device),
@@ -292,14 +317,15 @@ def bench(a) -> dict:
                         "running_requests": result.timeline[median_step].running_requests,
                         "weight_bytes": weights_read,
                         "kv_bytes": result.timeline[median_step].filled_slots * kv_bytes_per_token,
-                        "bound_seconds": bounds[median_step],
-                        "ratio_to_bound": step_seconds / bounds[median_step]},
+                        "floor_seconds": floors[median_step],
+                        "ratio_to_floor": step_seconds / floors[median_step]},
+        "floor": floor | {"wall_seconds": floor["prefill_seconds"] + floor["decode_seconds"]},
         "attention_seconds_per_layer_halfway": attention_seconds,
         "attention_requests": attention_requests,
         "page_mapping_seconds_per_decode_step": (
             (mapping.seconds_mapping - mapping_before) / result.decode_steps if mapping else None),
-        "median_ratio_to_bound": statistics.median(
-            s.seconds / b for s, b in zip(result.timeline, bounds)),
+        "median_ratio_to_floor": statistics.median(
+            s.seconds / b for s, b in zip(result.timeline, floors)),
         "step_seconds": [s.seconds for s in result.timeline],
         "bookkeeping_seconds_per_step_1000_running": {
             str(size): bookkeeping_seconds_per_step(size) for size in sorted({16, a.block_size})},
@@ -333,9 +359,14 @@ def print_table(r: dict) -> None:
           f"{r['num_prefilled_tokens']:,} tokens prefilled"
           + (f"; {r['system_prompt_hit_percent']:.1f}% of the {r['system_prompt_tokens']:,}-token "
              f"system prompt's tokens" if r["system_prompt_tokens"] else ""))
-    print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['running_requests']}; bound "
-          f"{m['bound_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
-          f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_bound']:.2f}x the bound")
+    print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['running_requests']}; floor "
+          f"{m['floor_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
+          f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_floor']:.2f}x the floor")
+    f = r["floor"]
+    print(f"  floor               {f['wall_seconds']:.2f} s = prefill {f['prefill_seconds']:.2f} s + "
+          f"decode {f['decode_seconds']:.2f} s; the run goes at "
+          f"{100 * f['wall_seconds'] / r['wall_seconds']:.0f}% of the floor's speed (prefill {100 * f['prefill_seconds'] / r['prefill_seconds']:.0f}%, decode "
+          f"{100 * f['decode_seconds'] / r['decode_seconds']:.0f}%)")
     if r["attention_seconds_per_layer_halfway"]:
         print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per "
               f"layer, the first {r['attention_requests']} requests at their prompt + half their "
