@@ -32,7 +32,8 @@ def allocate_kv_cache(setup):
         asked = max(num_blocks, 1)
         raise UserError(
             f"Out of memory: {asked:,} requests x {block_size:,} tokens x "
-            f"{setup.kv_bytes_per_token // 1024} KiB per token = {format_bytes(asked * cache_bytes)} "
+            f"{setup.kv_bytes_per_token // 1024} KiB per token = "
+            f"{format_bytes(asked * cache_bytes)} "
             f"of KV cache to reserve up front, and the KV budget is {format_bytes(budget)}: "
             f"{fits:,} requests fit. Try fewer requests or a smaller --max-seq-len, or "
             f"llama3_paged.py, which reserves only the blocks requests fill.", OUT_OF_MEMORY)

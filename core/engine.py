@@ -144,6 +144,7 @@ class Engine:
         self.model, self.cache, self.manager, self.sampler = model, cache, manager, sampler
         self.decoder = decoder or EagerDecoder(model, cache, manager.block_table, sampler)
         self.device = manager.block_table.device
+        self.num_prefilled = 0  # tokens computed by prefill passes, over every run
 
     @torch.inference_mode()
     def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> Generation:
@@ -152,7 +153,8 @@ class Engine:
         blocks back."""
         requests = list(scheduler.waiting)
         newest = np.array([r.tokens[-1] for r in requests])  # fed to each one's next decode step
-        self.timeline, self.timer, num_prefilled = [], StepTimer(self.device), 0
+        self.timeline, self.timer = [], StepTimer(self.device)
+        prefilled_before = self.num_prefilled
         seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
         # A context, so that the bar is gone before an error message (out of blocks) is printed.
         with tqdm(desc="decode", unit="step", total=steps_left(scheduler), disable=not progress,
@@ -162,8 +164,6 @@ class Engine:
                 step = scheduler.schedule()
                 if step.is_prefill:
                     next_tokens = self.prefill(step)
-                    num_prefilled += sum(len(r.tokens) for r in step.requests)
-                    num_prefilled -= sum(step.num_cached)
                 else:
                     next_tokens = self.decode(step, newest[step.rows], len(scheduler.waiting))
                 new_tokens = next_tokens.cpu().numpy()  # the one sync per step
@@ -178,8 +178,8 @@ class Engine:
                                     blocks=self.manager.num_used_blocks, refresh=False)
         for snapshot, step_seconds in zip(self.timeline, self.timer.seconds()):
             snapshot.seconds = step_seconds
-        return Generation(requests, int(num_prefilled), seconds["prefill"], seconds["decode"],
-                          self.timeline, scheduler.most_running, scheduler)
+        return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
+                          seconds["decode"], self.timeline, scheduler.most_running, scheduler)
 
     def decode(self, step, tokens: np.ndarray, num_waiting: int) -> torch.Tensor:
         """One token for every running request: `tokens` ([B], each one's newest) at
@@ -200,6 +200,7 @@ class Engine:
         token, [B] on device."""
         sequences = [r.tokens for r in step.requests]
         new = [len(s) - int(c) for s, c in zip(sequences, step.num_cached)]
+        self.num_prefilled += sum(new)
         return torch.cat([self._prefill_chunk(step.rows[chunk],
                                               [sequences[i] for i in chunk],
                                               step.num_cached[chunk])

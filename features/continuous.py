@@ -16,7 +16,6 @@ decodes one token for every running request, never both:
   generated are prefilled again, and it continues exactly where it stopped.
 """
 
-
 from core.request import Scheduler, Status, Step
 
 # Share of the pool that admission leaves free for the running requests to grow into (vLLM's
@@ -95,7 +94,7 @@ class ContinuousScheduler(Scheduler):
         self.num_recomputed_tokens += int(self.manager.num_tokens[victim.row])
         self.manager.free(victim)  # with prefix caching, its full blocks stay findable
         victim.status = Status.WAITING
-        self._set_running(self.running[:-1])
+        self.running, self.rows = self.running[:-1], self.rows[:-1]
         self.waiting.appendleft(victim)
 
     def _refuse_if_larger_than_the_pool(self, request) -> None:

@@ -97,9 +97,12 @@ def write_atomically(path: Path, write) -> None:
         raise UserError(f"Could not write {path}: {e.strerror or e}.") from e
 
 
+GB = 1e9  # memory is counted in powers of 10, as the original experiment printed it
+
+
 def format_bytes(n: float) -> str:
     """Bytes in the unit that fits their scale (powers of 10: GB = 10^9 bytes)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, size in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} bytes"

@@ -16,7 +16,6 @@ import torch
 
 from plumbing.cli import format_bytes, write_atomically
 
-GB = 1e9
 ANSWERS_SHOWN = 3
 
 

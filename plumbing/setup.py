@@ -14,18 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention import FlashAttention, TorchAttention
+from core.attention import FLASH_BLOCK_MULTIPLE, FlashAttention, TorchAttention
 from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy
 from core.kv_cache import KVCache, PrefillBatch
 from core.request import Request, Scheduler
 from plumbing.checkpoints import load_model, random_model
-from plumbing.cli import (CPU_KV_BUDGET_GB, OUT_OF_MEMORY, UserError, check_host_memory,
-                          refuse_output_over_input)
+from plumbing.cli import (CPU_KV_BUDGET_GB, GB, OUT_OF_MEMORY, UserError,
+                          check_host_memory, refuse_output_over_input)
 from plumbing.prompts import PROMPTS_FILE, load_prompts, load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
-GB = 1e9
 MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
                      # softmax as one-hot as the argmax for any two logits 0.001 apart

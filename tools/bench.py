@@ -52,7 +52,8 @@ from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fract
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           sequence_length, write_atomically)
 from plumbing.prompts import PROMPTS_FILE
-from plumbing.report import GB, as_json_value, sharing_report
+from plumbing.cli import GB
+from plumbing.report import as_json_value, scheduling_report, sharing_report
 from plumbing.setup import DTYPES, load, make_decoder, make_scheduler
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
@@ -286,6 +287,7 @@ def bench(a) -> dict:
     step_seconds = result.timeline[median_step].seconds
     flops = prefill_flops(setup.model.args, [len(p) for p in prompts])
     sharing = sharing_report(setup, manager, result)  # what the scripts report, from the same run
+    scheduling = scheduling_report(result, a.continuous)
     # Recomputation prefills more than the prompts, prefix caching less: then the prompts' FLOPs
     # are not the work done.
     exact = result.num_prefilled_tokens == result.num_prompt_tokens
@@ -304,8 +306,8 @@ def bench(a) -> dict:
         "prefill_seconds": result.prefill_seconds,
         "prefill_flops": flops,
         "prefill_share_of_matmul_rate": prefill_share,
-        "preemptions": getattr(result.scheduler, "num_preemptions", 0),
-        "recomputed_tokens": getattr(result.scheduler, "num_recomputed_tokens", 0),
+        "preemptions": scheduling["preemptions"],
+        "recomputed_tokens": scheduling["recomputed_tokens"],
         "max_running": result.most_running,
         "num_prefilled_tokens": result.num_prefilled_tokens,
         "prompt_tokens_from_prefix_cache": sharing["prompt_tokens_from_prefix_cache"],

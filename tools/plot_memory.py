@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
+from plumbing.cli import (GB, HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
                           format_bytes, writable_file, write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
@@ -27,7 +27,6 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-GB = 1e9
 IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
 TIMELINE_FIELDS = ["step", "reserved_bytes", "filled_bytes", "running_requests", "waiting_requests"]
 MEMORY_FIELDS = ["kv_pool_bytes", "fragmented_bytes", "fragmented_percent_of_device"]
