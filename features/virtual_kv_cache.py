@@ -16,8 +16,10 @@ Two layouts of the rows (--layout):
   flash-attn reads as long as the last dimension is contiguous.
 
 Row 0 belongs to no request (request r lives in row r + 1): its first page stays mapped, for
-the padding rows of a CUDA-graph step (their K/V go to its first slot, the spare slot), and
-because torch takes a tensor over a range only where its first page is mapped.
+the padding rows of a CUDA-graph step (their K/V go to its first slot, the spare slot), for the
+table rows no request holds (the page manager points them here, so a graph's warm-up step reads
+mapped memory), and because torch takes a tensor over a range only where its first page is
+mapped.
 """
 
 import sys

@@ -51,13 +51,15 @@ def test_a_page_is_mapped_exactly_when_the_next_token_crosses_into_it():
     assert set(m.mapper.under) == {(0, 0), (0, 1), (0, 2)}
 
 
-def test_the_block_table_lists_each_rows_virtual_pages_and_never_changes():
+def test_the_block_table_lists_a_rows_virtual_pages_while_a_request_holds_them():
     m = manager()
-    table = m.block_table.clone()
-    # Request r's table row lists the pages of virtual row r + 1 (row 0 is the cache's spare).
-    assert table.tolist() == [[5 * (r + 1) + j for j in range(5)] for r in range(3)]
-    m.allocate(request(0, 6)), m.allocate(request(2, 3)), m.append_token(np.array([0, 2])), m.free(request(0, 0))
-    assert (m.block_table == table).all()
+    # A row no request holds lists zeros: the cache's spare row, whose first page stays mapped.
+    assert (m.block_table == 0).all()
+    m.allocate(request(0, 6)), m.allocate(request(2, 3)), m.append_token(np.array([0, 2]))
+    # Request r's held pages are those of virtual row r + 1, whichever physical pages they are.
+    assert m.block_table.tolist() == [[5, 6, 0, 0, 0], [0] * 5, [15, 0, 0, 0, 0]]
+    m.free(request(0, 0))
+    assert m.block_table.tolist() == [[0] * 5, [0] * 5, [15, 0, 0, 0, 0]]
 
 
 def test_freeing_unmaps_every_page_and_returns_it_to_the_pool():
