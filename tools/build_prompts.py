@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
-                          writable_file, write_atomically)
+                          one_paragraph_errors, writable_file, write_atomically)
 
 exit_quietly_on_ctrl_c("build_prompts.py")
 
@@ -73,13 +73,10 @@ def main(argv=None) -> None:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--output", type=writable_file, default=str(PROMPTS_FILE))
     args = parser.parse_args(argv)
-    try:
+    with one_paragraph_errors("build_prompts.py"):
         text = build()
         write_atomically(args.output, lambda path: path.write_text(text, encoding="utf-8"))
-    except UserError as e:
-        print(f"build_prompts.py: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    print(f"wrote {args.output}")
+        print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (GB, HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
-                          format_bytes, writable_file, write_atomically)
+from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph, format_bytes,
+                          one_paragraph_errors, writable_file, write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
@@ -119,12 +119,9 @@ def main(argv=None) -> None:
         draw(ax, run, scale)
     axes[0][0].set_ylabel(f"KV cache ({unit})")
     fig.tight_layout()
-    try:
+    with one_paragraph_errors("plot_memory.py"):
         write_atomically(args.output, lambda path: fig.savefig(path, dpi=100))
-    except UserError as e:
-        print(f"plot_memory.py: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    print(f"Wrote {args.output} ({args.output.stat().st_size / 1e3:.0f} KB)")
+        print(f"Wrote {args.output} ({args.output.stat().st_size / 1e3:.0f} KB)")
 
 
 if __name__ == "__main__":
