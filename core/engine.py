@@ -162,15 +162,10 @@ class Engine:
             while scheduler.has_work():
                 start = time.perf_counter()
                 step = scheduler.schedule()
-                if step.is_prefill:
-                    next_tokens = self.prefill(step)
-                else:
-                    next_tokens = self.decode(step, newest[step.rows], len(scheduler.waiting))
-                new_tokens = next_tokens.cpu().numpy()  # the one sync per step
-                newest[step.rows] = new_tokens
-                scheduler.finish(record(step.requests, new_tokens, stop_ids))
-                seconds["prefill" if step.is_prefill else "decode"] += time.perf_counter() - start
-                if not step.is_prefill:
+                drawing, new_tokens = self.run(step, newest, scheduler)
+                scheduler.finish(record(drawing, new_tokens, stop_ids))
+                seconds["decode" if step.decodes else "prefill"] += time.perf_counter() - start
+                if step.decodes:
                     bar.update()
                     if bar.n >= bar.total:  # requests from the queue: more steps to come
                         bar.total = bar.n + steps_left(scheduler)
@@ -181,36 +176,48 @@ class Engine:
         return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
                           seconds["decode"], self.timeline, scheduler.most_running, scheduler)
 
-    def decode(self, step, tokens: np.ndarray, num_waiting: int) -> torch.Tensor:
+    def run(self, step, newest: np.ndarray, scheduler) -> tuple[list, np.ndarray]:
+        """Compute one step. Returns the requests that drew a token, and those tokens ([D], on
+        the host); `newest` (each request's newest token, by row) gets them too."""
+        if step.decodes:  # note the cache as the step finds it, and time the step
+            self.timeline.append(KVSnapshot(len(self.timeline), len(scheduler.running),
+                                            len(scheduler.waiting), self.manager.num_reserved_slots,
+                                            self.manager.num_unfilled_slots))
+            self.timer.start()
+        next_tokens = self.prefill(step) if step.is_prefill else self.decode(step, newest[step.rows])
+        if step.decodes:
+            self.timer.stop()
+        draws = step.draws()  # every request, but the partial chunks of a mixed step
+        new_tokens = next_tokens.cpu().numpy()[draws]  # the one sync per step
+        newest[step.rows[draws]] = new_tokens
+        drawing = step.requests if draws.all() else [r for r, d in zip(step.requests, draws) if d]
+        return drawing, new_tokens
+
+    def decode(self, step, tokens: np.ndarray) -> torch.Tensor:
         """One token for every running request: `tokens` ([B], each one's newest) at
         step.positions, their K/V written where the block manager's slots say. Returns the next
-        tokens, [B] on device, and notes the cache as the step found it."""
-        self.timeline.append(KVSnapshot(len(self.timeline), len(step.requests), num_waiting,
-                                        self.manager.num_reserved_slots,
-                                        self.manager.num_unfilled_slots))
-        self.timer.start()
+        tokens, [B] on device."""
         slots = self.manager.slots(step.rows, step.positions)  # [B]: the same translation as prefill
-        next_tokens = self.decoder.step(tokens, step.positions, step.rows, slots)
-        self.timer.stop()
-        return next_tokens
+        return self.decoder.step(tokens, step.positions, step.rows, slots)
 
     def prefill(self, step) -> torch.Tensor:
         """Compute the uncached tokens of every request in a prefill step, packed into chunks of
         about chunk_tokens, writing each token's K/V into its slot. Returns each request's next
         token, [B] on device."""
-        sequences = [r.tokens for r in step.requests]
-        new = [len(s) - int(c) for s, c in zip(sequences, step.num_cached)]
-        self.num_prefilled += sum(new)
-        return torch.cat([self._prefill_chunk(step.rows[chunk],
-                                              [sequences[i] for i in chunk],
+        ends = step.ends if step.ends is not None else [r.num_tokens for r in step.requests]
+        new = [r.tokens_between(int(start), int(end))  # [start, end): what this pass computes
+               for r, start, end in zip(step.requests, step.num_cached, ends)]
+        self.num_prefilled += sum(map(len, new)) - step.num_decoding
+        return torch.cat([self._prefill_chunk(step.rows[chunk], [new[i] for i in chunk],
                                               step.num_cached[chunk])
-                          for chunk in packed_chunks(new, self.chunk_tokens)])
+                          for chunk in packed_chunks(list(map(len, new)), self.chunk_tokens)])
 
-    def _prefill_chunk(self, rows: np.ndarray, sequences: list[list[int]], starts: np.ndarray):
-        """One forward pass over sequences[i][starts[i]:] for each request rows[i]."""
+    def _prefill_chunk(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
+        """One forward pass over new_tokens[i], the tokens of request rows[i] from position
+        starts[i] on (those before are cached)."""
         to_device = lambda a, dtype=torch.long: torch.from_numpy(a).to(self.device, dtype)
-        lengths = np.array([len(s) for s in sequences])  # each one's tokens, cached and new
-        new = lengths - starts  # the tokens computed here
+        new = np.array([len(t) for t in new_tokens])  # the tokens computed here
+        lengths = starts + new  # each one's tokens, cached and new
         cu_seqlens = np.concatenate([[0], np.cumsum(new)])
         positions = np.concatenate([np.arange(b, n) for b, n in zip(starts, lengths)])  # [T]
         slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
@@ -222,7 +229,7 @@ class Engine:
             batch.block_table = self.manager.block_table[to_device(rows)]
             batch.cu_seqlens_k = to_device(cu_seqlens_k, torch.int32)
             batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), int(lengths.max())
-        tokens = to_device(np.concatenate([s[b:] for s, b in zip(sequences, starts)]))  # [T]
+        tokens = to_device(np.concatenate(new_tokens))  # [T]
         # Every input goes to the device before the forward pass is queued: a copy from host
         # memory waits for the GPU to finish what it has, so one after it would stall.
         last_token_rows, positions = to_device(cu_seqlens[1:] - 1), to_device(positions)

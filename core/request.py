@@ -38,6 +38,15 @@ class Request:
         """Everything the cache must hold for it to go on: its prompt and what it generated."""
         return self.prompt_tokens + self.output_tokens
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_tokens) + len(self.output_tokens)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """tokens[start:end], without copying the rest (a step computes a few of many)."""
+        past_prompt = lambda i: max(i - len(self.prompt_tokens), 0)
+        return self.prompt_tokens[start:end] + self.output_tokens[past_prompt(start):past_prompt(end)]
+
 
 @dataclass
 class Step:
@@ -48,6 +57,22 @@ class Step:
     # Decode: the position each one's newest token takes. [B]
     num_cached: np.ndarray | None = None
     positions: np.ndarray | None = None
+    # A mixed step (features/mixed_steps.py) is a prefill whose first num_decoding requests
+    # compute just their newest token, and which computes each request's tokens up to ends[i]
+    # only ([B]; None: all of them). One that stops short of its tokens draws no token yet.
+    ends: np.ndarray | None = None
+    num_decoding: int = 0
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the step decodes a token for running requests (a decode or a mixed step)."""
+        return not self.is_prefill or self.num_decoding > 0
+
+    def draws(self) -> np.ndarray:
+        """Which of the step's requests draw their next token now: [B] booleans."""
+        if self.ends is None:
+            return np.ones(len(self.requests), dtype=bool)
+        return self.ends == np.array([r.num_tokens for r in self.requests])
 
 
 class Scheduler:

@@ -271,6 +271,10 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=positive_int,
                    help="with --continuous: most requests running at once (default: as many as "
                         "the KV cache admits)")
+    p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
+                   help="with --continuous: mixed steps, each one token for every running request "
+                        "plus prompt chunks up to this many tokens in all (features/"
+                        "mixed_steps.py) (default: each step prefills or decodes, never both)")
     p.add_argument("--eager", action="store_true",
                    help="decode kernel by kernel from Python instead of replaying CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,

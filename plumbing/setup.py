@@ -63,6 +63,9 @@ def load(args) -> Setup:
     if args.max_running and not args.continuous:
         raise UserError("--max-running limits continuous batching; add --continuous (a static "
                         "batch runs all N requests at once).")
+    if args.max_batched_tokens and not args.continuous:
+        raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
+                        "steps; add --continuous (a static batch prefills every prompt first).")
     if args.top_p < 1 and args.temperature == 0:
         raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
                         "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
@@ -249,12 +252,21 @@ def make_sampler(args):
 
 
 def make_scheduler(setup, manager, requests: list[Request]) -> Scheduler:
-    """Static batching, or with --continuous a stream with preemption."""
-    if not setup.args.continuous:
+    """Static batching, or with --continuous a stream with preemption, in mixed steps with
+    --max-batched-tokens."""
+    args = setup.args
+    if not args.continuous:
         return Scheduler(manager, requests)
     from features.continuous import ContinuousScheduler, RequestTooLarge
     try:
-        return ContinuousScheduler(manager, requests, setup.args.max_running, Engine.chunk_tokens)
+        if args.max_batched_tokens:
+            if hasattr(manager, "cached_tokens"):
+                raise UserError("--max-batched-tokens does not combine with shared blocks yet "
+                                "(--samples above 1, or a system prompt's prefix cache): add "
+                                "--no-sharing, or drop --max-batched-tokens.")
+            from features.mixed_steps import MixedScheduler
+            return MixedScheduler(manager, requests, args.max_running, args.max_batched_tokens)
+        return ContinuousScheduler(manager, requests, args.max_running, Engine.chunk_tokens)
     except RequestTooLarge as e:
         prompt = len(e.request.prompt_tokens)
         raise UserError(

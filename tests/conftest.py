@@ -76,10 +76,12 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 
 
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
-             continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False):
+             continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
+             max_batched_tokens=None):
     """Run prompts through the core engine as the scripts do (plumbing/setup.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
-    `graphs`: decode through CUDA graphs (features/cuda_graphs.py)."""
+    `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
+    `continuous`, mixed steps (features/mixed_steps.py)."""
     from core.engine import EagerDecoder, Engine, greedy
     from core.request import Request, Scheduler
     from features.continuous import ContinuousScheduler
@@ -87,6 +89,9 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = (ContinuousScheduler(manager, requests, max_running, chunk_tokens) if continuous
                  else Scheduler(manager, requests))
+    if continuous and max_batched_tokens:
+        from features.mixed_steps import MixedScheduler
+        scheduler = MixedScheduler(manager, requests, max_running, max_batched_tokens)
     sampler = sampler or greedy
     decoder = EagerDecoder(model, cache, manager.block_table, sampler)
     if graphs:

@@ -67,7 +67,7 @@ MAX_SEQ_LEN = 2048
 
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttention, continuous=False, samples=1, share=False,
-                    sampler=None, max_running=None):
+                    sampler=None, max_running=None, max_batched_tokens=None):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
@@ -78,7 +78,8 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks, "cuda"))
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
-                      max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs)
+                      max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs,
+                      max_batched_tokens=max_batched_tokens)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
     result.first_cached_tokens = manager.first_cached[:n].tolist() if share else [0] * n
@@ -192,6 +193,23 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32():
                                  attention=TorchAttention, continuous=True)
     assert continuous.num_preemptions > 0
     assert continuous.output_tokens == static.output_tokens
+
+
+def test_mixed_steps_change_no_token_on_the_gpu_in_float32():
+    # The preemption test's workload in mixed steps of 40 tokens: prompts chunked, decode rows
+    # computed as one-token chunks through the block table, requests preempted.
+    model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 48, (10,), generator=g)]
+    budgets = [120] * 10
+    static = generate_on_gpu(model, prompts, budgets, num_blocks=512, block_size=16,
+                             attention=TorchAttention)
+    needed = max(math.ceil((len(p) + 119) / 16) for p in prompts)
+    mixed = generate_on_gpu(model, prompts, budgets, num_blocks=2 * needed, block_size=16,
+                            attention=TorchAttention, continuous=True, max_batched_tokens=40)
+    assert mixed.num_preemptions > 0
+    assert mixed.output_tokens == static.output_tokens
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")

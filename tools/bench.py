@@ -197,6 +197,8 @@ def parse_arguments(argv=None):
     p.add_argument("--continuous", action="store_true", default=None,
                    help="continuous batching (W2 always has it)")
     p.add_argument("--max-running", type=positive_int, help="with --continuous")
+    p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
+                   help="with --continuous: mixed steps of at most this many tokens")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--layout", choices=["per-token", "per-layer"], default="per-token",
@@ -226,6 +228,7 @@ def script_arguments(bench_args):
     argv += ["--eager"] if a.eager else []
     argv += ["--continuous"] if a.continuous else []
     argv += ["--max-running", str(a.max_running)] if a.max_running else []
+    argv += ["--max-batched-tokens", str(a.max_batched_tokens)] if a.max_batched_tokens else []
     argv += ["--system-prompt-file", str(a.system_prompt_file)] if a.system_prompt_file else []
     p = argument_parser(f"llama3_{a.script}.py", __doc__)
     if a.script == "paged":
@@ -290,7 +293,8 @@ def bench(a) -> dict:
     scheduling = scheduling_report(result, a.continuous)
     # Recomputation prefills more than the prompts, prefix caching less: then the prompts' FLOPs
     # are not the work done.
-    exact = result.num_prefilled_tokens == result.num_prompt_tokens
+    # Mixed steps compute prompt chunks inside decode steps: prefill time is not their cost.
+    exact = result.num_prefilled_tokens == result.num_prompt_tokens and not mixed_steps(a)
     prefill_share = flops / result.prefill_seconds / matmul_rate if exact else None
     floor = {"prefill_seconds": flops / matmul_rate, "decode_seconds": sum(floors)}
     return {
@@ -334,12 +338,20 @@ def bench(a) -> dict:
     }
 
 
+def mixed_steps(workload) -> bool:
+    """Whether the run mixed prompt chunks into decode steps (features/mixed_steps.py)."""
+    workload = workload if isinstance(workload, dict) else vars(workload)
+    return bool(workload["continuous"] and workload["max_batched_tokens"])
+
+
 def print_table(r: dict) -> None:
     w, m = r["workload"], r["median_step"]
     graphs = "CUDA graphs" if r["cuda_graphs"] else "eager"
     block = (f", block {w['block_size']}" if w["script"] == "paged" else
              f", {w['layout']} rows" if w["script"] == "virtual" else "")
     batching = "continuous" if w["continuous"] else "static"
+    if mixed_steps(w):
+        batching += f" (mixed steps of {w['max_batched_tokens']:,} tokens)"
     print(f"\n{w['script']}, workload {w['workload']}: {w['num_requests']:,} requests x "
           f"{w['new_tokens']} new tokens{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
           f"{r['num_prompt_tokens']:,} prompt tokens; {w['model']} random weights, {w['dtype']}, "
@@ -365,10 +377,12 @@ def print_table(r: dict) -> None:
           f"{m['floor_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
           f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_floor']:.2f}x the floor")
     f = r["floor"]
+    parts = ("prefill and decode share steps" if mixed_steps(w) else
+             f"prefill {100 * f['prefill_seconds'] / r['prefill_seconds']:.0f}%, decode "
+             f"{100 * f['decode_seconds'] / r['decode_seconds']:.0f}%")
     print(f"  floor               {f['wall_seconds']:.2f} s = prefill {f['prefill_seconds']:.2f} s + "
           f"decode {f['decode_seconds']:.2f} s; the run goes at "
-          f"{100 * f['wall_seconds'] / r['wall_seconds']:.0f}% of the floor's speed (prefill {100 * f['prefill_seconds'] / r['prefill_seconds']:.0f}%, decode "
-          f"{100 * f['decode_seconds'] / r['decode_seconds']:.0f}%)")
+          f"{100 * f['wall_seconds'] / r['wall_seconds']:.0f}% of the floor's speed ({parts})")
     if r["attention_seconds_per_layer_halfway"]:
         print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per "
               f"layer, the first {r['attention_requests']} requests at their prompt + half their "
