@@ -176,11 +176,14 @@ def test_continuous_batching_in_an_ample_pool_gives_the_static_tokens_with_cuda_
     assert continuous.num_preemptions == 0 and continuous.output_tokens == static.output_tokens
 
 
-def test_preemption_changes_no_token_on_the_gpu_in_float32():
+@pytest.mark.parametrize("max_batched_tokens", [None, 40])
+def test_preemption_changes_no_token_on_the_gpu_in_float32(max_batched_tokens):
     # In bf16 a recomputed prefill and the decode steps it replaces round differently, and greedy
     # decoding of random weights turns any difference into a new sequence; float32 does not.
     # Short prompts that grow by 120 tokens in a pool of twice the largest one's need: admitted
-    # while small, they outgrow it (a CPU replay of the scheduler preempts 14 times).
+    # while small, they outgrow it (a CPU replay of the scheduler preempts 14 times). With
+    # max_batched_tokens, in mixed steps (features/mixed_steps.py): prompts chunked, decode rows
+    # computed as one-token chunks through the block table.
     model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
@@ -190,26 +193,10 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32():
                              attention=TorchAttention)
     needed = max(math.ceil((len(p) + 119) / 16) for p in prompts)
     continuous = generate_on_gpu(model, prompts, budgets, num_blocks=2 * needed, block_size=16,
-                                 attention=TorchAttention, continuous=True)
+                                 attention=TorchAttention, continuous=True,
+                                 max_batched_tokens=max_batched_tokens)
     assert continuous.num_preemptions > 0
     assert continuous.output_tokens == static.output_tokens
-
-
-def test_mixed_steps_change_no_token_on_the_gpu_in_float32():
-    # The preemption test's workload in mixed steps of 40 tokens: prompts chunked, decode rows
-    # computed as one-token chunks through the block table, requests preempted.
-    model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 48, (10,), generator=g)]
-    budgets = [120] * 10
-    static = generate_on_gpu(model, prompts, budgets, num_blocks=512, block_size=16,
-                             attention=TorchAttention)
-    needed = max(math.ceil((len(p) + 119) / 16) for p in prompts)
-    mixed = generate_on_gpu(model, prompts, budgets, num_blocks=2 * needed, block_size=16,
-                            attention=TorchAttention, continuous=True, max_batched_tokens=40)
-    assert mixed.num_preemptions > 0
-    assert mixed.output_tokens == static.output_tokens
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")

@@ -18,7 +18,7 @@ from features.sharing import SharingBlockManager
 from core.attention import TorchAttention
 from core.kv_cache import KVCache
 from plumbing.checkpoints import random_model
-from test_scheduler import MAX_SEQ_LEN, FakeCache, random_prompts, run
+from test_scheduler import MAX_SEQ_LEN, FakeCache, preemption_workload
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +57,8 @@ class StepRecorder(MixedScheduler):
 
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_mixed_steps_give_the_static_batchs_tokens_with_chunks_and_preemption(model, block_size):
-    lengths = [block_size, 2 * block_size, block_size + 1, block_size - 1, 1, 7]
-    prompts = random_prompts(lengths, seed=block_size)
-    budgets = [40, 25, 33, 9, 50, 30]
-    static, _ = run(model, prompts, budgets, num_blocks=64, block_size=block_size)
-    # The smallest pool in which each request still fits alone: preemption is forced. A budget
-    # smaller than the longest prompts: they are chunked across steps.
-    needed = max(math.ceil((len(p) + b - 1) / block_size) for p, b in zip(prompts, budgets))
-    budget = block_size // 2 + 3
+    prompts, budgets, static, needed = preemption_workload(model, block_size)
+    budget = block_size // 2 + 3  # less than the longest prompts: they are chunked across steps
     mixed, manager, steps = run_mixed(model, prompts, budgets, needed, block_size, budget)
     assert mixed.output_tokens == static.output_tokens
     assert mixed.scheduler.num_preemptions > 0

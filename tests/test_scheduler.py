@@ -50,15 +50,21 @@ def random_prompts(lengths, seed):
     return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_preemption_changes_no_token(model, block_size):
-    # Prompts that end exactly on a block boundary, one past it, one short of it, and one token.
+def preemption_workload(model, block_size):
+    """Prompts that end exactly on a block boundary, one past it, one short of it, and one token;
+    their static run; and the smallest pool in which each still fits alone, which forces
+    preemption."""
     lengths = [block_size, 2 * block_size, block_size + 1, block_size - 1, 1, 7]
     prompts = random_prompts(lengths, seed=block_size)
     budgets = [40, 25, 33, 9, 50, 30]
     static, _ = run(model, prompts, budgets, num_blocks=64, block_size=block_size)
-    # The smallest pool in which each request still fits alone: preemption is forced.
     needed = max(math.ceil((len(p) + b - 1) / block_size) for p, b in zip(prompts, budgets))
+    return prompts, budgets, static, needed
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_preemption_changes_no_token(model, block_size):
+    prompts, budgets, static, needed = preemption_workload(model, block_size)
     continuous, manager = run(model, prompts, budgets, num_blocks=needed, block_size=block_size,
                               continuous=True)
     assert continuous.scheduler.num_preemptions > 0 and continuous.scheduler.num_recomputed_tokens > 0
