@@ -241,6 +241,17 @@ def script_arguments(bench_args):
     return p.parse_args(argv)
 
 
+def workload_requests(prompts, a) -> tuple[list[list[int]], list[int]]:
+    """The workload's prompts (token ids) and new tokens per request, from plumbing/prompts.py's
+    Prompts: exactly --new-tokens, or each ShareGPT reply's length (at most --new-tokens, and no
+    further than --max-seq-len)."""
+    tokens = [p.prompt_tokens for p in prompts]
+    if not a.sharegpt_replies:
+        return tokens, [a.new_tokens] * len(tokens)
+    return tokens, [min(p.num_reply_tokens, a.new_tokens, a.max_seq_len - len(p.prompt_tokens))
+                    for p in prompts]
+
+
 def bench(a) -> dict:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -250,11 +261,7 @@ def bench(a) -> dict:
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
     engine = Engine(setup.model, cache, manager, greedy, decoder)
-    prompts = [p.prompt_tokens for p in setup.prompts]
-    budgets = ([min(p.num_reply_tokens, a.new_tokens) for p in setup.prompts] if a.sharegpt_replies
-               else [a.new_tokens] * len(prompts))
-    if a.sharegpt_replies:  # W2's "at most": a request also stops at --max-seq-len
-        budgets = [min(b, a.max_seq_len - len(p)) for p, b in zip(prompts, budgets)]
+    prompts, budgets = workload_requests(setup.prompts, a)
 
     def run(prompts, budgets):
         requests = [Request(r, p, min(b, a.max_seq_len - len(p)))
