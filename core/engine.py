@@ -163,7 +163,7 @@ class Engine:
                 start = time.perf_counter()
                 step = scheduler.schedule()
                 drawing, new_tokens = self.run(step, newest, scheduler)
-                scheduler.finish(record(drawing, new_tokens, stop_ids))
+                scheduler.finish(record(drawing, new_tokens, stop_ids, scheduler.now()))
                 seconds["decode" if step.decodes else "prefill"] += time.perf_counter() - start
                 if step.decodes:
                     bar.update()
@@ -245,15 +245,16 @@ def steps_left(scheduler) -> int:
     return max((r.max_new_tokens - len(r.output_tokens) for r in pending), default=0)
 
 
-def record(requests: list, new_tokens: np.ndarray, stop_ids) -> list:
-    """Append each request's new token; return those that are done: a stop token (not kept) or
-    their last allowed token."""
+def record(requests: list, new_tokens: np.ndarray, stop_ids, now: float = 0.0) -> list:
+    """Append each request's new token, which reached the host at `now` (seconds from the start);
+    return those that are done: a stop token (not kept) or their last allowed token."""
     done = []
     for request, token in zip(requests, new_tokens.tolist()):
         if token in stop_ids:
             done.append(request)
             continue
         request.output_tokens.append(token)
+        request.token_times.append(now)
         if len(request.output_tokens) >= request.max_new_tokens:
             done.append(request)
     return done

@@ -32,6 +32,8 @@ class Request:
     output_tokens: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     admitted_at: float | None = None  # seconds from the start to its first admission
+    arrival_time: float = 0.0  # seconds from the start; features/arrivals.py spreads them out
+    token_times: list[float] = field(default_factory=list)  # when each output token reached the host
 
     @property
     def tokens(self) -> list[int]:
@@ -82,6 +84,11 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the newest is last
         self.rows = np.zeros(0, dtype=np.int64)  # [len(running)] their rows, for the manager
         self.most_running, self.start = 0, time.perf_counter()
+        self.clock = time.perf_counter  # tests give a fake one
+
+    def now(self) -> float:
+        """Seconds since the scheduler was made."""
+        return self.clock() - self.start
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.running)
@@ -114,7 +121,7 @@ class Scheduler:
             cached = self.manager.allocate(request)
             request.status = Status.RUNNING
             if request.admitted_at is None:
-                request.admitted_at = time.perf_counter() - self.start
+                request.admitted_at = self.now()
             if self.manager.num_tokens[request.row] > cached:
                 prefill.append(request)
                 num_cached.append(cached)

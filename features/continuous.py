@@ -9,12 +9,17 @@ decodes one token for every running request, never both:
   not preempted a few steps later. At most `max_running` requests run at once, and one prefill
   step takes from a quarter of `chunk_tokens` to all of it. Only the head may join: first come,
   first served.
+- Arrivals. A request joins no sooner than its `arrival_time` (features/arrivals.py spreads them
+  over time; by default every request is there at the start). With nothing running and nothing
+  arrived, the scheduler sleeps until the next arrival.
 - Preemption. A decode step gives every running request a slot for its next token. If that needs
   more new blocks than are free, the most recently admitted request is preempted: all its blocks
   go back to the pool (all or nothing, as in the PagedAttention paper, section 4.5) and it returns
   to the head of the queue. Readmitted, it is recomputed: its prompt and every token it had
   generated are prefilled again, and it continues exactly where it stopped.
 """
+
+import time
 
 from core.request import Scheduler, Status, Step
 
@@ -42,11 +47,13 @@ class ContinuousScheduler(Scheduler):
         self.grows = manager.table.shape[1] > 1
         self.watermark_blocks = int(WATERMARK * manager.num_blocks) if self.grows else 0
         self.num_preemptions = self.num_recomputed_tokens = 0
+        self.sleep = time.sleep  # tests give a fake one, with a fake clock
         for request in requests:
             self._refuse_if_larger_than_the_pool(request)
 
     def schedule(self) -> Step:
         """A prefill of newly admitted requests if any can join, else a decode of all running."""
+        self._wait_for_an_arrival()
         joining = self._head_that_fits()
         if joining:
             for _ in joining:
@@ -62,10 +69,12 @@ class ContinuousScheduler(Scheduler):
         """The longest head of the queue that can join now. A prefill step reads every weight, as
         a decode step does: one for a few short prompts costs nearly a decode step and adds
         little. So while others run, admission waits until it can take a quarter of a chunk, or
-        the rest of the queue, or (the naive cache, whose requests never grow) until no other
-        request could take a free block: waiting would leave it idle."""
-        joining, tokens, blocks = [], 0, 0
+        every request that has arrived, or (the naive cache, whose requests never grow) until no
+        other request could take a free block: waiting would leave it idle."""
+        joining, tokens, blocks, now = [], 0, 0, self.now()
         for request in self.waiting:
+            if request.arrival_time > now:
+                break  # the queue is in order of arrival: no one behind has arrived either
             n = len(request.tokens) - self._cached_tokens(request)
             # The watermark's blocks stay free, unless nothing else runs or joins: then the head
             # request always gets in, and alone it fits (the constructor made sure).
@@ -77,10 +86,16 @@ class ContinuousScheduler(Scheduler):
                 break
             joining.append(request)
             tokens += n
-        waits = self.grows and len(joining) < len(self.waiting)
+        left_behind = len(joining) < len(self.waiting) and self.waiting[len(joining)].arrival_time <= now
+        waits = self.grows and left_behind
         if self.running and waits and tokens < self.chunk_tokens // 4:
             return []
         return joining
+
+    def _wait_for_an_arrival(self) -> None:
+        """With nothing to run, sleep until the head of the queue arrives: no core spins."""
+        while not self.running and self.waiting and self.waiting[0].arrival_time > self.now():
+            self.sleep(max(self.waiting[0].arrival_time - self.now(), 0.0))
 
     def _cached_tokens(self, request) -> int:
         """Tokens of the request that admission would find cached (features/sharing.py finds

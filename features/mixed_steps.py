@@ -38,6 +38,7 @@ class MixedScheduler(ContinuousScheduler):
         self.prefilling: dict[Request, int] = {}  # running requests still prefilling -> tokens computed
 
     def schedule(self) -> Step:
+        self._wait_for_an_arrival()
         decoding = self._make_room_to_decode()
         rows = self.rows[decoding]  # [D]
         requests = self.running if decoding.all() else [self.running[i] for i in np.flatnonzero(decoding)]
@@ -89,6 +90,8 @@ class MixedScheduler(ContinuousScheduler):
         """Whether the head of the queue can be admitted now (no waiting for a full chunk here:
         a few prompt tokens ride along with a decode step almost for free)."""
         if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        if self.waiting[0].arrival_time > self.now():
             return False
         spare = self.watermark_blocks if self.running else 0
         needed = self.manager.blocks_to_allocate(self.waiting[0])

@@ -173,6 +173,17 @@ def temperature(text: str) -> float:
     return value
 
 
+def request_rate(text: str) -> float:
+    """Requests per second: a positive number, or inf (all at the start)."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of requests per second, or "
+                                         f"inf, got {text}")
+    return value
+
+
 def seed(text: str) -> int:
     try:
         value = int(text)
@@ -271,6 +282,10 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=positive_int,
                    help="with --continuous: most requests running at once (default: as many as "
                         "the KV cache admits)")
+    p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
+                   help="with --continuous: requests arrive over time, R per second on average "
+                        "(a Poisson process drawn with --seed), and the report gives their "
+                        "latencies (features/arrivals.py); inf: all at the start")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: mixed steps, each one token for every running request "
                         "plus prompt chunks up to this many tokens in all (features/"

@@ -33,20 +33,26 @@ def report(setup, cache, manager, generation) -> None:
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
     sharing = sharing_report(setup, manager, generation)
+    latency = None
+    if args.continuous:  # requests that wait in a queue: how long they waited for their tokens
+        from features.arrivals import latency_report
+        latency = latency_report(generation.requests)
     if args.json:
         samples = [(p, k) for p in setup.prompts for k in range(args.samples)]  # one per sequence
         write_json(args, {
             "script": args.script,
-            "requests": [{"id": r.id, "sample": k, "prompt_tokens": r.prompt_tokens,
-                          "output_tokens": out}
-                         for (r, k), out in zip(samples, generation.output_tokens)],
+            "requests": [{"id": p.id, "sample": k, "prompt_tokens": p.prompt_tokens,
+                          "output_tokens": r.output_tokens, "arrival_seconds": r.arrival_time,
+                          "token_seconds": r.token_times}
+                         for (p, k), r in zip(samples, generation.requests)],
+            "latency": latency,
             "preemptions": scheduling["preemptions"], "max_running": generation.most_running,
             "memory": memory, "throughput": throughput, "scheduling": scheduling,
             "sharing": sharing,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
     print_answers(setup.prompts, generation, setup.tokenizer, args.show_all, args.samples)
-    print_report(args.script, memory, throughput, scheduling, sharing)
+    print_report(args.script, memory, throughput, scheduling, sharing, latency)
 
 
 def as_json_value(value):
@@ -129,7 +135,7 @@ def throughput_report(generation) -> dict:
 
 def scheduling_report(generation, continuous: bool) -> dict:
     g = generation
-    waits = [r.admitted_at for r in g.requests if r.admitted_at is not None]
+    waits = [r.admitted_at - r.arrival_time for r in g.requests if r.admitted_at is not None]
     return {
         "mode": "continuous" if continuous else "static",
         "requests_completed": len(waits),
@@ -183,7 +189,7 @@ def sharing_report(setup, manager, generation) -> dict:
 
 
 def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
-                 sharing: dict) -> None:
+                 sharing: dict, latency: dict | None = None) -> None:
     m, t, s = memory, throughput, scheduling
     gb = format_bytes
     print(f"\n=== {script} ===")
@@ -196,6 +202,8 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
     print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']:,} steps in "
           f"{t['decode_seconds']:.2f} s, median step {t['decode_step_median_seconds'] * 1e3:.2f} ms); "
           f"end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
+    if latency:
+        print_latency(latency)
     print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
     print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} "
@@ -211,6 +219,19 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
         print_sharing(sharing, gb)
     print(f"Fragmented Memory: {format_bytes(m['fragmented_bytes'])} "
           f"({m['fragmented_percent_of_device']:.2f}%)")
+
+
+def print_latency(latency: dict) -> None:
+    """One line: each latency's mean and p99 (features/arrivals.py says what each is)."""
+    names = {"time_to_first_token": "time to first token", "time_between_tokens": "between tokens",
+             "end_to_end": "end to end", "normalized_seconds_per_token": "normalized"}
+    parts = [f"{names[key]} {format_seconds(v['mean'])} (p99 {format_seconds(v['p99'])})"
+             + ("/token" if key.startswith("normalized") else "") for key, v in latency.items()]
+    print("Latency, mean: " + "; ".join(parts))
+
+
+def format_seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
 
 
 def print_sharing(sh: dict, gb) -> None:

@@ -9,6 +9,7 @@ plain run executes the core alone.
 
 import argparse
 import importlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -63,6 +64,9 @@ def load(args) -> Setup:
     if args.max_running and not args.continuous:
         raise UserError("--max-running limits continuous batching; add --continuous (a static "
                         "batch runs all N requests at once).")
+    if not math.isinf(args.request_rate) and not args.continuous:
+        raise UserError("--request-rate spreads requests over time, which only continuous "
+                        "batching can admit as they arrive; add --continuous.")
     if args.max_batched_tokens and not args.continuous:
         raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
                         "steps; add --continuous (a static batch prefills every prompt first).")
@@ -236,12 +240,22 @@ def make_requests(setup) -> list[Request]:
     With random weights text is nonsense: each stops where its ShareGPT reply stopped (after one
     token at least: the prefill always makes one)."""
     args, requests = setup.args, []
-    for prompt in setup.prompts:
+    arrivals = arrival_times(args, len(setup.prompts))
+    for prompt, arrival in zip(setup.prompts, arrivals):
         reply = max(prompt.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens
         new_tokens = min(reply, args.max_new_tokens, args.max_seq_len - len(prompt.prompt_tokens))
-        requests += [Request(len(requests) + k, prompt.prompt_tokens, new_tokens)
-                     for k in range(args.samples)]
+        requests += [Request(len(requests) + k, prompt.prompt_tokens, new_tokens,
+                             arrival_time=float(arrival)) for k in range(args.samples)]
     return requests
+
+
+def arrival_times(args, n: int) -> list[float]:
+    """When each of n prompts arrives, in seconds from the start: all at once unless
+    --request-rate."""
+    if math.isinf(args.request_rate):
+        return [0.0] * n
+    from features.arrivals import poisson_arrival_times
+    return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
 
 
 def make_sampler(args):

@@ -26,6 +26,7 @@ with 1,000 requests running: the host work a step needs before the GPU can start
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -47,14 +48,15 @@ from block_manager import BlockManager
 from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy, record
 from core.kv_cache import DecodeBatch
 from core.request import Request
+from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
 from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
-                          sequence_length, write_atomically)
+                          request_rate, sequence_length, write_atomically)
 from plumbing.prompts import PROMPTS_FILE
 from plumbing.cli import GB
 from plumbing.report import as_json_value, scheduling_report, sharing_report
-from plumbing.setup import DTYPES, load, make_decoder, make_scheduler
+from plumbing.setup import DTYPES, arrival_times, load, make_decoder, make_scheduler
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 WORKLOADS = {  # what each flag left unset takes
@@ -199,6 +201,8 @@ def parse_arguments(argv=None):
     p.add_argument("--max-running", type=positive_int, help="with --continuous")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: mixed steps of at most this many tokens")
+    p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
+                   help="with --continuous: requests arrive at R per second (Poisson)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--layout", choices=["per-token", "per-layer"], default="per-token",
@@ -229,6 +233,7 @@ def script_arguments(bench_args):
     argv += ["--continuous"] if a.continuous else []
     argv += ["--max-running", str(a.max_running)] if a.max_running else []
     argv += ["--max-batched-tokens", str(a.max_batched_tokens)] if a.max_batched_tokens else []
+    argv += ["--request-rate", str(a.request_rate)]
     argv += ["--system-prompt-file", str(a.system_prompt_file)] if a.system_prompt_file else []
     p = argument_parser(f"llama3_{a.script}.py", __doc__)
     if a.script == "paged":
@@ -263,9 +268,10 @@ def bench(a) -> dict:
     engine = Engine(setup.model, cache, manager, greedy, decoder)
     prompts, budgets = workload_requests(setup.prompts, a)
 
-    def run(prompts, budgets):
-        requests = [Request(r, p, min(b, a.max_seq_len - len(p)))
-                    for r, (p, b) in enumerate(zip(prompts, budgets))]
+    def run(prompts, budgets, arrivals=None):
+        arrivals = arrivals or [0.0] * len(prompts)
+        requests = [Request(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
+                    for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
         return engine.generate(make_scheduler(setup, manager, requests), progress=False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
@@ -273,7 +279,7 @@ def bench(a) -> dict:
     torch.cuda.synchronize()
     mapping_before = cache.memory.seconds_mapping if a.script == "virtual" else 0.0
     start = time.perf_counter()
-    result = run(prompts, budgets)
+    result = run(prompts, budgets, arrival_times(setup.args, len(prompts)))
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     if result.num_generated_tokens != sum(budgets):
@@ -320,6 +326,7 @@ def bench(a) -> dict:
         "preemptions": scheduling["preemptions"],
         "recomputed_tokens": scheduling["recomputed_tokens"],
         "max_running": result.most_running,
+        "latency": latency_report(result.requests) if a.continuous else None,
         "num_prefilled_tokens": result.num_prefilled_tokens,
         "prompt_tokens_from_prefix_cache": sharing["prompt_tokens_from_prefix_cache"],
         "system_prompt_tokens": sharing["system_prompt_tokens"],
@@ -373,6 +380,12 @@ def print_table(r: dict) -> None:
              f"{100 * share:.0f}% of the matmul rate" if share else
              f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
     print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s")
+    if r["latency"]:
+        mean_p99 = lambda key: (f"{r['latency'][key]['mean'] * 1e3:,.1f} ms (p99 "
+                                f"{r['latency'][key]['p99'] * 1e3:,.1f} ms)")
+        print(f"  latency             time to first token {mean_p99('time_to_first_token')}; "
+              f"between tokens {mean_p99('time_between_tokens')}; normalized "
+              f"{mean_p99('normalized_seconds_per_token')} per token")
     print(f"  scheduling          at most {r['max_running']:,} running at once; "
           f"{r['preemptions']:,} preemptions, {r['recomputed_tokens']:,} tokens recomputed")
     print(f"  prefix cache        {r['prompt_tokens_from_prefix_cache']:,} of "
