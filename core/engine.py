@@ -2,7 +2,8 @@
 
 Each step the scheduler (request.py) says who runs. A prefill step computes the prompts of the
 requests just admitted, packed into one sequence; a decode step feeds every running request its
-newest token. Either way the block manager's `slots` says where each new token's K and V go.
+newest token (features/mixed_steps.py's steps do both in one prefill pass). Either way the block
+manager's `slots` says where each new token's K and V go.
 
 Host work per decode step does not grow with layers x requests: block bookkeeping touches only
 requests that cross a block boundary, and the only GPU-to-CPU copy is the sampled tokens, once
@@ -219,7 +220,8 @@ class Engine:
         new = np.array([len(t) for t in new_tokens])  # the tokens computed here
         lengths = starts + new  # each one's tokens, cached and new
         cu_seqlens = np.concatenate([[0], np.cumsum(new)])
-        positions = np.concatenate([np.arange(b, n) for b, n in zip(starts, lengths)])  # [T]
+        # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
         slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
         batch = PrefillBatch(slot_mapping=to_device(slots),
                              cu_seqlens=to_device(cu_seqlens, torch.int32),
