@@ -1,10 +1,12 @@
 """bench.py's arithmetic against PyTorch's own FLOP counter."""
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.attention import TorchAttention
-from tools.bench import parse_arguments, prefill_flops, script_arguments, weight_bytes_read_per_step
+from tools.bench import (gpu_wait_seconds_per_step, parse_arguments, prefill_flops,
+                         script_arguments, weight_bytes_read_per_step)
 from plumbing.checkpoints import random_model
 from core.kv_cache import KVCache, PrefillBatch
 
@@ -63,3 +65,11 @@ def test_a_step_floor_is_bound_by_the_weights_when_small_and_the_flops_when_larg
     assert step_floor_seconds(1, 4e9, weights, per_token, hardware) == 16e9 / 4e12 + 4e9 / 4e12
     # Batch 512: 7.68 TFLOP take 7.68 ms, longer than the weights' 4 ms.
     assert step_floor_seconds(512, 0, weights, per_token, hardware) == 512 * 15e9 / 1e15
+
+
+def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
+    from core.engine import Generation, KVSnapshot
+    steps = [KVSnapshot(i, 4, 0, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
+    generation = Generation([], 0, 0.0, decode_seconds=0.036, timeline=steps)
+    assert gpu_wait_seconds_per_step(generation) == pytest.approx((0.036 - 0.033) / 3)
+    assert gpu_wait_seconds_per_step(Generation([], 0, 0.0, 0.0)) == 0.0

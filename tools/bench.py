@@ -132,6 +132,17 @@ def weight_bytes_read_per_step(model) -> int:
     return total if model.args.tie_embeddings else total - model.tok_embeddings.weight.nbytes
 
 
+def gpu_wait_seconds_per_step(generation) -> float:
+    """Mean time per decode step that the GPU spends waiting for the host: the decode steps' wall
+    time less their GPU time (CUDA events around each step's kernels). What is left is the host
+    work between steps (scheduling, bookkeeping, the copy of the tokens back) that the GPU does
+    not overlap with anything."""
+    steps = generation.timeline
+    if not steps:
+        return 0.0
+    return max(generation.decode_seconds - sum(s.seconds for s in steps), 0.0) / len(steps)
+
+
 def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: int = 500) -> float:
     """Median host time of the scheduler's part of a decode step, as generate runs it: a slot
     for every running request (a new block only at a boundary), then the blocks of those that
@@ -333,6 +344,7 @@ def bench(a) -> dict:
         "system_prompt_hit_percent": sharing["system_prompt_hit_percent"],
         "decode_seconds": result.decode_seconds,
         "decode_steps": result.decode_steps,
+        "gpu_wait_seconds_per_decode_step": gpu_wait_seconds_per_step(result),
         "median_step": {"step": median_step, "seconds": step_seconds,
                         "running_requests": result.timeline[median_step].running_requests,
                         "weight_bytes": weights_read,
@@ -379,7 +391,8 @@ def print_table(r: dict) -> None:
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
              f"{100 * share:.0f}% of the matmul rate" if share else
              f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
-    print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s")
+    print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s; the GPU "
+          f"waits {r['gpu_wait_seconds_per_decode_step'] * 1e3:.2f} ms per step for the host")
     if r["latency"]:
         mean_p99 = lambda key: (f"{r['latency'][key]['mean'] * 1e3:,.1f} ms (p99 "
                                 f"{r['latency'][key]['p99'] * 1e3:,.1f} ms)")
