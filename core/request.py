@@ -118,7 +118,7 @@ class Scheduler:
         but the newest) joins the decode batch directly, which computes its newest token."""
         prefill, num_cached = [], []
         for request in requests:
-            cached = self.manager.allocate(request)
+            cached = self._allocate(request)
             request.status = Status.RUNNING
             if request.admitted_at is None:
                 request.admitted_at = self.now()
@@ -129,6 +129,11 @@ class Scheduler:
         self.most_running = max(self.most_running, len(self.running))
         rows = np.array([r.row for r in prefill], dtype=np.int64)
         return Step(True, prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
+
+    def _allocate(self, request) -> int:
+        """The request's blocks; how many of its tokens they hold already (features/swapping.py
+        brings back a preempted request's K/V here)."""
+        return self.manager.allocate(request)
 
     def _decode(self) -> Step:
         positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the newest

@@ -106,11 +106,16 @@ class ContinuousScheduler(Scheduler):
     def _preempt_newest(self) -> None:
         victim = self.running[-1]
         self.num_preemptions += 1
-        self.num_recomputed_tokens += int(self.manager.num_tokens[victim.row])
+        self._keep(victim)
         self.manager.free(victim)  # with prefix caching, its full blocks stay findable
         victim.status = Status.WAITING
         self.running, self.rows = self.running[:-1], self.rows[:-1]
         self.waiting.appendleft(victim)
+
+    def _keep(self, victim) -> None:
+        """What is kept of a preempted request's K/V: nothing, here; its tokens are recomputed
+        when it returns. (features/swapping.py copies them to host memory instead.)"""
+        self.num_recomputed_tokens += int(self.manager.num_tokens[victim.row])
 
     def _refuse_if_larger_than_the_pool(self, request) -> None:
         # The most a request caches: its prompt and every generated token but the last.

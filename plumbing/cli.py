@@ -286,6 +286,12 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                    help="with --continuous: requests arrive over time, R per second on average "
                         "(a Poisson process drawn with --seed), and the report gives their "
                         "latencies (features/arrivals.py); inf: all at the start")
+    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                   help="with --continuous: what a preempted request keeps: nothing (its tokens "
+                        "are prefilled again when it returns), or its K/V, copied to host memory "
+                        "and back (features/swapping.py)")
+    p.add_argument("--swap-space", type=gigabytes, default=4.0, metavar="GB",
+                   help="with --preemption swap: host memory for swapped K/V")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: mixed steps, each one token for every running request "
                         "plus prompt chunks up to this many tokens in all (features/"

@@ -143,6 +143,7 @@ def scheduling_report(generation, continuous: bool) -> dict:
         # Only continuous batching preempts (features/continuous.py).
         "preemptions": getattr(g.scheduler, "num_preemptions", 0),
         "recomputed_tokens": getattr(g.scheduler, "num_recomputed_tokens", 0),
+        "swapped": getattr(g.scheduler, "num_swapped", 0),  # --preemption swap
         "queue_wait_median_seconds": statistics.median(waits) if waits else 0.0,
         "queue_wait_max_seconds": max(waits, default=0.0),
     }
@@ -196,7 +197,8 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
     print(f"Tokens: {t['num_prompt_tokens']:,} prompt, {t['num_generated_tokens']:,} generated")
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
     print(f"Scheduling: {s['mode']}, {s['requests_completed']:,} requests completed, at most "
-          f"{s['max_running']:,} running at once; {s['preemptions']:,} preemptions, "
+          f"{s['max_running']:,} running at once; {s['preemptions']:,} preemptions"
+          + (f" ({s['swapped']:,} swapped to host memory)" if s["swapped"] else "") + ", "
           f"{s['recomputed_tokens']:,} tokens recomputed; queue wait median "
           f"{s['queue_wait_median_seconds']:.2f} s, longest {s['queue_wait_max_seconds']:.2f} s")
     print(f"Decode: {t['decode_tokens_per_second']:,.0f} tokens/s ({t['decode_steps']:,} steps in "

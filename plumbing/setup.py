@@ -21,7 +21,7 @@ from core.kv_cache import KVCache, PrefillBatch
 from core.request import Request, Scheduler
 from plumbing.checkpoints import load_model, random_model
 from plumbing.cli import (CPU_KV_BUDGET_GB, GB, OUT_OF_MEMORY, UserError,
-                          check_host_memory, refuse_output_over_input)
+                          check_host_memory, format_bytes, refuse_output_over_input)
 from plumbing.prompts import PROMPTS_FILE, load_prompts, load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -67,6 +67,12 @@ def load(args) -> Setup:
     if not math.isinf(args.request_rate) and not args.continuous:
         raise UserError("--request-rate spreads requests over time, which only continuous "
                         "batching can admit as they arrive; add --continuous.")
+    if args.preemption == "swap" and not args.continuous:
+        raise UserError("--preemption swap chooses how continuous batching preempts; a static "
+                        "batch never preempts. Add --continuous.")
+    if args.preemption == "swap" and args.max_batched_tokens:
+        raise UserError("--preemption swap does not combine with --max-batched-tokens yet: drop "
+                        "one of the two.")
     if args.max_batched_tokens and not args.continuous:
         raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
                         "steps; add --continuous (a static batch prefills every prompt first).")
@@ -265,14 +271,16 @@ def make_sampler(args):
     return Sampler(args.temperature, args.top_p, args.seed)
 
 
-def make_scheduler(setup, manager, requests: list[Request]) -> Scheduler:
+def make_scheduler(setup, cache, manager, requests: list[Request]) -> Scheduler:
     """Static batching, or with --continuous a stream with preemption, in mixed steps with
-    --max-batched-tokens."""
+    --max-batched-tokens, swapping with --preemption swap."""
     args = setup.args
     if not args.continuous:
         return Scheduler(manager, requests)
     from features.continuous import ContinuousScheduler, RequestTooLarge
     try:
+        if args.preemption == "swap":
+            return swapping_scheduler(setup, cache, manager, requests)
         if args.max_batched_tokens:
             if hasattr(manager, "cached_tokens"):
                 raise UserError("--max-batched-tokens does not combine with shared blocks yet "
@@ -289,6 +297,23 @@ def make_scheduler(setup, manager, requests: list[Request]) -> Scheduler:
             f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
             f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
             f"--max-new-tokens.", OUT_OF_MEMORY) from e
+
+
+def swapping_scheduler(setup, cache, manager, requests: list[Request]):
+    """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
+    if not isinstance(cache, KVCache) or hasattr(manager, "cached_tokens"):
+        raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
+                        "cache; it does not combine with shared blocks (--samples, a system "
+                        "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
+    block_bytes = cache.block_size * setup.kv_bytes_per_token
+    swap_blocks = int(setup.args.swap_space * GB // block_bytes)
+    if swap_blocks == 0:
+        raise UserError(f"--swap-space {setup.args.swap_space:g} GB holds no block of "
+                        f"{format_bytes(block_bytes)}: raise it.")
+    check_host_memory(swap_blocks * block_bytes, "--swap-space", "Lower --swap-space.")
+    from features.swapping import SwappingScheduler
+    return SwappingScheduler(manager, requests, setup.args.max_running, Engine.chunk_tokens, cache,
+                             swap_blocks)
 
 
 def make_decoder(setup, cache, manager, sampler, largest_batch: int, progress: bool):
@@ -311,7 +336,7 @@ def generate(setup, cache, manager, progress: bool = True):
     scripts call."""
     args, requests = setup.args, make_requests(setup)
     sampler = make_sampler(args)
-    scheduler = make_scheduler(setup, manager, requests)
+    scheduler = make_scheduler(setup, cache, manager, requests)
     largest_batch = min(len(requests), args.max_running or len(requests))
     decoder = make_decoder(setup, cache, manager, sampler, largest_batch, progress)
     stop_ids = set() if args.random_weights else setup.tokenizer.stop_ids

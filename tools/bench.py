@@ -283,7 +283,7 @@ def bench(a) -> dict:
         arrivals = arrivals or [0.0] * len(prompts)
         requests = [Request(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
                     for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
-        return engine.generate(make_scheduler(setup, manager, requests), progress=False)
+        return engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))

@@ -1,0 +1,72 @@
+"""Preemption by swapping (features/swapping.py): the tokens of a run without preemption, with no
+token recomputed, and recompute where host memory runs short."""
+
+import math
+
+import pytest
+import torch
+
+from block_manager import BlockManager
+from core.attention import TorchAttention
+from core.engine import EagerDecoder, Engine, greedy
+from core.kv_cache import KVCache
+from core.request import Request
+from features.swapping import SwappingScheduler
+from plumbing.checkpoints import random_model
+from test_scheduler import MAX_SEQ_LEN, random_prompts
+
+
+def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype):
+    cache = KVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttention())
+    manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
+    requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    scheduler = SwappingScheduler(manager, requests, None, 8192, cache, swap_blocks)
+    engine = Engine(model, cache, manager, greedy, EagerDecoder(model, cache, manager.block_table))
+    result = engine.generate(scheduler, progress=False)
+    assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
+    assert sorted(scheduler.host.free) == list(range(swap_blocks)), "every host block back"
+    return result, scheduler
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
+    # Short prompts that grow by 40 tokens each, in a pool too small for all of them at once.
+    model = random_model("tiny", "cpu", dtype, MAX_SEQ_LEN, seed=11)
+    prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
+    budgets = [40] * 6
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=dtype)
+    assert ample.scheduler.num_preemptions == 0
+    needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
+    swapped, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64,
+                                      dtype=dtype)
+    assert scheduler.num_swapped > 0 and scheduler.num_swapped == scheduler.num_preemptions
+    assert scheduler.num_recomputed_tokens == 0
+    assert swapped.output_tokens == ample.output_tokens
+
+
+def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed():
+    model = random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
+    budgets = [40] * 6
+    needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
+    tight, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=1,
+                                    dtype=torch.float32)
+    assert scheduler.num_preemptions > scheduler.num_swapped  # some did not fit in one block
+    assert scheduler.num_recomputed_tokens > 0
+    assert tight.output_tokens == ample.output_tokens
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--preemption", "swap"], "a static batch never preempts"),
+    (["--continuous", "--preemption", "swap", "--samples", "2"], "does not combine with shared"),
+    (["--continuous", "--preemption", "swap", "--swap-space", "1e-9"], "holds no block"),
+])
+def test_swapping_where_it_cannot_run_ends_in_one_paragraph(flags, says):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    run = subprocess.run([sys.executable, str(ROOT / "llama3_paged.py"), "2", "--random-weights",
+                          "--model", "tiny", "--device", "cpu", *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
