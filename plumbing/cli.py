@@ -120,11 +120,17 @@ def exit_quietly_on_ctrl_c(program: str) -> None:
 
 # Argument types: each refuses a value that makes no sense before anything is loaded (exit 2).
 
-def positive_int(text: str) -> int:
+def _parsed(text: str, convert, otherwise):
+    """convert(text), or `otherwise` where the text is no such number (a value each caller's
+    range check then refuses, with its own message)."""
     try:
-        value = int(text)
+        return convert(text)
     except ValueError:
-        value = 0
+        return otherwise
+
+
+def positive_int(text: str) -> int:
+    value = _parsed(text, int, 0)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return value
@@ -139,10 +145,7 @@ def sequence_length(text: str) -> int:
 
 
 def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _parsed(text, float, math.nan)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
     return value
@@ -185,10 +188,7 @@ def request_rate(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
+    value = _parsed(text, int, -1)
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2^63 - 1, got {text!r}")
     return value

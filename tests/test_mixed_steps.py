@@ -40,6 +40,10 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
 class StepRecorder(MixedScheduler):
     """The mixed scheduler, keeping a copy of what each step computes: (decoding, chunks)."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.steps = []
+
     def schedule(self):
         step = super().schedule()
         chunks = []
@@ -49,10 +53,6 @@ class StepRecorder(MixedScheduler):
                 step.ends[step.num_decoding:])]
         self.steps.append((step.num_decoding if step.is_prefill else len(step.requests), chunks))
         return step
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.steps = []
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
