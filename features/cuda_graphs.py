@@ -49,6 +49,7 @@ class GraphDecoder:
             step(largest)
             self.graphs, self.next_tokens, pool = {}, {}, None
             for batch_size in reversed(self.buckets):
+                step(batch_size)  # eagerly first: a compiled model (--compile) compiles here
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.next_tokens[batch_size] = step(batch_size)  # [batch_size], static

@@ -298,6 +298,9 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                         "mixed_steps.py) (default: each step prefills or decodes, never both)")
     p.add_argument("--eager", action="store_true",
                    help="decode kernel by kernel from Python instead of replaying CUDA graphs")
+    p.add_argument("--compile", action="store_true",
+                   help="on CUDA: fuse each layer's small kernels (norms, RoPE, SiLU, adds) with "
+                        "torch.compile, around the attention call (features/compiled_layers.py)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of the GPU's memory for weights, activations and KV cache")
     p.add_argument("--kv-budget-gb", type=gigabytes,

@@ -76,6 +76,9 @@ def load(args) -> Setup:
     if args.max_batched_tokens and not args.continuous:
         raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
                         "steps; add --continuous (a static batch prefills every prompt first).")
+    if args.compile and args.device.type != "cuda":
+        raise UserError("--compile fuses the model's small kernels into Triton kernels, which "
+                        "run on CUDA only: drop it on this device.")
     if args.top_p < 1 and args.temperature == 0:
         raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
                         "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
@@ -319,6 +322,9 @@ def swapping_scheduler(setup, cache, manager, requests: list[Request]):
 def make_decoder(setup, cache, manager, sampler, largest_batch: int, progress: bool):
     """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
     unless --eager; else the eager decoder."""
+    if setup.args.compile:
+        from features.compiled_layers import compile_layers
+        compile_layers(setup.model, cache)
     eager = EagerDecoder(setup.model, cache, manager.block_table, sampler)
     if setup.args.eager or setup.device.type != "cuda" or not setup.attention.cuda_graphs:
         return eager

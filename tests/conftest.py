@@ -77,11 +77,12 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
-             max_batched_tokens=None):
+             max_batched_tokens=None, swap_blocks=0):
     """Run prompts through the core engine as the scripts do (plumbing/setup.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
-    `continuous`, mixed steps (features/mixed_steps.py)."""
+    `continuous`, mixed steps (features/mixed_steps.py); `swap_blocks`: with `continuous`,
+    preemption by swapping to that many host blocks (features/swapping.py)."""
     from core.engine import EagerDecoder, Engine, greedy
     from core.request import Request, Scheduler
     from features.continuous import ContinuousScheduler
@@ -92,6 +93,10 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if continuous and max_batched_tokens:
         from features.mixed_steps import MixedScheduler
         scheduler = MixedScheduler(manager, requests, max_running, max_batched_tokens)
+    if continuous and swap_blocks:
+        from features.swapping import SwappingScheduler
+        scheduler = SwappingScheduler(manager, requests, max_running, chunk_tokens, cache,
+                                      swap_blocks)
     sampler = sampler or greedy
     decoder = EagerDecoder(model, cache, manager.block_table, sampler)
     if graphs:

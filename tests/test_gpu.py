@@ -67,21 +67,26 @@ MAX_SEQ_LEN = 2048
 
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttention, continuous=False, samples=1, share=False,
-                    sampler=None, max_running=None, max_batched_tokens=None):
+                    sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
+                    compiled=False):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
     n = len(prompts)
     cache = KVCache(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
                     attention())
+    if compiled:  # the model's layers, for good: compile a model of the test's own
+        from features.compiled_layers import compile_layers
+        compile_layers(model, cache)
     max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks, "cuda"))
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
                       max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs,
-                      max_batched_tokens=max_batched_tokens)
+                      max_batched_tokens=max_batched_tokens, swap_blocks=swap_blocks)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
+    result.num_swapped = getattr(result.scheduler, "num_swapped", 0)
     result.first_cached_tokens = manager.first_cached[:n].tolist() if share else [0] * n
     result.num_copied_blocks = manager.num_copied if share else 0
     return result
@@ -90,6 +95,13 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
 def random_prompts(n, generator):
     return [torch.randint(0, 128_000, (int(length),), generator=generator).tolist()
             for length in torch.randint(20, 700, (n,), generator=generator)]
+
+
+def prompts_and_budgets(n, seed, most_tokens):
+    """n random prompts, each allowed 1 to most_tokens new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = random_prompts(n, g)
+    return prompts, torch.randint(1, most_tokens + 1, (n,), generator=g).tolist()
 
 
 def test_naive_and_paged_generate_the_same_tokens_with_flash_attn():
@@ -104,9 +116,7 @@ def test_cuda_graphs_generate_the_same_tokens_as_eager_decoding():
     # Budgets from 1 to 40: the batch shrinks from 20 through buckets 24, 16, 8, 4, 2 and 1,
     # so most steps run padding rows.
     model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=1)
-    g = torch.Generator().manual_seed(1)
-    prompts = random_prompts(20, g)
-    budgets = torch.randint(1, 41, (20,), generator=g).tolist()
+    prompts, budgets = prompts_and_budgets(20, seed=1, most_tokens=40)
     eager = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256)
     graphs = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
     assert graphs.output_tokens == eager.output_tokens
@@ -197,6 +207,40 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32(max_batched_tokens):
                                  max_batched_tokens=max_batched_tokens)
     assert continuous.num_preemptions > 0
     assert continuous.output_tokens == static.output_tokens
+
+
+@pytest.mark.parametrize("attention, block_size", [(FlashAttention, 256), ("triton", 16)])
+def test_swapped_requests_give_the_tokens_of_a_run_without_preemption_in_bfloat16(attention,
+                                                                                 block_size):
+    # Unlike recompute (above: float32 only), a swapped request continues from the very K/V it
+    # left with, so even bf16 gives the tokens of the run that never preempted it.
+    attention = TritonAttention if attention == "triton" else attention
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
+    g = torch.Generator().manual_seed(6)
+    shortest = max(16, block_size - 48)  # prompts that outgrow their first block as they decode
+    prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
+               for n in torch.randint(shortest, shortest + 32, (10,), generator=g)]
+    budgets = [120] * 10
+    static = generate_on_gpu(model, prompts, budgets, num_blocks=512, block_size=block_size,
+                             attention=attention, graphs=True)
+    needed = max(math.ceil((len(p) + 119) / block_size) for p in prompts)
+    swapped = generate_on_gpu(model, prompts, budgets, num_blocks=2 * needed, block_size=block_size,
+                              attention=attention, graphs=True, continuous=True, swap_blocks=64)
+    assert swapped.num_swapped > 0 and swapped.num_swapped == swapped.num_preemptions
+    assert swapped.output_tokens == static.output_tokens
+
+
+def test_compiled_layers_give_the_eager_tokens_in_float32():
+    # Static and continuous batches (every CUDA-graph bucket from 8 down to 1 is replayed), the
+    # prefill and the decode steps all through the compiled layers.
+    model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=7)
+    prompts, budgets = prompts_and_budgets(8, seed=7, most_tokens=40)
+    kw = {"num_blocks": 1024, "block_size": 16, "attention": TritonAttention, "graphs": True}
+    eager = generate_on_gpu(model, prompts, budgets, **kw)
+    compiled = generate_on_gpu(model, prompts, budgets, compiled=True, **kw)
+    continuous = generate_on_gpu(model, prompts, budgets, compiled=True, continuous=True,
+                                 max_running=3, **kw)
+    assert compiled.output_tokens == eager.output_tokens == continuous.output_tokens
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")

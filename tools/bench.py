@@ -220,6 +220,7 @@ def parse_arguments(argv=None):
                    help="virtual only")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--compile", action="store_true", help="fused small kernels (torch.compile)")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--no-prefix-cache", action="store_true", help="paged only")
@@ -241,6 +242,7 @@ def script_arguments(bench_args):
             "--max-new-tokens", str(a.new_tokens),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     argv += ["--eager"] if a.eager else []
+    argv += ["--compile"] if a.compile else []
     argv += ["--continuous"] if a.continuous else []
     argv += ["--max-running", str(a.max_running)] if a.max_running else []
     argv += ["--max-batched-tokens", str(a.max_batched_tokens)] if a.max_batched_tokens else []
@@ -372,7 +374,7 @@ def mixed_steps(workload) -> bool:
 
 def print_table(r: dict) -> None:
     w, m = r["workload"], r["median_step"]
-    graphs = "CUDA graphs" if r["cuda_graphs"] else "eager"
+    graphs = ("CUDA graphs" if r["cuda_graphs"] else "eager") + (", compiled" if w["compile"] else "")
     block = (f", block {w['block_size']}" if w["script"] == "paged" else
              f", {w['layout']} rows" if w["script"] == "virtual" else "")
     batching = "continuous" if w["continuous"] else "static"
