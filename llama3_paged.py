@@ -19,6 +19,7 @@ import math
 from block_manager import BlockManager
 from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
                           one_paragraph_errors, positive_int)
+from plumbing.beams import check_arguments, run_beam_search
 from plumbing.report import report
 from plumbing.setup import (FLASH_BLOCK_MULTIPLE, find_max_batch, generate, kv_budget_bytes,
                             kv_cache, load)
@@ -36,6 +37,10 @@ def add_pool_arguments(parser) -> None:
                         help="compute every prompt in full, even where its first blocks are in "
                              "the pool already (prefix caching is on with --system-prompt or "
                              "--system-prompt-file, where requests share their first blocks)")
+    parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
+                        help="beam search: K beams per prompt sharing blocks, scored by summed "
+                             "log-probabilities (features/beam_search.py); with --no-sharing "
+                             "each beam holds blocks of its own")
     parser.add_argument("--no-sharing", action="store_true",
                         help="every sequence holds blocks of its own: no prefix caching, and "
                              "--samples prefill a copy of the prompt each (the comparison run)")
@@ -61,7 +66,7 @@ def allocate_kv_cache(setup):
     # prompts after one system prompt (the prefix cache). Elsewhere the prefix cache would find
     # next to nothing (1% of W2's prompt tokens), and the plain block manager runs.
     prefix_caching = setup.system_prompt is not None and not args.no_prefix_cache
-    if args.no_sharing or not (args.samples > 1 or prefix_caching):
+    if args.no_sharing or not (args.samples > 1 or args.beam_width > 1 or prefix_caching):
         return cache, BlockManager(num_blocks, block_size, setup.num_sequences,
                                    max_blocks_per_request, setup.device)
     from features.sharing import SharingBlockManager
@@ -75,7 +80,11 @@ def main(argv=None) -> None:
         add_pool_arguments(parser)
         setup = load(parser.parse_args(argv))  # the model and the first N prompts
         if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
+        if setup.args.beam_width > 1:
+            check_arguments(setup.args)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
+        if setup.args.beam_width > 1:
+            return run_beam_search(setup, cache, manager)
         report(setup, cache, manager, generate(setup, cache, manager))
 
 

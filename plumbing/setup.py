@@ -55,8 +55,8 @@ class Setup:
 
     @property
     def num_sequences(self) -> int:
-        """What the scheduler runs: each prompt's --samples."""
-        return len(self.prompts) * self.args.samples
+        """What the scheduler runs: each prompt's --samples (or beams, llama3_paged.py)."""
+        return len(self.prompts) * self.args.samples * getattr(self.args, "beam_width", 1)
 
 
 def load(args) -> Setup:
