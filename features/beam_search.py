@@ -127,6 +127,11 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     # their own now, which the first step fills with copies.
     firsts = [Request(int(s.rows[0]), s.prompt_tokens, s.max_new_tokens) for s in searches]
     cached = [manager.allocate(r) for r in firsts]
+    # A prompt another prompt holds already is forked: it shares every token's blocks but the
+    # newest. That one it computes itself, so it first takes a slot of its own (copy on write).
+    forks = np.array([r.row for r in firsts if manager.num_tokens[r.row] < len(r.prompt_tokens)],
+                     dtype=np.int64)
+    manager.append_token(forks)
     if not isinstance(manager, SharingBlockManager):
         for s in searches:
             for row in s.rows[1:]:
