@@ -19,7 +19,6 @@ import math
 from block_manager import BlockManager
 from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
                           one_paragraph_errors, positive_int)
-from plumbing.beams import check_arguments, run_beam_search
 from plumbing.report import report
 from plumbing.setup import (FLASH_BLOCK_MULTIPLE, find_max_batch, generate, kv_budget_bytes,
                             kv_cache, load)
@@ -79,12 +78,12 @@ def main(argv=None) -> None:
         parser = argument_parser(SCRIPT, __doc__)
         add_pool_arguments(parser)
         setup = load(parser.parse_args(argv))  # the model and the first N prompts
+        if setup.args.beam_width > 1:  # loaded only when asked for
+            from plumbing import beams
+            beams.check_arguments(setup.args)
+            return beams.run_beam_search(setup, *allocate_kv_cache(setup))
         if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
-        if setup.args.beam_width > 1:
-            check_arguments(setup.args)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
-        if setup.args.beam_width > 1:
-            return run_beam_search(setup, cache, manager)
         report(setup, cache, manager, generate(setup, cache, manager))
 
 
