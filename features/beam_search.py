@@ -86,18 +86,7 @@ def take_parents_blocks(manager, cache, rows: np.ndarray, parents: np.ndarray) -
     if not moves:
         return
     if isinstance(manager, SharingBlockManager):
-        old = {row: manager.owned_blocks.get(row, []) for row in rows.tolist()}
-        num_tokens = {row: int(manager.num_tokens[row]) for row in rows.tolist()}
-        for _, parent in moves:  # references first, so that no block a child needs is freed
-            manager.ref_counts[old[parent]] += 1
-            manager.num_shared += len(old[parent])
-        for row, parent in moves:
-            for block in old[row]:
-                manager._release(block)
-            manager._clear(row, old[row])
-            manager.owned_blocks[row], manager.num_tokens[row] = list(old[parent]), num_tokens[parent]
-            manager._place(np.full(len(old[parent]), row), np.arange(len(old[parent])), old[parent])
-        return
+        return manager.take_blocks_of([row for row, _ in moves], [parent for _, parent in moves])
     shape = (cache.k.shape[0], *cache.block_shape)  # [n_layers, num_blocks, block_size, H, D]
     sources = [b for _, parent in moves for b in manager.owned_blocks[parent]]
     destinations = [b for row, _ in moves for b in manager.owned_blocks[row]]

@@ -114,6 +114,22 @@ class SharingBlockManager(BlockManager):
         if self.first_cached[row] < 0:
             self.first_cached[row] = cached
 
+    def take_blocks_of(self, rows: list[int], parents: list[int]) -> None:
+        """Row rows[i] drops its blocks and holds those of row parents[i] instead, with its token
+        count (beam search's children, features/beam_search.py). References are taken first, so
+        that no block a row takes is freed when its old holder lets go."""
+        old = {row: self.owned_blocks.get(row, []) for row in rows + parents}
+        counts = {row: int(self.num_tokens[row]) for row in parents}
+        for parent in parents:
+            self.ref_counts[old[parent]] += 1
+            self.num_shared += len(old[parent])
+        for row, parent in zip(rows, parents):
+            for block in old[row]:
+                self._release(block)
+            self._clear(row, old[row])
+            self.owned_blocks[row], self.num_tokens[row] = list(old[parent]), counts[parent]
+            self._place(np.full(len(old[parent]), row), np.arange(len(old[parent])), old[parent])
+
     def _must_copy(self, rows: np.ndarray) -> list[int]:
         """Rows whose next token goes into a block that is part full and shared. As each copies,
         the count falls; the last holder writes in place."""
