@@ -126,7 +126,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_reserved_slots(self) -> int:

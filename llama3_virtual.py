@@ -5,10 +5,14 @@ memory, with physical pages mapped in as it grows (vAttention's idea).
 
 As in the naive script, every request gets a row of max_seq_len tokens up front, but as address
 space only, which costs nothing. Physical 2 MB pages, as many as the KV budget holds, are created
-once; the page manager maps one under a row when the request's next token would cross into an
-unmapped page, and unmaps them all when it finishes. The attention kernel is the ordinary
-non-paged one: the rows are contiguous, so it needs no block table. Needs CUDA, flash-attn and
-the cuda-python package.
+once; a page is mapped under a row before the request's next token crosses into it. The
+attention kernel is the ordinary non-paged one: the rows are contiguous, so it needs no block
+table. Needs CUDA, flash-attn and the cuda-python package.
+
+By default a background thread maps the pages a few steps ahead, and a finished request's pages
+stay mapped for the next request in its row (features/mapping_ahead.py, vAttention's way).
+--sync-mapping maps in the loop when a page is needed and unmaps when a request finishes
+(features/page_manager.py): simpler to read, and the driver calls are then on the critical path.
 """
 
 from plumbing.cli import exit_quietly_on_ctrl_c
@@ -16,10 +20,12 @@ from plumbing.cli import exit_quietly_on_ctrl_c
 SCRIPT = "llama3_virtual.py"
 exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
 
+from features.mapping_ahead import (BackgroundMapper, MappingAheadManager, MappingFailed,
+                                    mapping_seconds)
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
-from features.virtual_memory import DriverOutOfMemory
-from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
+from features.virtual_memory import DriverError, DriverOutOfMemory
+from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
                           one_paragraph_errors)
 from plumbing.report import report
 from plumbing.setup import find_max_batch, generate, importable, kv_budget_bytes, load
@@ -30,6 +36,10 @@ def add_layout_arguments(parser):
                         help="per-token: all layers of a token side by side, a 2 MB page holds 16 "
                              "tokens; per-layer (vAttention's): a tensor per layer, a page holds "
                              "1,024 tokens of one layer")
+    parser.add_argument("--sync-mapping", action="store_true",
+                        help="map pages in the loop when a request needs them and unmap them when "
+                             "it finishes (vAttention's _sync backends), instead of ahead on a "
+                             "background thread, with finished requests' pages left mapped")
     return parser
 
 
@@ -59,10 +69,27 @@ def allocate_kv_cache(setup):
         raise UserError(f"Out of GPU memory in {e.call}: the KV pages did not fit beside the "
                         f"weights. Lower --kv-budget-gb or --gpu-memory-utilization.",
                         OUT_OF_MEMORY) from e
-    # The block table never changes: row r lists the virtual pages of row r; the MMU does the rest.
-    manager = PageManager(num_pages, cache.tokens_per_page, setup.num_sequences,
-                          cache.pages_per_row, mapper=cache, device=setup.device)
-    return cache, manager
+    # The block table lists the virtual pages of each request's row; the MMU does the rest.
+    sizes = (num_pages, cache.tokens_per_page, setup.num_sequences, cache.pages_per_row)
+    # --find-max-batch makes a cache per attempt; it counts requests, not time: map in the loop.
+    if args.sync_mapping or args.find_max_batch:
+        return cache, PageManager(*sizes, mapper=cache, device=setup.device)
+    mapper = BackgroundMapper(cache, on_start=cache.memory.make_current)
+    return cache, MappingAheadManager(*sizes, mapper=mapper, device=setup.device)
+
+
+def mapping_report(cache, manager, decode_steps: int) -> str:
+    """The work the page table costs: driver calls on the host, in the loop or beside it."""
+    memory, steps = cache.memory, max(decode_steps, 1)
+    on_path, off_path = mapping_seconds(cache, manager)
+    line = (f"Page mapping: {memory.num_maps:,} pages mapped and {memory.num_unmaps:,} unmapped "
+            f"in {on_path + off_path:.2f} s of driver calls; ")
+    if isinstance(manager, PageManager):
+        return line + f"in the loop (--sync-mapping), {on_path / steps * 1e3:.3f} ms per decode step"
+    return line + (f"ahead, on a background thread: the loop waited {on_path / steps * 1e3:.3f} ms "
+                   f"per decode step, the thread worked {off_path / steps * 1e3:.3f} ms per step; "
+                   f"the look-ahead ran dry for {manager.lookahead_ran_dry:,} pages; "
+                   f"{manager.num_idle_pages:,} pages left mapped under idle rows at the end")
 
 
 def main(argv=None) -> None:
@@ -72,13 +99,20 @@ def main(argv=None) -> None:
         require_cuda_and_flash_attn(setup)
         if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
         cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
-        generation = generate(setup, cache, manager)
-        report(setup, cache, manager, generation)
-        memory = cache.memory  # the work the page table costs: driver calls on the host
-        print(f"Page mapping: {memory.num_maps:,} pages mapped and {memory.num_unmaps:,} unmapped "
-              f"in {memory.seconds_mapping:.2f} s of driver calls, "
-              f"{memory.seconds_mapping / max(generation.decode_steps, 1) * 1e3:.2f} ms per "
-              f"decode step")
+        try:
+            generation = generate(setup, cache, manager)
+            report(setup, cache, manager, generation)
+            print(mapping_report(cache, manager, generation.decode_steps))
+        except (DriverError, MappingFailed) as e:
+            where = "on the background thread" if isinstance(e, MappingFailed) else "in the loop"
+            raise UserError(f"A driver call mapping a KV page {where} failed ({e}), so the run "
+                            f"cannot go on: its next tokens would be written to unmapped memory. "
+                            f"Check the GPU (nvidia-smi); --sync-mapping makes every driver call "
+                            f"in the loop, where the failing one is easier to follow.",
+                            DRIVER_ERROR) from e
+        finally:
+            if isinstance(manager, MappingAheadManager):
+                manager.close()
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ class PageManager(BlockManager):
         self.row_tokens = pages_per_row * tokens_per_page
 
     def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
-        for row, column, page in zip(rows.tolist(), columns.tolist(), pages):
-            self.mapper.map(page, row, column)
         # Request r lives in virtual row r + 1 (row 0 is the cache's spare row).
+        for row, column, page in zip(rows.tolist(), columns.tolist(), pages):
+            self.mapper.map(page, row + 1, column)
         super()._place(rows, columns, ((rows + 1) * self.pages_per_row + columns).tolist())
 
     def _clear(self, row: int, pages: list[int]) -> None:
-        self.mapper.unmap(row, len(pages))
+        self.mapper.unmap(row + 1, 0, len(pages))
         super()._clear(row, pages)  # back to the spare row
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -68,18 +68,20 @@ class VirtualKVCache:
         """The physical pool, created up front: running out is then a count, not a CUDA error."""
         self.page_sets = [self._new_page_set() for _ in range(num_pages)]
 
-    def map(self, page_set: int, request: int, page: int) -> None:
-        """Put page set `page_set` of the pool under page `page` of the request's row."""
-        self._map(self.page_sets[page_set], request + 1, page)
+    def map(self, page_set: int, row: int, page: int) -> None:
+        """Put page set `page_set` of the pool under page `page` of virtual row `row` (1 or more:
+        row 0 is the spare row)."""
+        self._map(self.page_sets[page_set], row, page)
 
     def _map(self, physical_pages: list, row: int, page: int) -> None:
         offset = (row * self.row_tokens + page * self.tokens_per_page) * self.token_bytes
         for start, physical in zip(self.ranges, physical_pages):
             self.memory.map(start + offset, physical)
 
-    def unmap(self, request: int, num_pages: int) -> None:
-        """Take the first num_pages pages out from under the request's row, in every range."""
-        offset = (request + 1) * self.row_tokens * self.token_bytes
+    def unmap(self, row: int, first_page: int, num_pages: int) -> None:
+        """Take pages first_page .. first_page + num_pages - 1 out from under virtual row `row`,
+        in every range."""
+        offset = (row * self.row_tokens + first_page * self.tokens_per_page) * self.token_bytes
         for start in self.ranges:
             self.memory.unmap(start + offset, num_pages)
 

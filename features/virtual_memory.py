@@ -29,13 +29,17 @@ class DriverOutOfMemory(Exception):
         super().__init__(f"{call}: out of GPU memory")
 
 
+class DriverError(RuntimeError):
+    """A driver call failed for another reason than memory."""
+
+
 def check(result, call: str):
     """cuda-python returns (error, *values): raise unless the call succeeded, else the values."""
     error, *values = result
     if error == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
         raise DriverOutOfMemory(call)
     if error != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{call} failed: {driver.cuGetErrorName(error)[1].decode()}")
+        raise DriverError(f"{call} failed: {driver.cuGetErrorName(error)[1].decode()}")
     return values[0] if len(values) == 1 else values
 
 
@@ -45,6 +49,7 @@ class VirtualMemory:
             raise ModuleNotFoundError("cuda-python (cuda.bindings) is not installed")
         self.device = device = torch.device(device)
         torch.zeros(1, device=device)  # the CUDA context the driver calls work in
+        self.context = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self.page_properties = driver.CUmemAllocationProp()
         self.page_properties.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self.page_properties.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -58,6 +63,10 @@ class VirtualMemory:
             "cuMemGetAllocationGranularity"))
         self.ranges, self.pages, self.mapped = [], [], set()  # to give back in close()
         self.seconds_mapping, self.num_maps, self.num_unmaps = 0.0, 0, 0
+
+    def make_current(self) -> None:
+        """Another thread's driver calls work in the same context (features/mapping_ahead.py)."""
+        check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def reserve(self, num_bytes: int) -> int:
         """Addresses only: costs no memory. Returns the first."""

@@ -22,6 +22,7 @@ SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent.parent / "system_prompt.txt
 
 USAGE = 2  # bad arguments, missing or damaged files: fix the command and run again
 OUT_OF_MEMORY = 1  # the run itself did not fit: fewer requests or a smaller cache
+DRIVER_ERROR = 3  # a CUDA driver call failed (llama3_virtual.py's page mapping)
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
 BROKEN_PIPE = 141  # the reader of the output went away, as a shell reports SIGPIPE
 

@@ -110,21 +110,29 @@ class Prompt:
     num_reply_tokens: int  # length of the human-written ShareGPT reply, in Llama 3 tokens
 
 
+REBUILD = "Restore it with `git checkout sharegpt_filtered.json` or `python tools/build_prompts.py`."
+
+
+def read_records(path: Path) -> list:
+    """The conversations of a ShareGPT file, as JSON."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise UserError(f"The prompts file {path} is missing. {REBUILD}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"The prompts file {path} is damaged ({e}). {REBUILD}") from e
+    if not isinstance(records, list):
+        raise UserError(f"The prompts file {path} holds no list of conversations. {REBUILD}")
+    if not records:
+        raise UserError(f"The prompts file {path} holds no prompts: its list is empty. {REBUILD}")
+    return records
+
+
 def load_prompts(n: int, tokenizer, system_prompt: str | None = None,
                   path: Path | None = None) -> list[Prompt]:
     """The first n prompts, each after `system_prompt` if one is given."""
     path = path or PROMPTS_FILE
-    rebuild = "Restore it with `git checkout sharegpt_filtered.json` or `python tools/build_prompts.py`."
-    try:
-        records = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise UserError(f"The prompts file {path} is missing. {rebuild}") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"The prompts file {path} is damaged ({e}). {rebuild}") from e
-    if not isinstance(records, list):
-        raise UserError(f"The prompts file {path} holds no list of conversations. {rebuild}")
-    if not records:
-        raise UserError(f"The prompts file {path} holds no prompts: its list is empty. {rebuild}")
+    records = read_records(path)
     if not 1 <= n <= len(records):
         raise UserError(f"N must be between 1 and {len(records)}, the prompts in {path.name}; got {n}.")
     requests = []
@@ -132,9 +140,9 @@ def load_prompts(n: int, tokenizer, system_prompt: str | None = None,
         try:  # the first human turn and the first reply
             request_id, (prompt, reply) = record["id"], (t["value"] for t in record["conversations"][:2])
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"Record {i} of {path} has no id, prompt and reply. {rebuild}") from e
+            raise UserError(f"Record {i} of {path} has no id, prompt and reply. {REBUILD}") from e
         if not (isinstance(prompt, str) and isinstance(reply, str)):
-            raise UserError(f"Record {i} of {path}: its prompt and reply are not text. {rebuild}")
+            raise UserError(f"Record {i} of {path}: its prompt and reply are not text. {REBUILD}")
         requests.append(Prompt(id=str(request_id), prompt=prompt,
                                 prompt_tokens=tokenizer.chat_prompt(prompt, system_prompt),
                                 num_reply_tokens=len(tokenizer.encode(reply))))

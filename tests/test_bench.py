@@ -40,6 +40,20 @@ def test_workload_w_is_what_the_paged_script_would_run():
     assert naive.eager and naive.num_requests == 49 and not hasattr(naive, "block_size")
 
 
+def test_workload_p_is_long_prompts_of_sharegpt_text_cut_to_length():
+    from plumbing.prompts import PROMPTS_FILE, load_tokenizer, read_records
+    from tools.bench import long_prompts
+    a = parse_arguments(["virtual", "--workload", "P"])
+    assert (a.num_requests, a.prompt_tokens, a.new_tokens, a.continuous) == (256, 4096, 16, True)
+    tokenizer = load_tokenizer()
+    prompts = long_prompts(tokenizer, 3, 500)
+    assert [len(p) for p in prompts] == [500] * 3 and prompts[1][0] == tokenizer.bos_id
+    # Consecutive pieces of the text of the first conversations' turns, in order.
+    first_turns = "".join(t["value"] for r in read_records(PROMPTS_FILE)[:40] for t in r["conversations"])
+    text = tokenizer.decode(prompts[0][1:] + prompts[1][1:] + prompts[2][1:])
+    assert first_turns.startswith(text)
+
+
 def test_decode_flops_are_the_matmuls_pytorch_counts():
     from core.kv_cache import DecodeBatch
     from tools.bench import decode_flops_per_token

@@ -244,8 +244,10 @@ def test_compiled_layers_give_the_eager_tokens_in_float32():
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
-def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
+def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead):
+    from features.mapping_ahead import BackgroundMapper, MappingAheadManager
     from features.virtual_kv_cache import VirtualKVCache
     model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
     prompts = random_prompts(8, torch.Generator().manual_seed(0))
@@ -254,16 +256,47 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout):
     naive = generate_on_gpu(model, prompts, budgets, num_blocks=8, block_size=MAX_SEQ_LEN)
     cache = VirtualKVCache(model.args, 8, MAX_SEQ_LEN, torch.bfloat16, "cuda", FlashAttention(),
                            layout)
-    num_pages = 8 * cache.pages_per_row  # every row could fill up
+    # Every row could fill up; with mapping ahead, a pool of 3 rows' pages makes requests wait,
+    # reuse rows and take back pages mapped ahead.
+    num_pages = (3 if ahead else 8) * cache.pages_per_row
     cache.create_pages(num_pages)
-    manager = PageManager(num_pages, cache.tokens_per_page, 8, cache.pages_per_row, cache, "cuda")
+    sizes = (num_pages, cache.tokens_per_page, 8, cache.pages_per_row)
+    manager = (MappingAheadManager(*sizes, BackgroundMapper(cache, cache.memory.make_current), "cuda")
+               if ahead else PageManager(*sizes, cache, "cuda"))
     virtual = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, chunk_tokens=8192,
-                       graphs=True)
+                       graphs=True, continuous=ahead, max_running=3 if ahead else None)
     assert virtual.output_tokens == paged.output_tokens == naive.output_tokens
-    # Every page back in the pool; only the spare row's first page is still mapped.
+    # Every page back in the pool; the spare row's first page and (ahead) idle pages still mapped.
     assert manager.num_free_blocks == num_pages and not manager.owned_blocks
-    assert len(cache.memory.mapped) == len(cache.ranges)
-    assert cache.memory.num_maps - cache.memory.num_unmaps == len(cache.ranges)
+    idle = 0
+    if ahead:
+        manager.mapper.wait(manager.mapper.asked)
+        manager.close()
+        idle = manager.num_idle_pages
+        assert idle > 0
+    assert len(cache.memory.mapped) == (1 + idle) * len(cache.ranges)
+    assert cache.memory.num_maps - cache.memory.num_unmaps == (1 + idle) * len(cache.ranges)
+
+
+@pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
+@pytest.mark.parametrize("flags", [[], ["--sync-mapping"]], ids=["ahead", "sync"])
+def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(flags, monkeypatch, capsys):
+    import llama3_virtual
+    from features.virtual_kv_cache import VirtualKVCache
+    from features.virtual_memory import DriverError
+    real_map, calls = VirtualKVCache.map, []
+
+    def failing_map(self, *args):
+        calls.append(args)
+        if len(calls) == 5:  # admission maps a page for each of the 8 requests
+            raise DriverError("cuMemMap failed: CUDA_ERROR_INVALID_VALUE")
+        real_map(self, *args)
+    monkeypatch.setattr(VirtualKVCache, "map", failing_map)
+    with pytest.raises(SystemExit) as exit:
+        llama3_virtual.main(["8", "--random-weights", "--model", "tiny", "--eager", *flags])
+    err = capsys.readouterr().err
+    assert exit.value.code == 3 and "CUDA_ERROR_INVALID_VALUE" in err and "Traceback" not in err
+    assert len(calls) == 5  # nothing mapped after the failure
 
 
 @pytest.mark.parametrize("attention", ["flash", "triton"])

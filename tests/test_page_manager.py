@@ -18,14 +18,15 @@ class FakeMapper:
     def __init__(self):
         self.under: dict[tuple[int, int], int] = {}  # (request, page of its row) -> physical page
 
-    def map(self, physical: int, request: int, page: int) -> None:
+    def map(self, physical: int, row: int, page: int) -> None:
+        request = row - 1  # request r lives in virtual row r + 1
         assert (request, page) not in self.under, "mapped twice"
         assert physical not in self.under.values(), "one physical page under two addresses"
         self.under[request, page] = physical
 
-    def unmap(self, request: int, num_pages: int) -> None:
-        for page in range(num_pages):
-            del self.under[request, page]  # KeyError: unmapping what is not mapped
+    def unmap(self, row: int, first_page: int, num_pages: int) -> None:
+        for page in range(first_page, first_page + num_pages):
+            del self.under[row - 1, page]  # KeyError: unmapping what is not mapped
 
 
 def manager(num_pages=8, tokens_per_page=4, max_requests=3, pages_per_row=5):

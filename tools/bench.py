@@ -6,12 +6,15 @@
     python tools/bench.py paged --workload W2    # W2: a stream of 2,000 requests, --continuous
     python tools/bench.py paged --workload W2 --system-prompt-file system_prompt.txt
                                                  # W2 after a shared system prompt, cached once
+    python tools/bench.py virtual --workload P   # P: prefill-heavy, 4,096-token prompts
 
 Workload W: the first 256 prompts of sharegpt_filtered.json, chat-formatted; exactly 256 new
 tokens each, greedy, end-of-text ignored; random 8b weights in bf16; --max-seq-len 1536 (so the
 naive caches fit); flash-attn; one static batch. Workload W2: the first 2,000 prompts, each
 generating its ShareGPT reply's length (at most 2,048), end-of-text ignored, --max-seq-len 8192,
-the default memory utilization, continuous batching. Every flag changes one part of either.
+the default memory utilization, continuous batching. Workload P (prefill-heavy, vAttention's
+case): 256 prompts of exactly 4,096 tokens, ShareGPT's turns one after another cut to length,
+16 new tokens each, --max-seq-len 4224, continuous batching. Every flag changes one part of one.
 
 The floor (a roofline): a decode step of B tokens must compute its projections, B x ~15 GFLOP for
 8B, and read every weight once: whichever takes longer, at the bf16 matmul rate and the copy
@@ -50,10 +53,11 @@ from core.kv_cache import DecodeBatch
 from core.request import Request
 from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
+from features.mapping_ahead import MappingAheadManager, mapping_seconds
 from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
-from plumbing.prompts import PROMPTS_FILE
+from plumbing.prompts import PROMPTS_FILE, read_records
 from plumbing.cli import GB
 from plumbing.report import as_json_value, scheduling_report, sharing_report
 from plumbing.setup import DTYPES, arrival_times, load, make_decoder, make_scheduler
@@ -61,9 +65,11 @@ from plumbing.setup import DTYPES, arrival_times, load, make_decoder, make_sched
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
-              continuous=False),
+              continuous=False, prompt_tokens=None),
     "W2": dict(num_requests=2000, new_tokens=2048, sharegpt_replies=True, max_seq_len=8192,
-               continuous=True),
+               continuous=True, prompt_tokens=None),
+    "P": dict(num_requests=256, new_tokens=16, sharegpt_replies=False, max_seq_len=4224,
+              continuous=True, prompt_tokens=4096),
 }
 ATTENTION_REQUESTS = 256  # the attention kernel is timed alone on the first 256 requests
 
@@ -199,10 +205,15 @@ def parse_arguments(argv=None):
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
                    help="W: 256 requests x 256 new tokens, one static batch; W2: a stream of the "
-                        "first 2,000 requests with their ShareGPT reply lengths, --continuous")
+                        "first 2,000 requests with their ShareGPT reply lengths, --continuous; P: "
+                        "256 prompts of 4,096 tokens x 16 new tokens, --continuous")
     p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
     p.add_argument("--new-tokens", type=positive_int,
                    help="tokens generated per request (default: the workload's)")
+    p.add_argument("--prompt-tokens", type=positive_int,
+                   help="every prompt exactly this many tokens: ShareGPT's turns one after another, "
+                        "cut to length (default: the workload's; W and W2 take the prompts as "
+                        "they are)")
     p.add_argument("--sharegpt-replies", action="store_true", default=None,
                    help="generate each request's ShareGPT reply length (at most --new-tokens), as "
                         "the scripts do with --random-weights, instead of exactly --new-tokens")
@@ -218,6 +229,8 @@ def parse_arguments(argv=None):
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--layout", choices=["per-token", "per-layer"], default="per-token",
                    help="virtual only")
+    p.add_argument("--sync-mapping", action="store_true",
+                   help="virtual only: map pages in the loop, not ahead on a background thread")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--compile", action="store_true", help="fused small kernels (torch.compile)")
@@ -255,14 +268,34 @@ def script_arguments(bench_args):
         argv += ["--no-prefix-cache"] if a.no_prefix_cache else []
     if a.script == "virtual":
         llama3_virtual.add_layout_arguments(p)
-        argv += ["--layout", a.layout]
+        argv += ["--layout", a.layout] + (["--sync-mapping"] if a.sync_mapping else [])
     return p.parse_args(argv)
 
 
-def workload_requests(prompts, a) -> tuple[list[list[int]], list[int]]:
+def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:
+    """Prompts of exactly prompt_tokens tokens: begin-of-text, then the text of ShareGPT's turns
+    (questions and replies, one conversation after another) cut into pieces."""
+    needed, stream = num_requests * (prompt_tokens - 1), []
+    for conversation in read_records(PROMPTS_FILE):
+        for turn in conversation["conversations"]:
+            stream += tokenizer.encode(turn["value"])
+        if len(stream) >= needed:
+            break
+    else:
+        raise UserError(f"{PROMPTS_FILE.name} holds {len(stream):,} tokens, fewer than "
+                        f"{num_requests:,} prompts of {prompt_tokens:,}: ask for fewer.")
+    piece = prompt_tokens - 1
+    return [[tokenizer.bos_id] + stream[i * piece:(i + 1) * piece] for i in range(num_requests)]
+
+
+def workload_requests(setup, a) -> tuple[list[list[int]], list[int]]:
     """The workload's prompts (token ids) and new tokens per request, from plumbing/prompts.py's
-    Prompts: exactly --new-tokens, or each ShareGPT reply's length (at most --new-tokens, and no
-    further than --max-seq-len)."""
+    Prompts (or long_prompts with --prompt-tokens): exactly --new-tokens, or each ShareGPT
+    reply's length (at most --new-tokens, and no further than --max-seq-len)."""
+    prompts = setup.prompts
+    if a.prompt_tokens:
+        tokens = long_prompts(setup.tokenizer, a.num_requests, a.prompt_tokens)
+        return tokens, [min(a.new_tokens, a.max_seq_len - a.prompt_tokens)] * len(tokens)
     tokens = [p.prompt_tokens for p in prompts]
     if not a.sharegpt_replies:
         return tokens, [a.new_tokens] * len(tokens)
@@ -279,7 +312,7 @@ def bench(a) -> dict:
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
     engine = Engine(setup.model, cache, manager, greedy, decoder)
-    prompts, budgets = workload_requests(setup.prompts, a)
+    prompts, budgets = workload_requests(setup, a)
 
     def run(prompts, budgets, arrivals=None):
         arrivals = arrivals or [0.0] * len(prompts)
@@ -290,7 +323,7 @@ def bench(a) -> dict:
     # nothing of its own in the prefix cache.
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
     torch.cuda.synchronize()
-    mapping_before = cache.memory.seconds_mapping if a.script == "virtual" else 0.0
+    mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None
     start = time.perf_counter()
     result = run(prompts, budgets, arrival_times(setup.args, len(prompts)))
     torch.cuda.synchronize()
@@ -304,7 +337,14 @@ def bench(a) -> dict:
     attention_seconds, attention_requests = attention_seconds_per_layer(
         setup, cache, [len(p) + b // 2 for p, b in zip(prompts, budgets)][:ATTENTION_REQUESTS]
     ) if a.script != "virtual" else (None, 0)
-    mapping = cache.memory if a.script == "virtual" else None
+    mapping = None
+    if a.script == "virtual":  # host seconds per decode step, on the critical path and off it
+        after = mapping_seconds(cache, manager)
+        mapping = {"on_critical_path": (after[0] - mapping_before[0]) / result.decode_steps,
+                   "off_critical_path": (after[1] - mapping_before[1]) / result.decode_steps,
+                   "ahead": isinstance(manager, MappingAheadManager)}
+        if mapping["ahead"]:
+            manager.close()
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     weights_read = weight_bytes_read_per_step(setup.model)
     hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
@@ -356,8 +396,7 @@ def bench(a) -> dict:
         "floor": floor | {"wall_seconds": floor["prefill_seconds"] + floor["decode_seconds"]},
         "attention_seconds_per_layer_halfway": attention_seconds,
         "attention_requests": attention_requests,
-        "page_mapping_seconds_per_decode_step": (
-            (mapping.seconds_mapping - mapping_before) / result.decode_steps if mapping else None),
+        "page_mapping_seconds_per_decode_step": mapping,
         "median_ratio_to_floor": statistics.median(
             s.seconds / b for s, b in zip(result.timeline, floors)),
         "step_seconds": [s.seconds for s in result.timeline],
@@ -422,9 +461,12 @@ def print_table(r: dict) -> None:
         print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per "
               f"layer, the first {r['attention_requests']} requests at their prompt + half their "
               f"new tokens")
-    if r["page_mapping_seconds_per_decode_step"] is not None:
-        print(f"  page mapping        {r['page_mapping_seconds_per_decode_step'] * 1e3:.3f} ms of "
-              f"driver calls per decode step, on the host")
+    mapping = r["page_mapping_seconds_per_decode_step"]
+    if mapping is not None:
+        how = ("ahead: the loop waits for the thread" if mapping["ahead"] else
+               "in the loop (--sync-mapping)")
+        print(f"  page mapping        {mapping['on_critical_path'] * 1e3:.3f} ms per decode step on "
+              f"the critical path ({how}), {mapping['off_critical_path'] * 1e3:.3f} ms off it")
     for size, seconds in r["bookkeeping_seconds_per_step_1000_running"].items():
         print(f"  scheduler           {seconds * 1e3:.3f} ms per step, 1,000 running, block {size} (CPU)")
 

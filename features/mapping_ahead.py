@@ -1,0 +1,236 @@
+"""Mapping ahead: vAttention's way of taking the page table's driver calls off the critical path.
+
+features/page_manager.py maps a page when a request's next token crosses into it, and unmaps a
+request's pages when it finishes, in the loop, between two steps: every driver call (cuMemMap and
+cuMemSetAccess, tens of microseconds each) is time the GPU waits. vAttention (Prabhu et al., 2024)
+hides them in two ways, and this manager does both:
+
+- Mapping ahead. After each step, the pages that the running requests will cross into within the
+  next LOOKAHEAD_STEPS steps are taken from the pool and handed to a background thread, which maps
+  them while the GPU computes (cuda-python releases the GIL in its driver calls). A request that
+  crosses into such a page finds it mapped. The loop waits, in `slots`, only for the pages its own
+  step writes: for nothing, unless the thread is behind or the look-ahead ran dry (no free page
+  was left) and the page is mapped now.
+- Deferred reclamation. A finished request's row keeps its pages mapped, and the next request
+  placed in that row grows into them without a driver call. Pages mapped but held by no request
+  count as free: a row that needs a page when no unmapped one is left takes one from under the
+  idle row that finished longest ago (an unmap, then a map), or at last from a running row's pages
+  mapped ahead.
+
+So requests no longer live in fixed rows: a request joining takes the row freed last, whose pages
+are the most likely to be still mapped. Row 0 stays the cache's spare row. Counting, admission and
+preemption are unchanged: a page holds tokens_per_page tokens, as a block does.
+"""
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from block_manager import BlockManager, OutOfBlocks
+
+LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
+
+
+class MappingFailed(Exception):
+    """A driver call on the mapping thread failed: the run cannot go on."""
+
+
+class BackgroundMapper:
+    """A thread that makes the cache's map and unmap calls in the order they were asked for. Each
+    call gets a ticket; `wait(ticket)` returns once that call and every one before it is done."""
+
+    def __init__(self, cache, on_start=lambda: None):
+        self.cache, self.calls = cache, queue.SimpleQueue()
+        self.asked = self.done = 0  # the last ticket handed out, and the last one done
+        self.error = None  # what the thread failed with, raised in the loop at its next call
+        self.done_changed = threading.Condition()
+        self.seconds_waiting = 0.0  # the loop's time in wait(): mapping on the critical path
+        self.thread = threading.Thread(target=self._work, args=(on_start,), daemon=True,
+                                       name="page mapper")
+        self.thread.start()
+
+    def map(self, page_set: int, row: int, page: int) -> int:
+        return self._ask(self.cache.map, page_set, row, page)
+
+    def unmap(self, row: int, first_page: int, num_pages: int) -> int:
+        return self._ask(self.cache.unmap, row, first_page, num_pages)
+
+    def wait(self, ticket: int, on_critical_path: bool = True) -> None:
+        if self.done < ticket and self.error is None:
+            start = time.perf_counter()
+            with self.done_changed:
+                self.done_changed.wait_for(lambda: self.done >= ticket or self.error is not None)
+            if on_critical_path:
+                self.seconds_waiting += time.perf_counter() - start
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Finish the calls asked for, then end the thread. (An error is raised at a wait.)"""
+        self.calls.put(None)
+        self.thread.join()
+
+    def _ask(self, call, *args) -> int:
+        self._raise_if_failed()
+        self.asked += 1
+        self.calls.put((self.asked, call, args))
+        return self.asked
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise MappingFailed(str(self.error)) from self.error
+
+    def _work(self, on_start) -> None:
+        try:
+            on_start()
+            while (call := self.calls.get()) is not None:
+                ticket, function, args = call
+                function(*args)
+                with self.done_changed:
+                    self.done = ticket
+                    self.done_changed.notify_all()
+        except Exception as e:  # the loop must hear of it, not wait forever
+            with self.done_changed:
+                self.error = e
+                self.done_changed.notify_all()
+
+
+class MappingAheadManager(BlockManager):
+    unit = "pages"
+
+    def __init__(self, num_pages: int, tokens_per_page: int, max_requests: int,
+                 pages_per_row: int, mapper: BackgroundMapper, device="cpu"):
+        super().__init__(num_pages, tokens_per_page, max_requests, pages_per_row, device)
+        # self.free_blocks: free pages mapped nowhere. Free pages still mapped are counted apart.
+        self.mapper, self.pages_per_row = mapper, pages_per_row
+        self.row_tokens = pages_per_row * tokens_per_page
+        num_rows = max_requests + 1  # row 0 is the spare row
+        self.row_pages = [[] for _ in range(num_rows)]  # virtual row -> the pages at its 0, 1, ...
+        self.num_mapped = np.zeros(num_rows, dtype=np.int64)  # len(row_pages[row]), as an array
+        self.row_of = np.zeros(max_requests, dtype=np.int64)  # request row -> its virtual row
+        self.empty_rows = list(range(num_rows - 1, 0, -1))  # no request, nothing mapped
+        self.idle_rows = OrderedDict()  # no request, pages mapped; the one freed longest ago first
+        self.num_idle_pages = 0  # mapped, held by no request: idle rows' and those mapped ahead
+        self.map_ticket = {}  # page -> the ticket of the call that mapped it
+        self.step_ticket = 0  # the call the next step waits for: the last that mapped a held page
+        self.lookahead_ran_dry = 0  # pages the look-ahead wanted and found no free page for
+
+    def allocate(self, request) -> int:
+        needed = self.blocks_needed(len(request.tokens))
+        if needed > self.pages_per_row:
+            raise ValueError(f"{len(request.tokens)} tokens exceed a row's {self.pages_per_row} pages")
+        self._check_free(needed)
+        row = self.idle_rows.popitem()[0] if self.idle_rows else self.empty_rows.pop()
+        self.row_of[request.row], self.owned_blocks[request.row] = row, []
+        self.num_tokens[request.row] = len(request.tokens)
+        self._hold(np.full(needed, request.row), np.arange(needed))
+        self._map_ahead(np.array([request.row]))
+        return 0
+
+    def append_token(self, rows: np.ndarray) -> None:
+        needs_page = rows[self.num_tokens[rows] % self.block_size == 0]
+        self._check_free(len(needs_page))
+        self._hold(needs_page, self.num_tokens[needs_page] // self.block_size)
+        self.num_tokens[rows] += 1
+        self._map_ahead(rows)
+
+    def free(self, request) -> None:
+        """The request's pages stay mapped in its row, idle, for the next request placed there."""
+        pages = self.owned_blocks.pop(request.row)
+        self.num_idle_pages += len(pages)
+        self.num_tokens[request.row] = 0
+        self._clear(request.row, pages)
+        row = int(self.row_of[request.row])
+        if self.num_mapped[row]:
+            self.idle_rows[row] = None  # the newest idle row: the next request takes it
+        else:
+            self.empty_rows.append(row)
+
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """As the page manager's, once the pages the step writes and reads are mapped: the one
+        place the loop waits for the thread."""
+        self.mapper.wait(self.step_ticket)
+        return self.row_of[rows] * self.row_tokens + positions
+
+    def close(self) -> None:
+        """End the thread. Idle pages stay mapped until the cache is closed."""
+        self.mapper.close()
+
+    def _hold(self, rows: np.ndarray, columns: np.ndarray) -> None:
+        """Request rows[i] now holds page columns[i] of its row: the page mapped there already
+        (ahead, or by the row's previous request), or else one mapped now."""
+        virtual = self.row_of[rows]
+        for request_row, row, column in zip(rows.tolist(), virtual.tolist(), columns.tolist()):
+            if column == self.num_mapped[row]:  # nothing there yet
+                self._map(self._unmapped_page(take_ahead=True), row, column)
+            page = self.row_pages[row][column]
+            self.owned_blocks[request_row].append(page)
+            self.num_idle_pages -= 1
+            self.step_ticket = max(self.step_ticket, self.map_ticket[page])
+        self._place(rows, columns, (virtual * self.pages_per_row + columns).tolist())
+
+    def _map_ahead(self, rows: np.ndarray) -> None:
+        """Map the pages the requests in `rows` will cross into within LOOKAHEAD_STEPS steps.
+        Most steps none does: the Python loop is over the few that do."""
+        wanted = np.minimum(self.blocks_needed(self.num_tokens[rows] + LOOKAHEAD_STEPS),
+                            self.pages_per_row)
+        virtual = self.row_of[rows]
+        short = wanted > self.num_mapped[virtual]
+        for row, want in zip(virtual[short].tolist(), wanted[short].tolist()):
+            while self.num_mapped[row] < want:
+                page = self._unmapped_page(take_ahead=False)
+                if page is None:
+                    self.lookahead_ran_dry += want - self.num_mapped[row]
+                    break
+                self._map(page, row, int(self.num_mapped[row]))
+
+    def _map(self, page: int, row: int, column: int) -> None:
+        self.row_pages[row].append(page)
+        self.num_mapped[row] += 1
+        self.num_idle_pages += 1  # until a request holds it
+        self.map_ticket[page] = self.mapper.map(page, row, column)
+
+    def _unmapped_page(self, take_ahead: bool) -> int | None:
+        """A free page mapped nowhere: from the pool, else taken from under the idle row freed
+        longest ago, else (take_ahead) from a running row's pages mapped ahead. The thread unmaps
+        it before it maps it anywhere else: it runs the calls in order."""
+        if self.free_blocks:
+            return self.free_blocks.popleft()
+        if self.idle_rows:
+            row = next(iter(self.idle_rows))
+            if self.num_mapped[row] == 1:
+                del self.idle_rows[row]
+                self.empty_rows.append(row)
+            return self._unmap_last(row)
+        for request_row, held in self.owned_blocks.items() if take_ahead else ():
+            row = int(self.row_of[request_row])
+            if self.num_mapped[row] > len(held):
+                return self._unmap_last(row)
+        return None
+
+    def _unmap_last(self, row: int) -> int:
+        page = self.row_pages[row].pop()
+        self.num_mapped[row] -= 1
+        self.num_idle_pages -= 1
+        self.mapper.unmap(row, int(self.num_mapped[row]), 1)
+        return page
+
+    def _check_free(self, needed: int) -> None:
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks, self.block_size,
+                              self.unit)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free pages: mapped nowhere, or mapped but held by no request."""
+        return len(self.free_blocks) + self.num_idle_pages
+
+
+def mapping_seconds(cache, manager) -> tuple[float, float]:
+    """Host seconds of driver calls so far: (on the loop's critical path, off it)."""
+    if isinstance(manager, MappingAheadManager):
+        manager.mapper.wait(manager.mapper.asked, on_critical_path=False)  # count every call
+        return manager.mapper.seconds_waiting, cache.memory.seconds_mapping
+    return cache.memory.seconds_mapping, 0.0
