@@ -30,6 +30,7 @@ from collections import OrderedDict
 import numpy as np
 
 from block_manager import BlockManager, OutOfBlocks
+from features.page_manager import consecutive_runs
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
 
@@ -47,25 +48,24 @@ class BackgroundMapper:
         self.asked = self.done = 0  # the last ticket handed out, and the last one done
         self.error = None  # what the thread failed with, raised in the loop at its next call
         self.done_changed = threading.Condition()
-        self.seconds_waiting = 0.0  # the loop's time in wait(): mapping on the critical path
         self.thread = threading.Thread(target=self._work, args=(on_start,), daemon=True,
                                        name="page mapper")
         self.thread.start()
 
-    def map(self, page_set: int, row: int, page: int) -> int:
-        return self._ask(self.cache.map, page_set, row, page)
+    def map(self, page_sets: list[int], row: int, first_page: int) -> int:
+        return self._ask(self.cache.map, page_sets, row, first_page)
 
     def unmap(self, row: int, first_page: int, num_pages: int) -> int:
         return self._ask(self.cache.unmap, row, first_page, num_pages)
 
-    def wait(self, ticket: int, on_critical_path: bool = True) -> None:
-        if self.done < ticket and self.error is None:
-            start = time.perf_counter()
+    def wait(self, ticket: int) -> float:
+        """Returns the seconds it waited."""
+        start = time.perf_counter()
+        if self.done < ticket:
             with self.done_changed:
                 self.done_changed.wait_for(lambda: self.done >= ticket or self.error is not None)
-            if on_critical_path:
-                self.seconds_waiting += time.perf_counter() - start
         self._raise_if_failed()
+        return time.perf_counter() - start
 
     def close(self) -> None:
         """Finish the calls asked for, then end the thread. (An error is raised at a wait.)"""
@@ -113,9 +113,14 @@ class MappingAheadManager(BlockManager):
         self.empty_rows = list(range(num_rows - 1, 0, -1))  # no request, nothing mapped
         self.idle_rows = OrderedDict()  # no request, pages mapped; the one freed longest ago first
         self.num_idle_pages = 0  # mapped, held by no request: idle rows' and those mapped ahead
+        self.to_map = []  # (page, row, column): maps decided, not yet asked of the thread
         self.map_ticket = {}  # page -> the ticket of the call that mapped it
         self.step_ticket = 0  # the call the next step waits for: the last that mapped a held page
+        self.admission_ticket = 0  # the last that mapped a page of a request just admitted
         self.lookahead_ran_dry = 0  # pages the look-ahead wanted and found no free page for
+        # The loop's time waiting for the thread (the mapping left on the critical path): for
+        # the pages of requests just admitted, whose prompts need them at once, and of those growing.
+        self.seconds_waiting = {"admission": 0.0, "growth": 0.0}
 
     def allocate(self, request) -> int:
         needed = self.blocks_needed(len(request.tokens))
@@ -126,6 +131,7 @@ class MappingAheadManager(BlockManager):
         self.row_of[request.row], self.owned_blocks[request.row] = row, []
         self.num_tokens[request.row] = len(request.tokens)
         self._hold(np.full(needed, request.row), np.arange(needed))
+        self.admission_ticket = self.step_ticket
         self._map_ahead(np.array([request.row]))
         return 0
 
@@ -151,7 +157,8 @@ class MappingAheadManager(BlockManager):
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """As the page manager's, once the pages the step writes and reads are mapped: the one
         place the loop waits for the thread."""
-        self.mapper.wait(self.step_ticket)
+        kind = "admission" if self.mapper.done < self.admission_ticket else "growth"
+        self.seconds_waiting[kind] += self.mapper.wait(self.step_ticket)
         return self.row_of[rows] * self.row_tokens + positions
 
     def close(self) -> None:
@@ -161,14 +168,15 @@ class MappingAheadManager(BlockManager):
     def _hold(self, rows: np.ndarray, columns: np.ndarray) -> None:
         """Request rows[i] now holds page columns[i] of its row: the page mapped there already
         (ahead, or by the row's previous request), or else one mapped now."""
-        virtual = self.row_of[rows]
+        virtual, held = self.row_of[rows], []
         for request_row, row, column in zip(rows.tolist(), virtual.tolist(), columns.tolist()):
             if column == self.num_mapped[row]:  # nothing there yet
                 self._map(self._unmapped_page(take_ahead=True), row, column)
-            page = self.row_pages[row][column]
-            self.owned_blocks[request_row].append(page)
+            held.append(self.row_pages[row][column])
+            self.owned_blocks[request_row].append(held[-1])
             self.num_idle_pages -= 1
-            self.step_ticket = max(self.step_ticket, self.map_ticket[page])
+        self._ask_for_maps()
+        self.step_ticket = max([self.step_ticket] + [self.map_ticket[page] for page in held])
         self._place(rows, columns, (virtual * self.pages_per_row + columns).tolist())
 
     def _map_ahead(self, rows: np.ndarray) -> None:
@@ -185,12 +193,23 @@ class MappingAheadManager(BlockManager):
                     self.lookahead_ran_dry += want - self.num_mapped[row]
                     break
                 self._map(page, row, int(self.num_mapped[row]))
+        self._ask_for_maps()
 
     def _map(self, page: int, row: int, column: int) -> None:
         self.row_pages[row].append(page)
         self.num_mapped[row] += 1
         self.num_idle_pages += 1  # until a request holds it
-        self.map_ticket[page] = self.mapper.map(page, row, column)
+        self.to_map.append((page, row, column))
+
+    def _ask_for_maps(self) -> None:
+        """Hand the maps decided to the thread, a call per run of consecutive pages of a row."""
+        if not self.to_map:
+            return
+        pages, rows, columns = (np.array(x) for x in zip(*self.to_map))
+        for start, end in consecutive_runs(rows, columns):
+            ticket = self.mapper.map(pages[start:end].tolist(), int(rows[start]), int(columns[start]))
+            self.map_ticket.update(dict.fromkeys(pages[start:end].tolist(), ticket))
+        self.to_map = []
 
     def _unmapped_page(self, take_ahead: bool) -> int | None:
         """A free page mapped nowhere: from the pool, else taken from under the idle row freed
@@ -228,9 +247,10 @@ class MappingAheadManager(BlockManager):
         return len(self.free_blocks) + self.num_idle_pages
 
 
-def mapping_seconds(cache, manager) -> tuple[float, float]:
-    """Host seconds of driver calls so far: (on the loop's critical path, off it)."""
+def mapping_seconds(cache, manager) -> dict:
+    """Host seconds of driver calls so far, on the loop's critical path (waiting for the thread's
+    maps of admitted and of growing requests' pages) and off it."""
     if isinstance(manager, MappingAheadManager):
-        manager.mapper.wait(manager.mapper.asked, on_critical_path=False)  # count every call
-        return manager.mapper.seconds_waiting, cache.memory.seconds_mapping
-    return cache.memory.seconds_mapping, 0.0
+        manager.mapper.wait(manager.mapper.asked)  # every call asked so far done, and counted
+        return manager.seconds_waiting | {"off_critical_path": cache.memory.seconds_mapping}
+    return {"in_the_loop": cache.memory.seconds_mapping, "off_critical_path": 0.0}

@@ -17,6 +17,16 @@ import numpy as np
 from block_manager import BlockManager
 
 
+def consecutive_runs(rows: np.ndarray, columns: np.ndarray):
+    """(start, end) of each run of entries on one row in consecutive columns: pages that one
+    driver call can allow access to at once."""
+    if len(rows) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(rows) != 0) | (np.diff(columns) != 1)) + 1
+    bounds = [0, *breaks.tolist(), len(rows)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class PageManager(BlockManager):
     unit = "pages"
 
@@ -28,8 +38,8 @@ class PageManager(BlockManager):
 
     def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
         # Request r lives in virtual row r + 1 (row 0 is the cache's spare row).
-        for row, column, page in zip(rows.tolist(), columns.tolist(), pages):
-            self.mapper.map(page, row + 1, column)
+        for start, end in consecutive_runs(rows, columns):  # a prompt's pages: one run
+            self.mapper.map(pages[start:end], int(rows[start]) + 1, int(columns[start]))
         super()._place(rows, columns, ((rows + 1) * self.pages_per_row + columns).tolist())
 
     def _clear(self, row: int, pages: list[int]) -> None:

@@ -48,7 +48,7 @@ class VirtualKVCache:
         self.token_bytes, rows = token_bytes, max_requests + 1
         range_bytes = rows * self.row_tokens * token_bytes
         self.ranges = [self.memory.reserve(range_bytes) for _ in range(1 if per_token else 2 * n_layers)]
-        self._map(self._new_page_set(), row=0, page=0)  # the spare row's first page, for good
+        self._map([self._new_page_set()], row=0, first_page=0)  # the spare row's, for good
         self.spare_slot = 0
         tensors = [self.memory.tensor(r, range_bytes, dtype) for r in self.ranges]
         if per_token:  # [rows, row_tokens, n_layers, 2, n_kv_heads, head_dim]
@@ -68,15 +68,15 @@ class VirtualKVCache:
         """The physical pool, created up front: running out is then a count, not a CUDA error."""
         self.page_sets = [self._new_page_set() for _ in range(num_pages)]
 
-    def map(self, page_set: int, row: int, page: int) -> None:
-        """Put page set `page_set` of the pool under page `page` of virtual row `row` (1 or more:
-        row 0 is the spare row)."""
-        self._map(self.page_sets[page_set], row, page)
+    def map(self, page_sets: list[int], row: int, first_page: int) -> None:
+        """Put page sets page_sets[0], [1], ... of the pool under pages first_page, first_page + 1,
+        ... of virtual row `row` (1 or more: row 0 is the spare row)."""
+        self._map([self.page_sets[s] for s in page_sets], row, first_page)
 
-    def _map(self, physical_pages: list, row: int, page: int) -> None:
-        offset = (row * self.row_tokens + page * self.tokens_per_page) * self.token_bytes
-        for start, physical in zip(self.ranges, physical_pages):
-            self.memory.map(start + offset, physical)
+    def _map(self, page_sets: list[list], row: int, first_page: int) -> None:
+        offset = (row * self.row_tokens + first_page * self.tokens_per_page) * self.token_bytes
+        for i, start in enumerate(self.ranges):  # one run of pages in each range
+            self.memory.map(start + offset, [pages[i] for pages in page_sets])
 
     def unmap(self, row: int, first_page: int, num_pages: int) -> None:
         """Take pages first_page .. first_page + num_pages - 1 out from under virtual row `row`,

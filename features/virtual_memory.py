@@ -81,13 +81,18 @@ class VirtualMemory:
         self.pages.append(page)
         return page
 
-    def map(self, address: int, page) -> None:
+    def map(self, address: int, pages: list) -> None:
+        """Map pages[0] at `address`, pages[1] right after it, and so on. Allowing access is the
+        slow call (about 40 us against 4 for a map): one call allows the whole run."""
         start = time.perf_counter()
-        check(driver.cuMemMap(address, self.page_bytes, 0, page, 0), "cuMemMap")
-        check(driver.cuMemSetAccess(address, self.page_bytes, [self.read_write], 1), "cuMemSetAccess")
-        self.mapped.add(address)
+        addresses = [address + i * self.page_bytes for i in range(len(pages))]
+        for at, page in zip(addresses, pages):
+            check(driver.cuMemMap(at, self.page_bytes, 0, page, 0), "cuMemMap")
+        check(driver.cuMemSetAccess(address, len(pages) * self.page_bytes, [self.read_write], 1),
+              "cuMemSetAccess")
+        self.mapped.update(addresses)
         self.seconds_mapping += time.perf_counter() - start
-        self.num_maps += 1
+        self.num_maps += len(pages)
 
     def unmap(self, address: int, num_pages: int) -> None:
         """The pages mapped at `address` and after it; they stay, to be mapped again."""

@@ -42,12 +42,13 @@ class FakePageTable:
         if self.max_sleep:
             time.sleep(self.rng.uniform(0, self.max_sleep))
 
-    def map(self, page_set: int, row: int, page: int) -> None:
+    def map(self, page_sets: list[int], row: int, first_page: int) -> None:
         self._call()
         assert row > 0, "row 0 is the spare row"
-        assert (row, page) not in self.under, "mapped twice"
-        assert page_set not in self.under.values(), "one page under two addresses"
-        self.under[row, page] = page_set
+        for page, page_set in enumerate(page_sets, start=first_page):
+            assert (row, page) not in self.under, "mapped twice"
+            assert page_set not in self.under.values(), "one page under two addresses"
+            self.under[row, page] = page_set
 
     def unmap(self, row: int, first_page: int, num_pages: int) -> None:
         self._call()
@@ -76,7 +77,7 @@ def manager(num_pages, tokens_per_page, max_requests, pages_per_row, table=None)
 
 def settled(m):
     """Wait for every call asked so far, as a test's point of comparison."""
-    m.mapper.wait(m.mapper.asked, on_critical_path=False)
+    m.mapper.wait(m.mapper.asked)
     return m.mapper.cache.under
 
 
@@ -166,7 +167,7 @@ def test_the_page_table_is_what_the_manager_says_under_any_operations(ops, token
 
 
 def test_a_driver_call_failing_on_the_thread_ends_the_run_in_the_loop_instead_of_hanging_it():
-    m = manager(10, 4, 2, 8, FakePageTable(fail_at_call=2))
+    m = manager(10, 4, 2, 8, FakePageTable(fail_at_call=1))  # the call mapping its 3 pages
     m.allocate(request(0, 9))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a hang fails the test, not the suite
         waited = pool.submit(m.slots, np.array([0]), np.array([8]))

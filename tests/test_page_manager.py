@@ -18,11 +18,12 @@ class FakeMapper:
     def __init__(self):
         self.under: dict[tuple[int, int], int] = {}  # (request, page of its row) -> physical page
 
-    def map(self, physical: int, row: int, page: int) -> None:
+    def map(self, pages: list[int], row: int, first_page: int) -> None:
         request = row - 1  # request r lives in virtual row r + 1
-        assert (request, page) not in self.under, "mapped twice"
-        assert physical not in self.under.values(), "one physical page under two addresses"
-        self.under[request, page] = physical
+        for page, physical in enumerate(pages, start=first_page):
+            assert (request, page) not in self.under, "mapped twice"
+            assert physical not in self.under.values(), "one physical page under two addresses"
+            self.under[request, page] = physical
 
     def unmap(self, row: int, first_page: int, num_pages: int) -> None:
         for page in range(first_page, first_page + num_pages):

@@ -340,10 +340,8 @@ def bench(a) -> dict:
     mapping = None
     if a.script == "virtual":  # host seconds per decode step, on the critical path and off it
         after = mapping_seconds(cache, manager)
-        mapping = {"on_critical_path": (after[0] - mapping_before[0]) / result.decode_steps,
-                   "off_critical_path": (after[1] - mapping_before[1]) / result.decode_steps,
-                   "ahead": isinstance(manager, MappingAheadManager)}
-        if mapping["ahead"]:
+        mapping = {key: (after[key] - mapping_before[key]) / result.decode_steps for key in after}
+        if isinstance(manager, MappingAheadManager):
             manager.close()
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
     weights_read = weight_bytes_read_per_step(setup.model)
@@ -461,12 +459,14 @@ def print_table(r: dict) -> None:
         print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per "
               f"layer, the first {r['attention_requests']} requests at their prompt + half their "
               f"new tokens")
-    mapping = r["page_mapping_seconds_per_decode_step"]
-    if mapping is not None:
-        how = ("ahead: the loop waits for the thread" if mapping["ahead"] else
-               "in the loop (--sync-mapping)")
-        print(f"  page mapping        {mapping['on_critical_path'] * 1e3:.3f} ms per decode step on "
-              f"the critical path ({how}), {mapping['off_critical_path'] * 1e3:.3f} ms off it")
+    mapping = {k: v * 1e3 for k, v in (r["page_mapping_seconds_per_decode_step"] or {}).items()}
+    if "in_the_loop" in mapping:
+        print(f"  page mapping        {mapping['in_the_loop']:.3f} ms per decode step, in the loop "
+              f"(--sync-mapping)")
+    elif mapping:
+        print(f"  page mapping        {mapping['off_critical_path']:.3f} ms per decode step on the "
+              f"thread; the loop waits {mapping['growth']:.3f} ms per step for growing requests' "
+              f"pages, {mapping['admission']:.3f} for admitted prompts'")
     for size, seconds in r["bookkeeping_seconds_per_step_1000_running"].items():
         print(f"  scheduler           {seconds * 1e3:.3f} ms per step, 1,000 running, block {size} (CPU)")
 
