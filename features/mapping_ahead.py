@@ -115,8 +115,11 @@ class MappingAheadManager(BlockManager):
         self.num_idle_pages = 0  # mapped, held by no request: idle rows' and those mapped ahead
         self.to_map = []  # (page, row, column): maps decided, not yet asked of the thread
         self.map_ticket = {}  # page -> the ticket of the call that mapped it
-        self.step_ticket = 0  # the call the next step waits for: the last that mapped a held page
-        self.admission_ticket = 0  # the last that mapped a page of a request just admitted
+        # Per request row, the last call that mapped a page it holds (a step waits for those of
+        # its own requests only: the thread maps the next prefill chunk's pages while this one
+        # runs), and the last that mapped a page it held when admitted.
+        self.held_ticket = np.zeros(max_requests, dtype=np.int64)
+        self.admission_ticket = np.zeros(max_requests, dtype=np.int64)
         self.lookahead_ran_dry = 0  # pages the look-ahead wanted and found no free page for
         # The loop's time waiting for the thread (the mapping left on the critical path): for
         # the pages of requests just admitted, whose prompts need them at once, and of those growing.
@@ -131,7 +134,7 @@ class MappingAheadManager(BlockManager):
         self.row_of[request.row], self.owned_blocks[request.row] = row, []
         self.num_tokens[request.row] = len(request.tokens)
         self._hold(np.full(needed, request.row), np.arange(needed))
-        self.admission_ticket = self.step_ticket
+        self.admission_ticket[request.row] = self.held_ticket[request.row]
         self._map_ahead(np.array([request.row]))
         return 0
 
@@ -155,10 +158,11 @@ class MappingAheadManager(BlockManager):
             self.empty_rows.append(row)
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """As the page manager's, once the pages the step writes and reads are mapped: the one
-        place the loop waits for the thread."""
-        kind = "admission" if self.mapper.done < self.admission_ticket else "growth"
-        self.seconds_waiting[kind] += self.mapper.wait(self.step_ticket)
+        """As the page manager's, once the pages these requests hold are mapped (the step writes
+        and reads no others): the one place the loop waits for the thread."""
+        if len(rows):
+            kind = "admission" if self.mapper.done < self.admission_ticket[rows].max() else "growth"
+            self.seconds_waiting[kind] += self.mapper.wait(int(self.held_ticket[rows].max()))
         return self.row_of[rows] * self.row_tokens + positions
 
     def close(self) -> None:
@@ -176,7 +180,8 @@ class MappingAheadManager(BlockManager):
             self.owned_blocks[request_row].append(held[-1])
             self.num_idle_pages -= 1
         self._ask_for_maps()
-        self.step_ticket = max([self.step_ticket] + [self.map_ticket[page] for page in held])
+        for request_row, page in zip(rows.tolist(), held):
+            self.held_ticket[request_row] = max(self.held_ticket[request_row], self.map_ticket[page])
         self._place(rows, columns, (virtual * self.pages_per_row + columns).tolist())
 
     def _map_ahead(self, rows: np.ndarray) -> None:
