@@ -36,7 +36,8 @@ def test_the_qwen3_config_has_llama3_8bs_matmuls():
 def test_the_requests_are_bench_py_s_workloads():
     # W2 as the README gives it: 259,368 prompt tokens and 555,640 new tokens in all.
     a = parse_arguments(["somewhere", "--workload", "W2"])
-    prompts, budgets = workload_requests(load_prompts(a.num_requests, load_tokenizer(None, None)), a)
+    tokenizer = load_tokenizer(None, None)
+    prompts, budgets = workload_requests(load_prompts(a.num_requests, tokenizer), tokenizer, a)
     assert (len(prompts), sum(map(len, prompts)), sum(budgets)) == (2000, 259_368, 555_640)
     w = parse_arguments(["somewhere"])
     assert vars(bench_arguments(["paged"])).items() >= {

@@ -288,13 +288,12 @@ def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[
     return [[tokenizer.bos_id] + stream[i * piece:(i + 1) * piece] for i in range(num_requests)]
 
 
-def workload_requests(setup, a) -> tuple[list[list[int]], list[int]]:
+def workload_requests(prompts, tokenizer, a) -> tuple[list[list[int]], list[int]]:
     """The workload's prompts (token ids) and new tokens per request, from plumbing/prompts.py's
     Prompts (or long_prompts with --prompt-tokens): exactly --new-tokens, or each ShareGPT
     reply's length (at most --new-tokens, and no further than --max-seq-len)."""
-    prompts = setup.prompts
     if a.prompt_tokens:
-        tokens = long_prompts(setup.tokenizer, a.num_requests, a.prompt_tokens)
+        tokens = long_prompts(tokenizer, a.num_requests, a.prompt_tokens)
         return tokens, [min(a.new_tokens, a.max_seq_len - a.prompt_tokens)] * len(tokens)
     tokens = [p.prompt_tokens for p in prompts]
     if not a.sharegpt_replies:
@@ -312,7 +311,7 @@ def bench(a) -> dict:
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
     engine = Engine(setup.model, cache, manager, greedy, decoder)
-    prompts, budgets = workload_requests(setup, a)
+    prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)
 
     def run(prompts, budgets, arrivals=None):
         arrivals = arrivals or [0.0] * len(prompts)

@@ -124,7 +124,8 @@ def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("nano_vllm_bench.py"):
         refuse_output_over_input(a.json, [PROMPTS_FILE], "--json")
-        prompts, budgets = workload_requests(load_prompts(a.num_requests, load_tokenizer(None, None)), a)
+        tokenizer = load_tokenizer(None, None)
+        prompts, budgets = workload_requests(load_prompts(a.num_requests, tokenizer), tokenizer, a)
         result = run(a, prompts, budgets)
         if a.json:
             text = json.dumps(result)
