@@ -9,8 +9,9 @@ hides them in two ways, and this manager does both:
   next LOOKAHEAD_STEPS steps are taken from the pool and handed to a background thread, which maps
   them while the GPU computes (cuda-python releases the GIL in its driver calls). A request that
   crosses into such a page finds it mapped. The loop waits, in `slots`, only for the pages its own
-  step writes: for nothing, unless the thread is behind or the look-ahead ran dry (no free page
-  was left) and the page is mapped now.
+  step's requests hold (while one prefill chunk runs, the thread maps the next chunk's prompts):
+  for nothing, unless the thread is behind, the look-ahead ran dry (no free page was left), or
+  the step prefills prompts whose pages were just asked for.
 - Deferred reclamation. A finished request's row keeps its pages mapped, and the next request
   placed in that row grows into them without a driver call. Pages mapped but held by no request
   count as free: a row that needs a page when no unmapped one is left takes one from under the
