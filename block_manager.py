@@ -114,8 +114,8 @@ class BlockManager:
         self.block_table[row] = 0
 
     def _check_free(self, needed: int) -> None:
-        if needed > len(self.free_blocks):
-            raise OutOfBlocks(needed, len(self.free_blocks), self.num_blocks, self.block_size,
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks, self.block_size,
                               self.unit)
 
     # What the report counts.

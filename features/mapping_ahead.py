@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from block_manager import BlockManager, OutOfBlocks
+from block_manager import BlockManager
 from features.page_manager import consecutive_runs
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
@@ -241,11 +241,6 @@ class MappingAheadManager(BlockManager):
         self.num_idle_pages -= 1
         self.mapper.unmap(row, int(self.num_mapped[row]), 1)
         return page
-
-    def _check_free(self, needed: int) -> None:
-        if needed > self.num_free_blocks:
-            raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks, self.block_size,
-                              self.unit)
 
     @property
     def num_free_blocks(self) -> int:

@@ -57,7 +57,7 @@ from features.mapping_ahead import MappingAheadManager, mapping_seconds
 from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
-from plumbing.prompts import PROMPTS_FILE, read_records
+from plumbing.prompts import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB
 from plumbing.report import as_json_value, scheduling_report, sharing_report
 from plumbing.setup import DTYPES, arrival_times, load, make_decoder, make_scheduler
@@ -276,9 +276,12 @@ def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[
     """Prompts of exactly prompt_tokens tokens: begin-of-text, then the text of ShareGPT's turns
     (questions and replies, one conversation after another) cut into pieces."""
     needed, stream = num_requests * (prompt_tokens - 1), []
-    for conversation in read_records(PROMPTS_FILE):
-        for turn in conversation["conversations"]:
-            stream += tokenizer.encode(turn["value"])
+    for i, conversation in enumerate(read_records(PROMPTS_FILE)):
+        try:
+            stream += [t for turn in conversation["conversations"] for t in tokenizer.encode(turn["value"])]
+        except (KeyError, TypeError) as e:
+            raise UserError(f"Record {i} of {PROMPTS_FILE} has no conversation of texts. "
+                            f"{REBUILD}") from e
         if len(stream) >= needed:
             break
     else:
