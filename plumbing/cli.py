@@ -72,6 +72,18 @@ def writable_file(text: str) -> Path:
     return path
 
 
+def json_file(text: str):
+    """A JSON file's contents, for an argparse type: a missing or unreadable file is refused
+    before anything runs (exit 2)."""
+    import json
+    try:
+        return json.loads(Path(text).read_text())
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON file: {e}") from None
+
+
 def refuse_output_over_input(output: Path | None, inputs: list, flag: str) -> None:
     """An output path must not be a file the run reads: writing it would destroy an input."""
     if output is None:

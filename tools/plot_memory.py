@@ -11,14 +11,13 @@ reads it. On a second axis, the requests running and (with --continuous) waiting
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph, format_bytes,
-                          one_paragraph_errors, writable_file, write_atomically)
+                          json_file, one_paragraph_errors, writable_file, write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
@@ -35,12 +34,7 @@ FULLEST_FIELDS = ["step", "filled_bytes", "unfilled_bytes", "unfilled_percent_of
 
 def run_json(text: str) -> dict:
     """A run's --json, read and checked before anything is drawn (an argparse type: exit 2)."""
-    try:
-        run = json.loads(Path(text).read_text())
-    except FileNotFoundError:
-        raise argparse.ArgumentTypeError(f"{text}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"{text} is not a JSON file: {e}") from None
+    run = json_file(text)
     if isinstance(run, dict) and "largest_batch_that_completes" in run:
         raise argparse.ArgumentTypeError(f"{text} is a --find-max-batch result, which has no "
                                          f"timeline; plot the --json of a single run")
