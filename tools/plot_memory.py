@@ -8,6 +8,11 @@ One panel per run: the KV bytes reserved by running requests against the bytes f
 tokens, the unfilled gap between them (fragmentation) shaded, the pool allocated up front dashed,
 and the step where the cache held the most tokens marked, as the report's Fragmented Memory line
 reads it. On a second axis, the requests running and (with --continuous) waiting at each step.
+
+Where requests arrived over time (--request-rate), a second row draws each run's timeline in
+seconds: how many requests had arrived, had their first token and were complete. The gap
+between the arrivals and the first tokens is the queue; between first tokens and completions,
+the requests being served.
 """
 
 import argparse
@@ -98,6 +103,30 @@ def draw(ax, run: dict, scale: float) -> None:
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8, loc="upper right")
 
 
+def arrived_over_time(run: dict) -> bool:
+    """Whether the run's requests arrived over time (--request-rate), not all at the start."""
+    requests = run.get("requests")
+    return (isinstance(requests, list) and bool(requests)
+            and all(isinstance(r, dict) and isinstance(r.get("arrival_seconds"), (int, float))
+                    and isinstance(r.get("token_seconds"), list) for r in requests)
+            and any(r["arrival_seconds"] > 0 for r in requests))
+
+
+def draw_arrivals(ax, run: dict) -> None:
+    """Cumulative counts against seconds: requests arrived, given their first token, complete."""
+    requests = [r for r in run["requests"] if r["token_seconds"]]
+    for label, times, color in (
+            ("arrived", [r["arrival_seconds"] for r in run["requests"]], "tab:gray"),
+            ("first token", [r["token_seconds"][0] for r in requests], "tab:orange"),
+            ("complete", [r["token_seconds"][-1] for r in requests], "tab:green")):
+        times = sorted(times)
+        ax.step(times, range(1, len(times) + 1), where="post", color=color, label=label)
+    ax.set_xlabel("seconds from the start")
+    ax.set_ylabel("requests", fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper left")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("runs", nargs="+", type=run_json,
@@ -106,11 +135,19 @@ def main(argv=None) -> None:
                    help="picture to write; its suffix names the format: .png, .pdf or .svg")
     args = p.parse_args(argv)
     runs = args.runs
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), sharey=True, squeeze=False)
+    timelines = any(arrived_over_time(run) for run in runs)
+    fig, axes = plt.subplots(1 + timelines, len(runs), figsize=(6 * len(runs), 4.5 * (1 + timelines)),
+                             squeeze=False)
     # One unit for the shared axis: GB, or MB where every pool is under a GB (the CPU's).
     scale, unit = (GB, "GB") if max(r["memory"]["kv_pool_bytes"] for r in runs) >= GB else (1e6, "MB")
     for ax, run in zip(axes[0], runs):
         draw(ax, run, scale)
+        ax.sharey(axes[0][0])  # one scale of bytes for every run
+    for ax, run in zip(axes[1] if timelines else [], runs):
+        if arrived_over_time(run):
+            draw_arrivals(ax, run)
+        else:
+            ax.set_axis_off()  # all at the start: nothing to draw over time
     axes[0][0].set_ylabel(f"KV cache ({unit})")
     fig.tight_layout()
     with one_paragraph_errors("plot_memory.py"):
