@@ -96,7 +96,8 @@ def test_the_script_reports_the_memory_sharing_saved_and_refuses_what_it_cannot_
     from conftest import ROOT
     run = lambda *flags: subprocess.run(
         [sys.executable, str(ROOT / "llama3_paged.py"), "3", "--random-weights", "--model", "tiny",
-         "--device", "cpu", "--block-size", "16", "--beam-width", "3", *flags],
+         "--device", "cpu", "--block-size", "16", "--beam-width", "3", "--max-new-tokens", "64",
+         *flags],
         capture_output=True, text=True, timeout=300)
     shared, unshared = run("--json", tmp_path / "s.json"), run("--no-sharing", "--json",
                                                                   tmp_path / "u.json")
