@@ -220,10 +220,6 @@ def run_curve(base, name: str, a, bar, save) -> dict:
     finally:
         if hasattr(manager, "close"):  # the virtual cache's mapping thread
             manager.close()
-        del cache, manager
-        gc.collect()
-        if base.device.type == "cuda":
-            torch.cuda.empty_cache()  # the next curve's budget is measured from what is free
 
 
 def warm_up(engine, setup, cache, manager) -> None:
@@ -310,6 +306,9 @@ def run(a) -> dict:
                 write_atomically(a.json, lambda path: path.write_text(
                     json.dumps(sweep, default=as_json_value)))
             run_curve(base, name, a, bar, save)
+            gc.collect()  # the curve's cache is gone with its frame: give its memory back
+            if base.device.type == "cuda":
+                torch.cuda.empty_cache()  # the next curve's budget is measured from what is free
     return sweep
 
 
