@@ -72,6 +72,18 @@ def writable_file(text: str) -> Path:
     return path
 
 
+IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
+
+
+def image_file(text: str) -> Path:
+    """A writable path whose suffix names a format matplotlib can draw."""
+    path = writable_file(text)
+    if path.suffix.lower() not in IMAGE_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text}: name the picture's format with its suffix, one "
+                                         f"of {', '.join(IMAGE_FORMATS)}")
+    return path
+
+
 def json_file(text: str):
     """A JSON file's contents, for an argparse type: a missing or unreadable file is refused
     before anything runs (exit 2)."""

@@ -44,9 +44,6 @@ exit_quietly_on_ctrl_c("bench.py")  # before torch loads
 import numpy as np
 import torch
 
-import llama3_naive
-import llama3_paged
-import llama3_virtual
 from block_manager import BlockManager
 from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy, record
 from core.kv_cache import DecodeBatch
@@ -54,15 +51,16 @@ from core.request import Request
 from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
 from features.mapping_ahead import MappingAheadManager, mapping_seconds
-from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fraction,
+from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
 from plumbing.prompts import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB
 from plumbing.report import as_json_value, scheduling_report, sharing_report
 from plumbing.setup import DTYPES, arrival_times, load, make_decoder, make_scheduler
+from tools.shared import (SCRIPTS, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
+                          parse_script_arguments)
 
-SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
               continuous=False, prompt_tokens=None),
@@ -72,32 +70,6 @@ WORKLOADS = {  # what each flag left unset takes
               continuous=True, prompt_tokens=4096),
 }
 ATTENTION_REQUESTS = 256  # the attention kernel is timed alone on the first 256 requests
-
-
-def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1000)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes per second a device-to-device copy moves, counting the read and the write."""
-    source = torch.randn(2**29, dtype=torch.bfloat16, device=device)  # 1 GiB
-    target = torch.empty_like(source)
-    return 2 * source.nbytes / median_cuda_seconds(lambda: target.copy_(source))
-
-
-def matmul_flops_per_second(device, dtype, n: int = 8192) -> float:
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    return 2 * n**3 / median_cuda_seconds(lambda: a @ b)
 
 
 def prefill_flops(args, prompt_lens: list[int]) -> float:
@@ -261,15 +233,12 @@ def script_arguments(bench_args):
     argv += ["--max-batched-tokens", str(a.max_batched_tokens)] if a.max_batched_tokens else []
     argv += ["--request-rate", str(a.request_rate)]
     argv += ["--system-prompt-file", str(a.system_prompt_file)] if a.system_prompt_file else []
-    p = argument_parser(f"llama3_{a.script}.py", __doc__)
     if a.script == "paged":
-        llama3_paged.add_pool_arguments(p)
         argv += ["--block-size", str(a.block_size)]
         argv += ["--no-prefix-cache"] if a.no_prefix_cache else []
     if a.script == "virtual":
-        llama3_virtual.add_layout_arguments(p)
         argv += ["--layout", a.layout] + (["--sync-mapping"] if a.sync_mapping else [])
-    return p.parse_args(argv)
+    return parse_script_arguments(a.script, argv)
 
 
 def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:

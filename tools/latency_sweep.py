@@ -46,18 +46,17 @@ exit_quietly_on_ctrl_c("latency_sweep.py")  # before torch loads
 import torch
 from tqdm import tqdm
 
-import llama3_naive
-import llama3_paged
 import llama3_virtual
 from core.engine import Engine, greedy
 from core.request import Request
 from features.arrivals import latency_report
-from plumbing.cli import (HelpFormatter, argument_parser, first_paragraph, fraction, gigabytes,
-                          json_file, one_paragraph_errors, positive_int, refuse_output_over_input, seed,
-                          writable_file, write_atomically)
+from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, image_file,
+                          json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
+                          seed, writable_file, write_atomically)
 from plumbing.prompts import PROMPTS_FILE, read_records
 from plumbing.report import as_json_value, format_seconds, scheduling_report
 from plumbing.setup import choose_attention, load, make_decoder, make_requests, make_scheduler
+from tools.shared import SCRIPTS, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
 # the longest a request may grow, Oracle exactly what each will use. Every request of
@@ -72,7 +71,6 @@ CURVES = {
     "paged-mixed": ("paged", ["--block-size", "256", "--max-batched-tokens", "2048"],
                     "paged, blocks of 256, mixed steps of 2,048 tokens"),
 }
-SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 DEFAULT_CURVES = ["naive-8192", "naive-2048", "paged", "paged-triton", "virtual"]
 DEFAULT_RATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
 POINT_FIELDS = ["rate", "requests", "wall_seconds", "normalized_latency"]  # what `plot` reads
@@ -159,7 +157,7 @@ def parse_arguments(argv=None):
     plot = commands.add_parser("plot", help="draw the curves of one or more runs",
                                formatter_class=HelpFormatter)
     plot.add_argument("sweeps", nargs="+", type=sweep_json, help="`run --json` files")
-    plot.add_argument("-o", "--output", type=writable_file, default="figure12.png",
+    plot.add_argument("-o", "--output", type=image_file, default="figure12.png",
                       help="the picture (.png, .pdf or .svg)")
     a = p.parse_args(argv)
     if a.command == "run" and not 0 < a.seconds < math.inf:
@@ -180,12 +178,7 @@ def curve_arguments(name: str, num_requests: int, a):
             "--continuous", "--max-new-tokens", str(a.max_new_tokens), "--seed", str(a.seed),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization), *flags]
     argv += ["--kv-budget-gb", str(a.kv_budget_gb)] if a.kv_budget_gb else []
-    parser = argument_parser(f"llama3_{script}.py", SCRIPTS[script].__doc__)
-    if script == "paged":
-        llama3_paged.add_pool_arguments(parser)
-    if script == "virtual":
-        llama3_virtual.add_layout_arguments(parser)
-    return parser.parse_args(argv)
+    return parse_script_arguments(script, argv)
 
 
 def run_curve(base, name: str, a, bar, save) -> dict:
@@ -406,9 +399,6 @@ def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("latency_sweep.py"):
         if a.command == "plot":
-            if a.output.suffix.lower() not in (".png", ".pdf", ".svg"):
-                raise UserError(f"-o {a.output}: name the picture's format with its suffix, "
-                                f".png, .pdf or .svg.")
             refuse_output_over_input(a.output, [s["path"] for s in a.sweeps], "-o")
             panels = merged(a.sweeps)
             print_tables(panels)

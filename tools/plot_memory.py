@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph, format_bytes,
-                          json_file, one_paragraph_errors, writable_file, write_atomically)
+                          image_file, json_file, one_paragraph_errors, write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
@@ -31,7 +31,6 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
 TIMELINE_FIELDS = ["step", "reserved_bytes", "filled_bytes", "running_requests", "waiting_requests"]
 MEMORY_FIELDS = ["kv_pool_bytes", "fragmented_bytes", "fragmented_percent_of_device"]
 FULLEST_FIELDS = ["step", "filled_bytes", "unfilled_bytes", "unfilled_percent_of_reserved"]
@@ -54,15 +53,6 @@ def run_json(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"{text}: that run made no decode step, so there is "
                                          f"nothing to draw")
     return run
-
-
-def image_file(text: str) -> Path:
-    """A writable path whose suffix names a format matplotlib can draw."""
-    path = writable_file(text)
-    if path.suffix.lower() not in IMAGE_FORMATS:
-        raise argparse.ArgumentTypeError(f"{text}: name the picture's format with its suffix, one "
-                                         f"of {', '.join(IMAGE_FORMATS)}")
-    return path
 
 
 def draw(ax, run: dict, scale: float) -> None:

@@ -48,6 +48,7 @@ from plumbing.cli import (HelpFormatter, first_paragraph, format_bytes, one_para
                           positive_int, writable_file, write_atomically)
 from plumbing.report import format_seconds
 from plumbing.setup import DTYPES, choose_attention
+from tools.shared import matmul_flops_per_second, median_cuda_seconds
 
 BLOCK_SIZES = [16, 32, 64, 128, 256]
 
@@ -142,10 +143,9 @@ def recompute_seconds(engine, manager, requests, tokens: int, timer) -> float:
 
 def host_copy_bandwidth(device) -> float:
     """Bytes per second between pinned host memory and the GPU, the mean of both ways."""
-    timer, size = Timer(device), 2**28  # 512 MiB of bf16
-    host = torch.empty(size, dtype=torch.bfloat16, pin_memory=True)
-    gpu = torch.randn(size, dtype=torch.bfloat16, device=device)
-    seconds = [statistics.median(timer(lambda: copy()) for _ in range(5))
+    host = torch.empty(2**28, dtype=torch.bfloat16, pin_memory=True)  # 512 MiB
+    gpu = torch.randn(2**28, dtype=torch.bfloat16, device=device)
+    seconds = [median_cuda_seconds(copy, repeats=5)
                for copy in (lambda: host.copy_(gpu), lambda: gpu.copy_(host))]
     return host.nbytes / statistics.mean(seconds)
 
@@ -169,12 +169,6 @@ def measure_block_size(model, attention, block_size: int, a, timer) -> dict:
         figures[name] = statistics.median(fn() for _ in range(a.repeats))
     return {"block_size": block_size, "blocks_per_request": blocks_per_request,
             "swap_seconds": figures["swap"], "recompute_seconds": figures["recompute"]}
-
-
-def matmul_flops_per_second(device, dtype, n: int = 8192) -> float:
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    timer = Timer(device)
-    return 2 * n**3 / statistics.median(timer(lambda: a @ b) for _ in range(10))
 
 
 def measure(a) -> dict:

@@ -1,0 +1,54 @@
+"""What the tools share: the three scripts' command lines, and the GPU's measured ceilings.
+
+A tool runs the scripts' caches in its own process (the model loaded once), so it sets each run
+up as the script's command line would: `parse_script_arguments` parses a command line with that
+script's parser. The ceilings are what each tool sets its figures against: the copy bandwidth
+and the matmul rate, measured on this GPU, timed with CUDA events after a warm-up, as medians.
+"""
+
+import statistics
+
+import torch
+
+import llama3_naive
+import llama3_paged
+import llama3_virtual
+from plumbing.cli import argument_parser
+
+SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
+
+
+def parse_script_arguments(script: str, argv: list[str]):
+    """argv parsed as `python llama3_<script>.py argv` would parse it."""
+    parser = argument_parser(f"llama3_{script}.py", SCRIPTS[script].__doc__)
+    if script == "paged":
+        llama3_paged.add_pool_arguments(parser)
+    if script == "virtual":
+        llama3_virtual.add_layout_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second a device-to-device copy moves, counting the read and the write."""
+    source = torch.randn(2**29, dtype=torch.bfloat16, device=device)  # 1 GiB
+    target = torch.empty_like(source)
+    return 2 * source.nbytes / median_cuda_seconds(lambda: target.copy_(source))
+
+
+def matmul_flops_per_second(device, dtype, n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return 2 * n**3 / median_cuda_seconds(lambda: a @ b)
