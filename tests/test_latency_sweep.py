@@ -48,6 +48,17 @@ def test_sweeps_of_the_same_memory_share_a_panel():
     assert [sorted(p["curves"]) for p in panels] == [["naive-8192", "paged"], ["paged"]]
 
 
+def test_a_curve_run_twice_keeps_both_runs_points_and_reads_its_capacity_again():
+    same = {"device": "GPU", "model": "8b", "memory": "24 GB", "seconds": 10, "threshold": 0.05}
+    first = same | {"curves": {"naive": {"points": [point(2, 0.01), point(8, 0.03)]}}}
+    second = same | {"curves": {"naive": {"points": [point(8, 0.04), point(12, 0.09)]}}}
+    [panel] = merged([first, second])
+    curve = panel["curves"]["naive"]
+    assert [(p["rate"], p["normalized_latency"]) for p in curve["points"]] == [
+        (2, 0.01), (8, 0.04), (12, 0.09)]  # the later run's point at 8/s
+    assert curve["capacity"] == {"rate": pytest.approx(8.8), "at_least": False}  # 8 + 4 x 0.01 / 0.05
+
+
 def expected_output_tokens(num_requests: int) -> int:
     """What the scripts generate with --random-weights: each reply's length, at least 1, at most
     --max-new-tokens (every prompt here is far from --max-seq-len)."""

@@ -70,6 +70,8 @@ CURVES = {
     "virtual": ("virtual", [], "virtual (vAttention), pages mapped ahead"),
     "paged-mixed": ("paged", ["--block-size", "256", "--max-batched-tokens", "2048"],
                     "paged, blocks of 256, mixed steps of 2,048 tokens"),
+    "paged-mixed-1024": ("paged", ["--block-size", "256", "--max-batched-tokens", "1024"],
+                         "paged, blocks of 256, mixed steps of 1,024 tokens"),
 }
 DEFAULT_CURVES = ["naive-8192", "naive-2048", "paged", "paged-triton", "virtual"]
 DEFAULT_RATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
@@ -132,7 +134,7 @@ def parse_arguments(argv=None):
     run = commands.add_parser("run", help="measure the curves", formatter_class=HelpFormatter)
     run.add_argument("--curves", type=curve_list, default=DEFAULT_CURVES,
                      help=f"comma-separated, of: {', '.join(CURVES)} (default: all but "
-                          f"paged-mixed)")
+                          f"the mixed ones)")
     run.add_argument("--rates", type=rate_list, action="append", metavar="[CURVE=]R1,R2,...",
                      help=f"requests per second, rising, for every curve or for CURVE; repeat "
                           f"for several (default: {','.join(map(str, DEFAULT_RATES))})")
@@ -307,12 +309,20 @@ def run(a) -> dict:
 
 def merged(sweeps: list[dict]) -> list[dict]:
     """Sweeps of the same memory, trace and threshold as one, their curves together (a figure's
-    curves may come from several runs); a curve run twice keeps its later run."""
+    curves may come from several runs). A curve run twice keeps the points of both, the later
+    run's where both ran a rate, and its capacity is read again from them all."""
     panels = {}
     for sweep in sweeps:
         key = tuple(sweep.get(k) for k in ("device", "model", "memory", "seconds", "threshold"))
         panel = panels.setdefault(key, sweep | {"curves": {}})
-        panel["curves"] |= sweep["curves"]
+        for name, curve in sweep["curves"].items():
+            earlier = panel["curves"].get(name, {"points": []})["points"]
+            by_rate = {p["rate"]: p for p in earlier + curve["points"]}
+            points = [by_rate[rate] for rate in sorted(by_rate)]
+            panel["curves"][name] = curve | {"points": points}
+            if earlier:
+                panel["curves"][name] |= {"capacity": capacity(points, sweep["threshold"]),
+                                          "saturation": saturation(points)}
     return list(panels.values())
 
 
@@ -357,10 +367,11 @@ def print_tables(sweeps: list[dict]) -> None:
             text += f"; saturation {'at least ' if most['at_least'] else ''}{most['rate']:.1f}"
             text += ratios(most, {n: curves[n]["saturation"] for n in naive if n != name})
             print(f"  {name:<13} {text} ({curve['description']})")
-        if "paged" in curves and "paged-mixed" in curves:
-            print("p99 time between tokens, prefill-first steps against mixed steps:")
+        mixed_curves = [n for n in curves if n.startswith("paged-mixed") and "paged" in curves]
+        for mixed_name in mixed_curves:
+            print(f"p99 time between tokens, prefill-first steps against {mixed_name}:")
             for rate in rates:
-                first, mixed = at("paged", rate), at("paged-mixed", rate)
+                first, mixed = at("paged", rate), at(mixed_name, rate)
                 if first and mixed:
                     f, m = (p["latency"]["time_between_tokens"]["p99"] for p in (first, mixed))
                     print(f"  {rate:>6g}/s  {format_seconds(f)} against {format_seconds(m)} "
