@@ -11,9 +11,31 @@ from core.attention import TorchAttention
 from core.engine import EagerDecoder, Engine, greedy
 from core.kv_cache import KVCache
 from core.request import Request
-from features.swapping import SwappingScheduler
+from features.swapping import HostBlocks, SwappingScheduler
 from plumbing.checkpoints import random_model
 from test_scheduler import MAX_SEQ_LEN, random_prompts
+
+
+def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swaps_another():
+    """One flush: A's K/V come back from host blocks that B's are then copied into. A's must
+    arrive in its new blocks before B's overwrite the host blocks; B's are copied out intact."""
+    model_args = random_model("tiny", "cpu", torch.float32, max_positions=64).args
+    cache = KVCache(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
+                    attention=TorchAttention())
+    cache.k.normal_(), cache.v.normal_()
+    host = HostBlocks(cache, num_blocks=2)
+    a_k, b_k = cache.k[:, :8].clone(), cache.k[:, 8:16].clone()  # blocks 0-1 and 2-3
+    a_host = host.copy_out([0, 1])
+    host.flush()  # A swapped out
+    host.copy_in(a_host, [4, 5])  # a later step: A back into blocks 4-5 ...
+    b_host = host.copy_out([2, 3])  # ... and B out, into the host blocks A just gave back
+    host.flush()
+    assert b_host == a_host
+    assert torch.equal(cache.k[:, 16:24], a_k)
+    cache.k[:, 8:16] = 0
+    host.copy_in(b_host, [2, 3])
+    host.flush()
+    assert torch.equal(cache.k[:, 8:16], b_k)
 
 
 def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype):

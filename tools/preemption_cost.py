@@ -9,7 +9,8 @@ the pool, and the pool holds random K/V. Then, per block size, the time to preem
 and have them back, each way, as --continuous does it:
 
 - swap (features/swapping.py): copy every victim's blocks to host memory, free them, take new
-  blocks, copy the K/V back. One copy of K and one of V per victim, each gathering its blocks.
+  blocks, copy the K/V back. Each way, the copies of all victims are made at once: one gather
+  of K and one of V on the GPU, and one transfer per run of consecutive host blocks.
 - recompute (features/continuous.py): free the blocks, take new ones, and prefill every token
   again. A prefill with nothing cached runs the contiguous attention kernel over the packed
   tokens, so the block size enters only where each token's K/V is written.
@@ -118,11 +119,13 @@ def swap_seconds(host, manager, requests, tokens: int, timer) -> float:
 
     def preempt_and_return():
         kept = {r.row: host.copy_out(manager.owned_blocks[r.row]) for r in requests}
+        host.flush()  # one step's preemptions
         for request in requests:
             manager.free(request)
         for request in requests:
             manager.allocate(SimpleNamespace(row=request.row, tokens=[1] * tokens))
             host.copy_in(kept[request.row], manager.owned_blocks[request.row])
+        host.flush()  # a later step's returns
     return timer(preempt_and_return)
 
 
