@@ -36,6 +36,10 @@ def add_pool_arguments(parser) -> None:
                         help="compute every prompt in full, even where its first blocks are in "
                              "the pool already (prefix caching is on with --system-prompt or "
                              "--system-prompt-file, where requests share their first blocks)")
+    parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
+                        help="with a system prompt: decode attention reads its shared blocks once "
+                             "per step, not once per request (features/cascade.py); auto: where "
+                             "the measured rule says it pays")
     parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
                         help="beam search: K beams per prompt sharing blocks, scored by summed "
                              "log-probabilities (features/beam_search.py); with --no-sharing "

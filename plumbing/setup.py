@@ -321,19 +321,26 @@ def swapping_scheduler(setup, cache, manager, requests: list[Request]):
 
 def make_decoder(setup, cache, manager, sampler, largest_batch: int, progress: bool):
     """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
-    unless --eager; else the eager decoder."""
+    unless --eager; else the eager decoder. With a shared system prompt, attention may be a
+    cascade (--cascade, the paged script's)."""
     if setup.args.compile:
         from features.compiled_layers import compile_layers
         compile_layers(setup.model, cache)
-    eager = EagerDecoder(setup.model, cache, manager.block_table, sampler)
-    if setup.args.eager or setup.device.type != "cuda" or not setup.attention.cuda_graphs:
-        return eager
-    from features.cuda_graphs import GraphDecoder
-    start = time.perf_counter()
-    decoder = GraphDecoder(eager, largest_batch)
-    if progress:
-        print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
-              f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    cascade = None
+    if getattr(setup.args, "cascade", "off") != "off":
+        from features.cascade import cascade_for
+        cascade = cascade_for(setup, cache, manager)  # before the graphs record attention
+    eager = decoder = EagerDecoder(setup.model, cache, manager.block_table, sampler)
+    if not (setup.args.eager or setup.device.type != "cuda" or not setup.attention.cuda_graphs):
+        from features.cuda_graphs import GraphDecoder
+        start = time.perf_counter()
+        decoder = GraphDecoder(eager, largest_batch)
+        if progress:
+            print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
+                  f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    if cascade:
+        from features.cascade import CascadeDecoder
+        return CascadeDecoder(decoder, eager, cascade, manager.table)
     return decoder
 
 

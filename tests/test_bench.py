@@ -25,6 +25,15 @@ def test_prefill_flops_match_pytorchs_count():
     assert prefill_flops(model.args, [1] * n) == counter.get_total_flops()
 
 
+def test_a_prompt_found_cached_leaves_only_the_rest_to_compute():
+    # Its first 4 tokens cached: computing them alone, then the rest after them, is the whole
+    # prompt's work and one more output head (each prefill computes its last token's logits).
+    args = random_model("tiny", "cpu", torch.float32, 64, seed=0).args
+    head = 2 * args.dim * args.vocab_size
+    assert (prefill_flops(args, [4]) + prefill_flops(args, [10], [4])
+            == prefill_flops(args, [10]) + head)
+
+
 def test_decode_reads_every_weight_but_the_embedding_table():
     untied = random_model("tiny", "cpu", torch.float32, 64, seed=0)
     params = sum(p.numel() for p in untied.parameters())

@@ -72,13 +72,16 @@ WORKLOADS = {  # what each flag left unset takes
 ATTENTION_REQUESTS = 256  # the attention kernel is timed alone on the first 256 requests
 
 
-def prefill_flops(args, prompt_lens: list[int]) -> float:
-    """Matmul FLOPs of a prefill: projections on every token, the output head on each prompt's
-    last token, and causal attention (QK^T and PV over the tokens before each query)."""
+def prefill_flops(args, prompt_lens: list[int], cached_lens: list[int] | None = None) -> float:
+    """Matmul FLOPs of a prefill: projections on every token computed, the output head on each
+    prompt's last token, and causal attention (QK^T and PV over the tokens before each query).
+    Tokens a prompt found cached (cached_lens, the prefix cache's) are not computed."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     per_layer_params = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.ffn_dim
-    tokens = sum(prompt_lens)
-    attention = sum(2 * args.n_heads * args.head_dim * n * (n + 1) for n in prompt_lens)
+    cached_lens = cached_lens or [0] * len(prompt_lens)
+    tokens = sum(prompt_lens) - sum(cached_lens)
+    attention = sum(2 * args.n_heads * args.head_dim * (n * (n + 1) - c * (c + 1))
+                    for n, c in zip(prompt_lens, cached_lens))
     return (2 * per_layer_params * tokens * args.n_layers + attention * args.n_layers
             + 2 * args.dim * args.vocab_size * len(prompt_lens))
 
@@ -209,6 +212,8 @@ def parse_arguments(argv=None):
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--no-prefix-cache", action="store_true", help="paged only")
+    p.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
+                   help="paged only, with a system prompt: its blocks read once per decode step")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
@@ -236,6 +241,7 @@ def script_arguments(bench_args):
     if a.script == "paged":
         argv += ["--block-size", str(a.block_size)]
         argv += ["--no-prefix-cache"] if a.no_prefix_cache else []
+        argv += ["--cascade", a.cascade]
     if a.script == "virtual":
         argv += ["--layout", a.layout] + (["--sync-mapping"] if a.sync_mapping else [])
     return parse_script_arguments(a.script, argv)
@@ -323,13 +329,17 @@ def bench(a) -> dict:
     by_time = sorted(range(len(result.timeline)), key=lambda i: result.timeline[i].seconds)
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
-    flops = prefill_flops(setup.model.args, [len(p) for p in prompts])
+    # What each prompt found cached when first admitted (prefix caching), not to be computed.
+    first_cached = getattr(manager, "first_cached", np.zeros(len(prompts), dtype=np.int64))
+    cached = np.maximum(first_cached[:len(prompts)], 0).tolist()
+    flops = prefill_flops(setup.model.args, [len(p) for p in prompts], cached)
     sharing = sharing_report(setup, manager, result)  # what the scripts report, from the same run
     scheduling = scheduling_report(result, a.continuous)
-    # Recomputation prefills more than the prompts, prefix caching less: then the prompts' FLOPs
+    # Recomputation prefills more than the prompts less what they found cached: then those FLOPs
     # are not the work done.
     # Mixed steps compute prompt chunks inside decode steps: prefill time is not their cost.
-    exact = result.num_prefilled_tokens == result.num_prompt_tokens and not mixed_steps(a)
+    exact = (result.num_prefilled_tokens == result.num_prompt_tokens - sum(cached)
+             and not mixed_steps(a))
     prefill_share = flops / result.prefill_seconds / matmul_rate if exact else None
     floor = {"prefill_seconds": flops / matmul_rate, "decode_seconds": sum(floors)}
     return {

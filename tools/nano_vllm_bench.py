@@ -33,6 +33,7 @@ from core.model import PRESETS
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, one_paragraph_errors,
                           positive_int, refuse_output_over_input, write_atomically)
 from plumbing.prompts import PROMPTS_FILE, load_prompts, load_tokenizer
+from plumbing.setup import system_prompt
 from tools.bench import WORKLOADS, workload_requests
 
 
@@ -47,6 +48,10 @@ def parse_arguments(argv=None):
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=16384,
                    help="nano-vllm's most tokens per step")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
+                   help="a system turn before every prompt, as tools/bench.py's (nano-vllm's "
+                        "prefix cache then stores it once)")
+    p.set_defaults(system_prompt=None)  # the file is the only way in here, as plumbing/setup reads it
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
     a = p.parse_args(argv)
     for name, value in WORKLOADS[a.workload].items():
@@ -123,9 +128,11 @@ def run(a, prompts: list[list[int]], budgets: list[int]) -> dict:
 def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("nano_vllm_bench.py"):
-        refuse_output_over_input(a.json, [PROMPTS_FILE], "--json")
+        refuse_output_over_input(a.json, [PROMPTS_FILE, a.system_prompt_file], "--json")
         tokenizer = load_tokenizer(None, None)
-        prompts, budgets = workload_requests(load_prompts(a.num_requests, tokenizer), tokenizer, a)
+        system = system_prompt(a)
+        prompts, budgets = workload_requests(load_prompts(a.num_requests, tokenizer, system),
+                                             tokenizer, a)
         result = run(a, prompts, budgets)
         if a.json:
             text = json.dumps(result)

@@ -1,0 +1,174 @@
+"""Cascade attention: a shared prefix read once per decode step, not once per request.
+
+The prefix cache (prefix_cache.py) stores a system prompt's K/V once, in blocks every request's
+table lists first. Memory is shared; bandwidth is not: the paged kernel follows each request's
+table, so a decode step of B requests reads the system prompt's blocks B times. With the
+1,056-token system prompt that is 138 MB per request per step.
+
+A cascade (FlashInfer's name; vLLM's cascade attention) splits each request's attention in two:
+
+- shared: the B queries of the step, as one sequence of B queries, against the prefix's blocks,
+  without a causal mask (every request sees the whole prefix). The kernel reads those blocks once
+  per tile of queries, not once per request.
+- own: each request against its own blocks, those after the prefix, as before.
+
+Each part is a softmax over part of the keys. Both kernels return the log of their softmax's sum
+(log-sum-exp, lse), and o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2) is attention over all the
+keys, exactly (computed against the larger lse, so that nothing overflows).
+
+The shared part needs a kernel that runs many queries over one sequence: flash-attn has one; the
+Triton kernel (triton_attention.py) runs one query per request, so --attn triton runs without a
+cascade. The PyTorch reference here is for the tests.
+"""
+
+import torch
+
+from core.kv_cache import DecodeBatch
+
+# When the cascade pays, measured on the H200 with tools/cascade_cost.py (README, "Shared memory
+# is not shared bandwidth"): its two kernels and the merge cost more than the plain kernel's
+# reads of the prefix until the batch x the prefix reaches some 64K tokens (a batch of 64 for a
+# prefix of 1,024 tokens, 32 for 2,048, 128 for 512).
+MIN_SHARED_TOKENS_READ = 65_536
+
+
+def merge(out_shared, lse_shared, out_own, lse_own) -> torch.Tensor:
+    """Two softmaxes over disjoint keys as one. out_*: [B, n_heads, d]; lse_*: [B, n_heads], fp32."""
+    top = torch.maximum(lse_shared, lse_own)
+    w_shared, w_own = (torch.exp(lse - top)[..., None] for lse in (lse_shared, lse_own))
+    out = (out_shared.float() * w_shared + out_own.float() * w_own) / (w_shared + w_own)
+    return out.to(out_shared.dtype)
+
+
+class FlashParts:
+    """The two parts through flash-attn's paged kernel, which returns each softmax's lse."""
+
+    def __init__(self):
+        from flash_attn import flash_attn_with_kvcache
+        self.with_kvcache = flash_attn_with_kvcache
+
+    def shared(self, q, key_blocks, value_blocks, prefix_table, prefix_tokens, _):
+        out, lse = self.with_kvcache(q[None], key_blocks, value_blocks,  # [1, B, n_heads, d]
+                                     cache_seqlens=prefix_tokens, block_table=prefix_table,
+                                     causal=False, return_softmax_lse=True)
+        return out[0], lse[0].T  # [B, n_heads, d], [B, n_heads]
+
+    def own(self, q, key_blocks, value_blocks, batch):
+        out, lse = self.with_kvcache(q[:, None], key_blocks, value_blocks,  # [B, 1, n_heads, d]
+                                     cache_seqlens=batch.cache_seqlens,
+                                     block_table=batch.block_table, causal=True,
+                                     return_softmax_lse=True)
+        return out[:, 0], lse[:, :, 0]
+
+
+class TorchParts:
+    """The same two parts written out in float32: the tests' reference."""
+
+    @staticmethod
+    def _attend(q, k, v, holds_token):
+        """q: [B, n_heads, d]; k, v: [B, L, n_kv_heads, d]; holds_token: [B, L] -> out, lse."""
+        batch, n_heads, d = q.shape
+        group = n_heads // k.shape[2]
+        q = q.float().view(batch, k.shape[2], group, d)  # the query heads of each KV head
+        scores = torch.einsum("bhgd,blhd->bhgl", q, k.float()) * d ** -0.5
+        scores = scores.masked_fill(~holds_token[:, None, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # [B, n_kv_heads, group]
+        out = torch.einsum("bhgl,blhd->bhgd", torch.exp(scores - lse[..., None]), v.float())
+        return out.reshape(batch, n_heads, d).to(v.dtype), lse.reshape(batch, n_heads)
+
+    def shared(self, q, key_blocks, value_blocks, prefix_table, _, prefix_tokens_host):
+        k, v = (blocks[prefix_table[0]].flatten(0, 1)[None].expand(len(q), -1, -1, -1)
+                for blocks in (key_blocks, value_blocks))  # [B, prefix, n_kv_heads, d]
+        holds_token = torch.ones(k.shape[:2], dtype=torch.bool, device=q.device)
+        return self._attend(q, k, v, holds_token)
+
+    def own(self, q, key_blocks, value_blocks, batch):
+        block_size = key_blocks.shape[1]
+        width = -(-batch.max_cache_seqlen // block_size) * block_size
+        table = batch.block_table[:, :width // block_size]
+        k, v = (blocks[table].flatten(1, 2) for blocks in (key_blocks, value_blocks))
+        holds_token = torch.arange(width, device=q.device) < batch.cache_seqlens[:, None]
+        return self._attend(q, k, v, holds_token)
+
+
+class CascadeAttention:
+    """An attention backend (flash-attn, or the PyTorch reference) whose decode is a cascade while
+    `active`, for batches of `min_batch` or more: prefill is the backend's own."""
+
+    def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int):
+        self.backend, self.name, self.cuda_graphs = backend, backend.name, backend.cuda_graphs
+        self.prefill, self.prefill_after_prefix = backend.prefill, backend.prefill_after_prefix
+        self.parts = FlashParts() if backend.name == "flash" else TorchParts()
+        self.min_batch, self.active = min_batch, True
+        self.prefix_blocks, self.prefix_tokens_host = prefix_blocks, prefix_blocks * block_size
+        # Static buffers, so that CUDA graphs replay with the current prefix: [1, P] and [1].
+        self.prefix_table = torch.zeros(1, prefix_blocks, dtype=torch.int32, device=device)
+        self.prefix_tokens = torch.full((1,), self.prefix_tokens_host, dtype=torch.int32,
+                                        device=device)
+
+    def decode(self, q, key_blocks, value_blocks, batch):
+        if not self.active or len(q) < self.min_batch:
+            return self.backend.decode(q, key_blocks, value_blocks, batch)
+        shared = self.parts.shared(q, key_blocks, value_blocks, self.prefix_table,
+                                   self.prefix_tokens, self.prefix_tokens_host)
+        # Every request has tokens after the prefix (its own turn, its newest token); padding
+        # rows of a CUDA graph (cache_seqlens 1) read one slot of the batch's first request.
+        own = DecodeBatch(batch.slot_mapping, batch.block_table[:, self.prefix_blocks:],
+                          (batch.cache_seqlens - self.prefix_tokens_host).clamp(min=1),
+                          max(batch.max_cache_seqlen - self.prefix_tokens_host, 1))
+        return merge(*shared, *self.parts.own(q, key_blocks, value_blocks, own))
+
+
+class CascadeDecoder:
+    """Before each step, on the host: do all its rows list the same first P blocks? Then the
+    cascade reads those; else (no request holds the prefix in the cache yet, or a request was
+    admitted before it was cached) the step runs eagerly without it."""
+
+    def __init__(self, decoder, eager, cascade: CascadeAttention, table):
+        self.decoder, self.eager, self.cascade, self.table = decoder, eager, cascade, table
+        self.prefix = None  # the blocks the cascade's prefix_table holds now
+        self.num_steps = self.num_sharing_steps = 0  # decode steps; those whose rows all shared
+
+    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
+        first = self.table[rows, :self.cascade.prefix_blocks]  # [B, P], the host's copy
+        self.num_steps += 1
+        if not (first == first[0]).all():
+            self.cascade.active = False
+            try:
+                return self.eager.step(tokens, positions, rows, slots)
+            finally:
+                self.cascade.active = True
+        if self.prefix is None or (first[0] != self.prefix).any():
+            self.prefix = first[0].copy()
+            self.cascade.prefix_table.copy_(torch.from_numpy(self.prefix)[None])
+        self.num_sharing_steps += 1
+        return self.decoder.step(tokens, positions, rows, slots)
+
+
+def cascade_for(setup, cache, manager) -> CascadeAttention | None:
+    """The cascade a run gets, printing the rule it was chosen by. --cascade auto: where every
+    request begins with a system prompt whose full blocks the prefix cache shares, read by
+    flash-attn, for batches of MIN_SHARED_TOKENS_READ / prefix tokens or more. --cascade on forces
+    it for every batch (flash-attn or the reference)."""
+    mode, prefix_tokens = setup.args.cascade, setup.num_system_prompt_tokens
+    if mode == "off" or getattr(manager, "prefix_cache", None) is None:
+        return None
+    prefix_blocks = prefix_tokens // cache.block_size
+    shared_tokens = prefix_blocks * cache.block_size
+    backend = cache.attention_backend.name
+    why_not = ("the system prompt fills no whole block" if prefix_blocks == 0 else
+               f"--attn {backend}: the cascade's shared part needs flash-attn's kernel of many "
+               f"queries over one sequence" if backend != "flash" and mode != "on" else "")
+    if why_not:
+        print(f"Cascade attention: off ({why_not}).")
+        return None
+    min_batch = 1 if mode == "on" else -(-MIN_SHARED_TOKENS_READ // shared_tokens)
+    when = ("every decode step (--cascade on)" if mode == "on" else
+            f"decode steps of {min_batch} requests or more (the rule measured by "
+            f"tools/cascade_cost.py: batch x shared tokens at least {MIN_SHARED_TOKENS_READ:,})")
+    print(f"Cascade attention: the system prompt's first {shared_tokens:,} tokens "
+          f"({prefix_blocks} blocks) read once per step in {when}.")
+    cascade = CascadeAttention(cache.attention_backend, prefix_blocks, cache.block_size,
+                               manager.block_table.device, min_batch)
+    cache.attention_backend = cascade
+    return cascade

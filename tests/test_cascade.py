@@ -1,0 +1,118 @@
+"""Cascade attention (features/cascade.py): attention over a shared prefix and a request's own
+blocks, merged by their log-sum-exps, equals attention over all its keys; a run with it gives the
+tokens of a run without it."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from core.attention import TorchAttention
+from core.engine import EagerDecoder, Engine, greedy
+from core.kv_cache import DecodeBatch, KVCache
+from core.request import Request
+from features.cascade import CascadeAttention, CascadeDecoder
+from features.continuous import ContinuousScheduler
+from features.sharing import SharingBlockManager
+from plumbing.checkpoints import random_model
+from test_sharing import random_prompts
+
+MAX_SEQ_LEN = 160
+
+
+def shared_prefix_batch(prefix_blocks, own_lengths, block_size, device, dtype, seed=0):
+    """A pool of random K/V and a decode batch whose rows list the same first prefix_blocks
+    blocks, then blocks of their own (scattered over the pool)."""
+    g = torch.Generator().manual_seed(seed)
+    n_heads, n_kv_heads, d = 8, 2, 64
+    own_blocks = [math.ceil(n / block_size) for n in own_lengths]
+    num_blocks = prefix_blocks + sum(own_blocks) + 3
+    pool = [torch.randn(num_blocks, block_size, n_kv_heads, d, generator=g).to(device, dtype)
+            for _ in range(2)]
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    prefix, rest = order[:prefix_blocks], order[prefix_blocks:]
+    width = prefix_blocks + max(own_blocks)
+    table = torch.zeros(len(own_lengths), width, dtype=torch.int32)
+    for r, n in enumerate(own_blocks):
+        table[r, :prefix_blocks + n] = torch.tensor(prefix + rest[:n])
+        rest = rest[n:]
+    seqlens = torch.tensor(own_lengths, dtype=torch.int32) + prefix_blocks * block_size
+    batch = DecodeBatch(slot_mapping=torch.zeros(len(own_lengths), dtype=torch.long, device=device),
+                        block_table=table.to(device), cache_seqlens=seqlens.to(device),
+                        max_cache_seqlen=int(seqlens.max()))
+    q = torch.randn(len(own_lengths), n_heads, d, generator=g).to(device, dtype)
+    return q, pool, batch, table[0, :prefix_blocks]
+
+
+def test_the_cascade_equals_attention_over_all_the_keys():
+    prefix_blocks, block_size = 3, 4
+    q, (k, v), batch, prefix = shared_prefix_batch(prefix_blocks, [1, 5, 8, 13, 2], block_size,
+                                                   "cpu", torch.float32)
+    cascade = CascadeAttention(TorchAttention(), prefix_blocks, block_size, "cpu", min_batch=1)
+    cascade.prefix_table[0] = prefix
+    expected = TorchAttention().decode(q, k, v, batch)
+    torch.testing.assert_close(cascade.decode(q, k, v, batch), expected, atol=1e-5, rtol=1e-5)
+    cascade.prefix_table[0, 0] = batch.block_table[0, prefix_blocks]  # a wrong block: it can fail
+    assert not torch.allclose(cascade.decode(q, k, v, batch), expected, atol=1e-3)
+
+
+def test_a_step_whose_rows_do_not_share_the_prefix_runs_without_the_cascade():
+    calls = []
+    cascade = CascadeAttention(TorchAttention(), 2, 4, "cpu", min_batch=1)
+    record = lambda name: SimpleNamespace(step=lambda *a: calls.append((name, cascade.active)))
+    decoder = CascadeDecoder(record("graphs"), record("eager"), cascade,
+                             table=np.array([[7, 3, 9], [7, 3, 4], [7, 5, 1]]))
+    rows = np.array([0, 1])
+    decoder.step(None, None, rows, None)  # rows 0 and 1 share blocks 7, 3
+    assert calls == [("graphs", True)] and cascade.prefix_table.tolist() == [[7, 3]]
+    decoder.step(None, None, np.array([0, 2]), None)  # row 2 holds 7, 5: no cascade
+    assert calls[-1] == ("eager", False) and cascade.active
+
+
+def run(model, prompts, budgets, block_size, cascade_on: bool):
+    cache = KVCache(model.args, 128, block_size, torch.float32, "cpu", TorchAttention())
+    manager = SharingBlockManager(cache, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
+                                  prefix_caching=True)
+    decoder = eager = EagerDecoder(model, cache, manager.block_table)
+    if cascade_on:
+        system_blocks = 21 // block_size
+        cascade = CascadeAttention(cache.attention_backend, system_blocks, block_size, "cpu",
+                                   min_batch=2)
+        cache.attention_backend = cascade
+        decoder = CascadeDecoder(eager, eager, cascade, manager.table)
+    requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    scheduler = ContinuousScheduler(manager, requests, max_running=4, chunk_tokens=64)
+    result = Engine(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
+    return result, decoder
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size):
+    model = random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=31)
+    system = random_prompts([21], seed=3)[0]  # 5 full blocks of 4, or 2 of 8, then a part
+    prompts = random_prompts([5, 12, 1, 30, 8, 17, 9], seed=4, prefix=system)
+    budgets = [9, 4, 12, 7, 10, 5, 8]
+    without, _ = run(model, prompts, budgets, block_size, cascade_on=False)
+    with_cascade, decoder = run(model, prompts, budgets, block_size, cascade_on=True)
+    assert with_cascade.output_tokens == without.output_tokens
+    assert decoder.num_sharing_steps >= decoder.num_steps - 2, "the cascade ran in most steps"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and flash-attn")
+@pytest.mark.parametrize("own_lengths", [[1, 300, 40, 700, 257, 1, 1, 1],  # padding-like rows
+                                         list(range(1, 2000, 37))])
+def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths):
+    from core.attention import FlashAttention
+    prefix_blocks, block_size = 4, 256
+    q, (k, v), batch, prefix = shared_prefix_batch(prefix_blocks, own_lengths, block_size,
+                                                   "cuda", torch.bfloat16)
+    cascade = CascadeAttention(FlashAttention(), prefix_blocks, block_size, "cuda", min_batch=1)
+    cascade.prefix_table[0] = prefix
+    expected = TorchAttention().decode(q.double(), k.double(), v.double(), batch)  # float64
+    got = cascade.decode(q, k, v, batch).double()
+    plain = FlashAttention().decode(q, k, v, batch).double()
+    error, plain_error = (got - expected).abs().max(), (plain - expected).abs().max()
+    assert error <= 2 * plain_error + 1e-3, (error, plain_error)
