@@ -146,13 +146,11 @@ class CascadeDecoder:
 
 
 def cascade_for(setup, cache, manager) -> CascadeAttention | None:
-    """The cascade a run gets, printing the rule it was chosen by. --cascade auto: where every
-    request begins with a system prompt whose full blocks the prefix cache shares, read by
+    """The cascade a run whose prefix cache shares a system prompt gets, printing the rule it was
+    chosen by (plumbing/setup.py asks only then). --cascade auto: the prompt's full blocks, read by
     flash-attn, for batches of MIN_SHARED_TOKENS_READ / prefix tokens or more. --cascade on forces
     it for every batch (flash-attn or the reference)."""
     mode, prefix_tokens = setup.args.cascade, setup.num_system_prompt_tokens
-    if mode == "off" or getattr(manager, "prefix_cache", None) is None:
-        return None
     prefix_blocks = prefix_tokens // cache.block_size
     shared_tokens = prefix_blocks * cache.block_size
     backend = cache.attention_backend.name

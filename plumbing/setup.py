@@ -327,7 +327,8 @@ def make_decoder(setup, cache, manager, sampler, largest_batch: int, progress: b
         from features.compiled_layers import compile_layers
         compile_layers(setup.model, cache)
     cascade = None
-    if getattr(setup.args, "cascade", "off") != "off":
+    shared_prefix = getattr(manager, "prefix_cache", None) is not None  # a system prompt, cached
+    if shared_prefix and getattr(setup.args, "cascade", "off") != "off":
         from features.cascade import cascade_for
         cascade = cascade_for(setup, cache, manager)  # before the graphs record attention
     eager = decoder = EagerDecoder(setup.model, cache, manager.block_table, sampler)
