@@ -43,13 +43,15 @@ def merge(out_shared, lse_shared, out_own, lse_own) -> torch.Tensor:
 class FlashParts:
     """The two parts through flash-attn's paged kernel, which returns each softmax's lse."""
 
-    def __init__(self):
+    def __init__(self, prefix_tokens: int, device):
         from flash_attn import flash_attn_with_kvcache
         self.with_kvcache = flash_attn_with_kvcache
+        # The prefix as a sequence of one: [1], on the GPU, where a CUDA graph reads it.
+        self.prefix_tokens = torch.full((1,), prefix_tokens, dtype=torch.int32, device=device)
 
-    def shared(self, q, key_blocks, value_blocks, prefix_table, prefix_tokens, _):
+    def shared(self, q, key_blocks, value_blocks, prefix_table):
         out, lse = self.with_kvcache(q[None], key_blocks, value_blocks,  # [1, B, n_heads, d]
-                                     cache_seqlens=prefix_tokens, block_table=prefix_table,
+                                     cache_seqlens=self.prefix_tokens, block_table=prefix_table,
                                      causal=False, return_softmax_lse=True)
         return out[0], lse[0].T  # [B, n_heads, d], [B, n_heads]
 
@@ -62,7 +64,8 @@ class FlashParts:
 
 
 class TorchParts:
-    """The same two parts written out in float32: the tests' reference."""
+    """The same two parts written out in float32: the tests' reference. (Its gather of a
+    request's blocks is TorchAttention.decode's; SDPA there returns no lse.)"""
 
     @staticmethod
     def _attend(q, k, v, holds_token):
@@ -76,7 +79,7 @@ class TorchParts:
         out = torch.einsum("bhgl,blhd->bhgd", torch.exp(scores - lse[..., None]), v.float())
         return out.reshape(batch, n_heads, d).to(v.dtype), lse.reshape(batch, n_heads)
 
-    def shared(self, q, key_blocks, value_blocks, prefix_table, _, prefix_tokens_host):
+    def shared(self, q, key_blocks, value_blocks, prefix_table):
         k, v = (blocks[prefix_table[0]].flatten(0, 1)[None].expand(len(q), -1, -1, -1)
                 for blocks in (key_blocks, value_blocks))  # [B, prefix, n_kv_heads, d]
         holds_token = torch.ones(k.shape[:2], dtype=torch.bool, device=q.device)
@@ -98,24 +101,22 @@ class CascadeAttention:
     def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int):
         self.backend, self.name, self.cuda_graphs = backend, backend.name, backend.cuda_graphs
         self.prefill, self.prefill_after_prefix = backend.prefill, backend.prefill_after_prefix
-        self.parts = FlashParts() if backend.name == "flash" else TorchParts()
+        self.prefix_blocks, self.prefix_tokens = prefix_blocks, prefix_blocks * block_size
+        self.parts = (FlashParts(self.prefix_tokens, device) if backend.name == "flash"
+                      else TorchParts())
         self.min_batch, self.active = min_batch, True
-        self.prefix_blocks, self.prefix_tokens_host = prefix_blocks, prefix_blocks * block_size
-        # Static buffers, so that CUDA graphs replay with the current prefix: [1, P] and [1].
+        # A static buffer, so that CUDA graphs replay with the current prefix's blocks: [1, P].
         self.prefix_table = torch.zeros(1, prefix_blocks, dtype=torch.int32, device=device)
-        self.prefix_tokens = torch.full((1,), self.prefix_tokens_host, dtype=torch.int32,
-                                        device=device)
 
     def decode(self, q, key_blocks, value_blocks, batch):
         if not self.active or len(q) < self.min_batch:
             return self.backend.decode(q, key_blocks, value_blocks, batch)
-        shared = self.parts.shared(q, key_blocks, value_blocks, self.prefix_table,
-                                   self.prefix_tokens, self.prefix_tokens_host)
+        shared = self.parts.shared(q, key_blocks, value_blocks, self.prefix_table)
         # Every request has tokens after the prefix (its own turn, its newest token); padding
         # rows of a CUDA graph (cache_seqlens 1) read one slot of the batch's first request.
         own = DecodeBatch(batch.slot_mapping, batch.block_table[:, self.prefix_blocks:],
-                          (batch.cache_seqlens - self.prefix_tokens_host).clamp(min=1),
-                          max(batch.max_cache_seqlen - self.prefix_tokens_host, 1))
+                          (batch.cache_seqlens - self.prefix_tokens).clamp(min=1),
+                          max(batch.max_cache_seqlen - self.prefix_tokens, 1))
         return merge(*shared, *self.parts.own(q, key_blocks, value_blocks, own))
 
 

@@ -161,6 +161,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive whole numbers, e.g. 16,256."""
+    try:
+        return [positive_int(v) for v in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive whole numbers, "
+                                         f"e.g. 16,256; got {text!r}") from None
+
+
 def sequence_length(text: str) -> int:
     value = positive_int(text)
     if value > MAX_POSITIONS:

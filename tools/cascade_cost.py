@@ -29,7 +29,7 @@ from core.kv_cache import DecodeBatch
 from core.model import PRESETS
 from features.cascade import CascadeAttention
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
-                          writable_file, write_atomically)
+                          positive_int_list, writable_file, write_atomically)
 from tools.shared import copy_bandwidth, median_cuda_seconds
 
 BLOCK_SIZE = 256  # flash-attn's paged kernel
@@ -39,21 +39,11 @@ def microseconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, e.g. 1,8,64")
-    return values
-
-
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
-    p.add_argument("--prefix-tokens", type=int_list, default=[256, 512, 1024, 2048],
+    p.add_argument("--prefix-tokens", type=positive_int_list, default=[256, 512, 1024, 2048],
                    help=f"shared prefix lengths, multiples of {BLOCK_SIZE}")
-    p.add_argument("--batches", type=int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--batches", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--own-tokens", type=positive_int, default=300,
                    help="mean tokens a request holds after the prefix")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")

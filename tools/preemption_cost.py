@@ -46,7 +46,8 @@ from core.request import Request, Step
 from features.swapping import HostBlocks
 from plumbing.checkpoints import random_model
 from plumbing.cli import (HelpFormatter, first_paragraph, format_bytes, one_paragraph_errors,
-                          positive_int, writable_file, write_atomically)
+                          positive_int, positive_int_list, writable_file,
+                          write_atomically)
 from plumbing.report import format_seconds
 from plumbing.setup import DTYPES, choose_attention
 from tools.shared import matmul_flops_per_second, median_cuda_seconds
@@ -58,7 +59,7 @@ def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--requests", type=positive_int, default=8, help="requests preempted at once")
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens each has cached")
-    p.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)),
+    p.add_argument("--block-sizes", type=positive_int_list, default=BLOCK_SIZES,
                    help="comma-separated tokens per block")
     p.add_argument("--repeats", type=positive_int, default=10, help="timings per figure (median)")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
@@ -68,14 +69,7 @@ def parse_arguments(argv=None):
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
                    help="the recomputing prefill's kernel (the same for every block size)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
-    a = p.parse_args(argv)
-    try:
-        a.block_sizes = [int(b) for b in a.block_sizes.split(",")]
-    except ValueError:
-        a.block_sizes = []
-    if not a.block_sizes or min(a.block_sizes) < 1:
-        p.error(f"--block-sizes {a.block_sizes!r}: expected positive whole numbers, e.g. 16,256")
-    return a
+    return p.parse_args(argv)
 
 
 class Timer:
