@@ -14,7 +14,7 @@ A cascade (FlashInfer's name; vLLM's cascade attention) splits each request's at
 
 Each part is a softmax over part of the keys. Both kernels return the log of their softmax's sum
 (log-sum-exp, lse), and o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2) is attention over all the
-keys, exactly (computed against the larger lse, so that nothing overflows).
+keys, exactly.
 
 The shared part needs a kernel that runs many queries over one sequence: flash-attn has one; the
 Triton kernel (triton_attention.py) runs one query per request, so --attn triton runs without a
@@ -33,11 +33,12 @@ MIN_SHARED_TOKENS_READ = 65_536
 
 
 def merge(out_shared, lse_shared, out_own, lse_own) -> torch.Tensor:
-    """Two softmaxes over disjoint keys as one. out_*: [B, n_heads, d]; lse_*: [B, n_heads], fp32."""
-    top = torch.maximum(lse_shared, lse_own)
-    w_shared, w_own = (torch.exp(lse - top)[..., None] for lse in (lse_shared, lse_own))
-    out = (out_shared.float() * w_shared + out_own.float() * w_own) / (w_shared + w_own)
-    return out.to(out_shared.dtype)
+    """Two softmaxes over disjoint keys as one. out_*: [B, n_heads, d]; lse_*: [B, n_heads], fp32.
+    The shared part's weight, e^lse_shared / (e^lse_shared + e^lse_own), is
+    sigmoid(lse_shared - lse_own): no exponential of an lse itself, so nothing overflows.
+    (cascade_merge.py does the same in one Triton kernel, for the GPU.)"""
+    w = torch.sigmoid(lse_shared - lse_own)[..., None]  # [B, n_heads, 1]
+    return torch.lerp(out_own.float(), out_shared.float(), w).to(out_own.dtype)
 
 
 class FlashParts:
@@ -45,7 +46,9 @@ class FlashParts:
 
     def __init__(self, prefix_tokens: int, device):
         from flash_attn import flash_attn_with_kvcache
-        self.with_kvcache = flash_attn_with_kvcache
+
+        from features.cascade_merge import fused_merge
+        self.with_kvcache, self.merge = flash_attn_with_kvcache, fused_merge
         # The prefix as a sequence of one: [1], on the GPU, where a CUDA graph reads it.
         self.prefix_tokens = torch.full((1,), prefix_tokens, dtype=torch.int32, device=device)
 
@@ -66,6 +69,8 @@ class FlashParts:
 class TorchParts:
     """The same two parts written out in float32: the tests' reference. (Its gather of a
     request's blocks is TorchAttention.decode's; SDPA there returns no lse.)"""
+
+    merge = staticmethod(merge)
 
     @staticmethod
     def _attend(q, k, v, holds_token):
@@ -117,7 +122,7 @@ class CascadeAttention:
         own = DecodeBatch(batch.slot_mapping, batch.block_table[:, self.prefix_blocks:],
                           (batch.cache_seqlens - self.prefix_tokens).clamp(min=1),
                           max(batch.max_cache_seqlen - self.prefix_tokens, 1))
-        return merge(*shared, *self.parts.own(q, key_blocks, value_blocks, own))
+        return self.parts.merge(*shared, *self.parts.own(q, key_blocks, value_blocks, own))
 
 
 class CascadeDecoder:

@@ -11,7 +11,9 @@ hides them in two ways, and this manager does both:
   crosses into such a page finds it mapped. The loop waits, in `slots`, only for the pages its own
   step's requests hold (while one prefill chunk runs, the thread maps the next chunk's prompts):
   for nothing, unless the thread is behind, the look-ahead ran dry (no free page was left), or
-  the step prefills prompts whose pages were just asked for.
+  the step prefills prompts whose pages were just asked for. The queue is looked at too: after
+  each step's own maps, the prompts of the next requests to be admitted (a prefill chunk's worth)
+  get their pages mapped in the rows they will take, from pages mapped nowhere.
 - Deferred reclamation. A finished request's row keeps its pages mapped, and the next request
   placed in that row grows into them without a driver call. Pages mapped but held by no request
   count as free: a row that needs a page when no unmapped one is left takes one from under the
@@ -23,17 +25,20 @@ are the most likely to be still mapped. Row 0 stays the cache's spare row. Count
 preemption are unchanged: a page holds tokens_per_page tokens, as a block does.
 """
 
+import itertools
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
 from block_manager import BlockManager
+from core.engine import PREFILL_CHUNK_TOKENS
 from features.page_manager import consecutive_runs
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
+QUEUE_LOOKAHEAD_TOKENS = PREFILL_CHUNK_TOKENS  # the queue's next prompts, as many as a step admits
 
 
 class MappingFailed(Exception):
@@ -125,6 +130,12 @@ class MappingAheadManager(BlockManager):
         # The loop's time waiting for the thread (the mapping left on the critical path): for
         # the pages of requests just admitted, whose prompts need them at once, and of those growing.
         self.seconds_waiting = {"admission": 0.0, "growth": 0.0}
+        self.waiting = deque()  # the scheduler's queue, once watch_queue is given it
+
+    def watch_queue(self, waiting: deque) -> None:
+        """The scheduler's queue of requests (plumbing/setup.py hands it over): the prompts at its
+        head get their pages mapped before they are admitted."""
+        self.waiting = waiting
 
     def allocate(self, request) -> int:
         needed = self.blocks_needed(len(request.tokens))
@@ -164,6 +175,7 @@ class MappingAheadManager(BlockManager):
         if len(rows):
             kind = "admission" if self.mapper.done < self.admission_ticket[rows].max() else "growth"
             self.seconds_waiting[kind] += self.mapper.wait(int(self.held_ticket[rows].max()))
+        self._map_for_the_queue()  # while this step runs
         return self.row_of[rows] * self.row_tokens + positions
 
     def close(self) -> None:
@@ -199,6 +211,31 @@ class MappingAheadManager(BlockManager):
                     self.lookahead_ran_dry += want - self.num_mapped[row]
                     break
                 self._map(page, row, int(self.num_mapped[row]))
+        self._ask_for_maps()
+
+    def _map_for_the_queue(self) -> None:
+        """Map the pages of the prompts at the head of the queue into the rows they will take:
+        allocate takes idle rows, freed last first, then empty ones. Only pages mapped nowhere are
+        used. It is a guess (a request finishing before they are admitted frees a row they take
+        instead), and a wrong one costs nothing: the pages stay mapped, idle, for whoever takes
+        that row. An empty row given pages becomes idle, behind the idle rows, in the same order."""
+        rows = itertools.chain(reversed(self.idle_rows), reversed(self.empty_rows))
+        tokens, newly_idle = 0, []
+        for request, row in zip(self.waiting, rows):
+            if tokens >= QUEUE_LOOKAHEAD_TOKENS or not self.free_blocks:
+                break
+            tokens += request.num_tokens
+            was_empty = self.num_mapped[row] == 0
+            wanted = min(self.blocks_needed(request.num_tokens), self.pages_per_row)
+            while self.num_mapped[row] < wanted and self.free_blocks:
+                self._map(self.free_blocks.popleft(), row, int(self.num_mapped[row]))
+            if was_empty:  # it has a page now: the loop went on only with one free
+                newly_idle.append(row)
+        if newly_idle:  # they were the last empty rows, the next of them to be taken first
+            del self.empty_rows[len(self.empty_rows) - len(newly_idle):]
+            for row in newly_idle:
+                self.idle_rows[row] = None
+                self.idle_rows.move_to_end(row, last=False)
         self._ask_for_maps()
 
     def _map(self, page: int, row: int, column: int) -> None:

@@ -27,6 +27,8 @@ from features.prefix_cache import PrefixCache
 def copy_blocks(cache, sources: list[int], destinations: list[int]) -> None:
     """Each source block's K and V, every layer, into its destination. One copy per block, in
     place: gathering them all first would take as much memory again."""
+    if not sources:
+        return
     shape = (cache.k.shape[0], *cache.block_shape)  # [n_layers, num_blocks, block_size, H, D]
     for pool in (cache.k, cache.v):
         blocks = pool[:, :cache.spare_slot].view(shape)
@@ -135,8 +137,9 @@ class SharingBlockManager(BlockManager):
         the count falls; the last holder writes in place."""
         part_full = rows[self.num_tokens[rows] % self.block_size != 0]
         blocks = self.table[part_full, self.num_tokens[part_full] // self.block_size]
+        shared = self.ref_counts[blocks] > 1  # most are a request's own: no Python loop for those
         holders_left, must_copy = {}, []
-        for row, block in zip(part_full.tolist(), blocks.tolist()):
+        for row, block in zip(part_full[shared].tolist(), blocks[shared].tolist()):
             holders_left.setdefault(block, int(self.ref_counts[block]))
             if holders_left[block] > 1:
                 holders_left[block] -= 1

@@ -277,6 +277,13 @@ def make_sampler(args):
 def make_scheduler(setup, cache, manager, requests: list[Request]) -> Scheduler:
     """Static batching, or with --continuous a stream with preemption, in mixed steps with
     --max-batched-tokens, swapping with --preemption swap."""
+    scheduler = scheduler_for_flags(setup, cache, manager, requests)
+    if hasattr(manager, "watch_queue"):  # features/mapping_ahead.py maps the next prompts' pages
+        manager.watch_queue(scheduler.waiting)
+    return scheduler
+
+
+def scheduler_for_flags(setup, cache, manager, requests: list[Request]) -> Scheduler:
     args = setup.args
     if not args.continuous:
         return Scheduler(manager, requests)

@@ -116,3 +116,24 @@ def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths)
     plain = FlashAttention().decode(q, k, v, batch).double()
     error, plain_error = (got - expected).abs().max(), (plain - expected).abs().max()
     assert error <= 2 * plain_error + 1e-3, (error, plain_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton)")
+@pytest.mark.parametrize("n_heads", [32, 24])  # 24: heads padded to a power of two
+def test_the_fused_merge_equals_the_merge_in_float64(n_heads):
+    from features.cascade import merge
+    from features.cascade_merge import fused_merge
+    g = torch.Generator().manual_seed(5)
+    batch, d = 300, 128
+    outs = [torch.randn(batch, n_heads, d, generator=g).cuda().bfloat16() for _ in range(2)]
+    lses = [torch.randn(batch, n_heads, generator=g).cuda() * 5 for _ in range(2)]
+    lses[0][:4] += 200.0  # one part's weight ~1 or ~0, where a plain exp(lse) would overflow
+    lses[1][4:8] += 200.0
+    lse_shared_transposed = lses[0].T.contiguous().T  # flash's shared lse is a transposed view
+    expected = merge(outs[0].double(), lses[0].double(), outs[1].double(), lses[1].double())
+    got = fused_merge(outs[0], lse_shared_transposed, outs[1], lses[1]).double()
+    # Both round once, to bfloat16, from float32 sums of the same terms.
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got[:4], outs[0][:4].double())
+    torch.testing.assert_close(got[4:8], outs[1][4:8].double())

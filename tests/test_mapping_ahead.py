@@ -7,6 +7,7 @@ import concurrent.futures
 import math
 import random
 import time
+from collections import deque
 
 import numpy as np
 import pytest
@@ -132,6 +133,41 @@ def test_a_finished_requests_pages_stay_mapped_and_the_next_request_in_its_row_m
     m.close()
 
 
+def test_the_next_prompts_in_the_queue_find_their_pages_mapped_in_the_rows_they_take():
+    m = manager(num_pages=40, tokens_per_page=4, max_requests=5, pages_per_row=8)
+    m.allocate(request(0, 9))
+    m.free(request(0, 0))  # an idle row with 3 pages held (and ahead: 5 in all)
+    queue = deque([request(1, 30), request(2, 5), request(3, 17), request(4, 2)])
+    m.watch_queue(queue)
+    m.slots(np.array([], dtype=np.int64), np.array([], dtype=np.int64))  # a step runs
+    asked = m.mapper.asked
+    for r in [1, 2, 3]:
+        m.allocate(queue.popleft())  # admitted in order, as the scheduler does
+    # Request 1 took the idle row (8 pages for 30 tokens + 10 ahead), 2 and 3 the first empty
+    # rows: all their prompts' pages were there already; only pages ahead of them are new.
+    assert all(m.admission_ticket[r] <= asked for r in [1, 2, 3])
+    assert [len(m.owned_blocks[r]) for r in [1, 2, 3]] == [8, 2, 5]
+    m.slots(np.array([1, 2, 3]), np.array([29, 4, 16]))  # CheckedManager: mapped where held
+    assert m.seconds_waiting["admission"] < 0.05
+    m.close()
+
+
+def test_a_request_freed_before_the_queue_is_admitted_changes_the_rows_and_costs_nothing():
+    m = manager(num_pages=12, tokens_per_page=4, max_requests=3, pages_per_row=4)
+    queue = deque([request(1, 8), request(2, 8)])
+    m.allocate(request(0, 4))
+    m.watch_queue(queue)
+    m.slots(np.array([0]), np.array([3]))  # rows guessed for 1 and 2, pages mapped there
+    m.free(request(0, 0))  # its row is now the first taken: the guess is off by one row
+    for r in [1, 2]:
+        m.allocate(queue.popleft())
+    m.slots(np.array([1, 2]), np.array([7, 7]))
+    under = settled(m)
+    assert under == {(r, j): page for r, pages in enumerate(m.row_pages) for j, page in enumerate(pages)}
+    assert m.num_free_blocks + 4 == 12  # 2 + 2 pages held; the rest free, mapped or not
+    m.close()
+
+
 operations = st.lists(st.tuples(st.sampled_from(["admit", "append", "append", "free"]),
                                 st.integers(0, 3), st.integers(1, 30)), max_size=50)
 
@@ -141,7 +177,12 @@ operations = st.lists(st.tuples(st.sampled_from(["admit", "append", "append", "f
 def test_the_page_table_is_what_the_manager_says_under_any_operations(ops, tokens_per_page,
                                                                       num_pages):
     m = manager(num_pages, tokens_per_page, 4, 64, FakePageTable(max_sleep_seconds=1e-4))
-    for op, row, count in ops:
+    queue = deque()
+    m.watch_queue(queue)
+    for i, (op, row, count) in enumerate(ops):
+        # The queue: the admissions still to come, some of which will find their rows taken.
+        queue.clear()
+        queue.extend(request(r, c) for o, r, c in ops[i + 1:] if o == "admit")
         try:
             if op == "admit" and row not in m.owned_blocks:
                 m.allocate(request(row, count))
@@ -160,6 +201,8 @@ def test_the_page_table_is_what_the_manager_says_under_any_operations(ops, token
         mapped = [page for pages in m.row_pages for page in pages]
         assert sorted(mapped + list(m.free_blocks)) == list(range(num_pages)), "a page leaked"
         assert m.num_free_blocks + sum(map(len, m.owned_blocks.values())) == num_pages
+        assert all(m.num_mapped[r] > 0 for r in m.idle_rows), "an idle row holds pages"
+        assert all(m.num_mapped[r] == 0 for r in m.empty_rows), "an empty row holds none"
     for row in list(m.owned_blocks):
         m.free(request(row, 0))
     assert m.num_free_blocks == num_pages and m.num_used_blocks == 0
