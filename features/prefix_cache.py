@@ -21,6 +21,7 @@ class PrefixCache:
         self.block_of: dict[tuple, int] = {}  # (serial of the previous block, tokens) -> block
         self.entry_of: dict[int, tuple[tuple, int]] = {}  # block -> (its key, its serial)
         self.next_serial = 0
+        self.version = 0  # changes whenever a key is added or dropped: a lookup may differ then
 
     def _key(self, previous: int, tokens, i: int) -> tuple:
         return previous, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
@@ -47,6 +48,7 @@ class PrefixCache:
                     self.block_of[key] = block
                     self.entry_of[block] = (key, self.next_serial)
                     self.next_serial += 1
+                    self.version += 1
                 block = self.block_of[key]
             previous = self.entry_of[block][1]
 
@@ -55,3 +57,4 @@ class PrefixCache:
         entry = self.entry_of.pop(block, None)
         if entry is not None:
             del self.block_of[entry[0]]
+            self.version += 1

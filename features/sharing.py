@@ -46,6 +46,7 @@ class SharingBlockManager(BlockManager):
         self.free_blocks = OrderedDict.fromkeys(range(self.num_blocks))
         self.ref_counts = np.zeros(self.num_blocks, dtype=np.int64)  # requests holding each block
         self.prefix_cache = PrefixCache(self.block_size) if prefix_caching else None
+        self.last_lookup = (None, [])  # (request, its tokens, cache version) -> its cached blocks
         self.prompt_holders: dict[tuple, int] = {}  # a prompt -> the row of a request holding it
         # What sharing saved, for the report: references taken to blocks computed for another
         # request, copies made; per request at its first admission, the tokens it found cached
@@ -63,8 +64,15 @@ class SharingBlockManager(BlockManager):
 
     def _cached_blocks(self, request) -> list[int]:
         """The blocks of the request's longest cached prefix. Its newest token is left out: the
-        prefill that computes it needs a slot of the request's own to write."""
-        return self.prefix_cache.lookup(request.tokens[:-1]) if self.prefix_cache else []
+        prefill that computes it needs a slot of the request's own to write. The scheduler asks
+        twice per request (how many tokens, how many blocks) and allocate twice more: the last
+        answer is kept while the cache and the request are unchanged."""
+        if not self.prefix_cache:
+            return []
+        question = (request.row, request.num_tokens, self.prefix_cache.version)
+        if self.last_lookup[0] != question:
+            self.last_lookup = (question, self.prefix_cache.lookup(request.tokens[:-1]))
+        return self.last_lookup[1]
 
     def cached_tokens(self, request) -> int:
         """Tokens that allocate(request) would find cached, not to be computed."""
