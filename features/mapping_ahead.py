@@ -38,6 +38,9 @@ from core.engine import PREFILL_CHUNK_TOKENS
 from features.page_manager import consecutive_runs
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
+MAP_RUN_TOKENS = 64  # a row found short gets pages for this many tokens more, in one call: 4 pages
+                     # of 16 tokens (per-token rows), 1 of 1,024 (per-layer). Fewer, longer calls
+                     # cost both threads less host time (and the GIL) per step.
 QUEUE_LOOKAHEAD_TOKENS = PREFILL_CHUNK_TOKENS  # the queue's next prompts, as many as a step admits
 
 
@@ -198,12 +201,13 @@ class MappingAheadManager(BlockManager):
         self._place(rows, columns, (virtual * self.pages_per_row + columns).tolist())
 
     def _map_ahead(self, rows: np.ndarray) -> None:
-        """Map the pages the requests in `rows` will cross into within LOOKAHEAD_STEPS steps.
-        Most steps none does: the Python loop is over the few that do."""
-        wanted = np.minimum(self.blocks_needed(self.num_tokens[rows] + LOOKAHEAD_STEPS),
-                            self.pages_per_row)
+        """Map the pages the requests in `rows` will cross into within LOOKAHEAD_STEPS steps,
+        and MAP_RUN_TOKENS more with them. Most steps no row is short: the Python loop is over
+        the few that are."""
+        soon = self.num_tokens[rows] + LOOKAHEAD_STEPS
         virtual = self.row_of[rows]
-        short = wanted > self.num_mapped[virtual]
+        short = np.minimum(self.blocks_needed(soon), self.pages_per_row) > self.num_mapped[virtual]
+        wanted = np.minimum(self.blocks_needed(soon + MAP_RUN_TOKENS), self.pages_per_row)
         for row, want in zip(virtual[short].tolist(), wanted[short].tolist()):
             while self.num_mapped[row] < want:
                 page = self._unmapped_page(take_ahead=False)

@@ -19,7 +19,7 @@ from block_manager import BlockManager, OutOfBlocks
 from conftest import generate, request
 from core.attention import TorchAttention
 from core.kv_cache import KVCache
-from features.mapping_ahead import (LOOKAHEAD_STEPS, BackgroundMapper, MappingAheadManager,
+from features.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
                                     MappingFailed)
 from plumbing.checkpoints import random_model
 from test_scheduler import MAX_SEQ_LEN, random_prompts
@@ -34,6 +34,7 @@ class FakePageTable:
         self.under: dict[tuple[int, int], int] = {}  # (virtual row, page of the row) -> page
         self.max_sleep, self.fail_at_call, self.num_calls = max_sleep_seconds, fail_at_call, 0
         self.rng = random.Random(0)
+        self.map_sizes = []  # pages per map call
 
     def _call(self):
         self.num_calls += 1
@@ -45,6 +46,7 @@ class FakePageTable:
 
     def map(self, page_sets: list[int], row: int, first_page: int) -> None:
         self._call()
+        self.map_sizes.append(len(page_sets))
         assert row > 0, "row 0 is the spare row"
         for page, page_set in enumerate(page_sets, start=first_page):
             assert (row, page) not in self.under, "mapped twice"
@@ -84,10 +86,10 @@ def settled(m):
 
 def test_a_page_is_mapped_steps_before_the_token_that_crosses_into_it():
     tokens_per_page = 4
-    m = manager(num_pages=40, tokens_per_page=tokens_per_page, max_requests=1, pages_per_row=40)
+    m = manager(num_pages=60, tokens_per_page=tokens_per_page, max_requests=1, pages_per_row=60)
     m.allocate(request(0, 3))
     asked_at_step, crossed_at_step = {}, {}  # page of the row -> step its map was asked, first held
-    for step in range(60):
+    for step in range(200):
         for column in range(int(m.num_mapped[m.row_of[0]])):
             asked_at_step.setdefault(column, step)
         held = len(m.owned_blocks[0])
@@ -95,18 +97,24 @@ def test_a_page_is_mapped_steps_before_the_token_that_crosses_into_it():
         if len(m.owned_blocks[0]) > held:
             crossed_at_step[held] = step
     # Past those mapped at admission, page j is wanted once num_tokens + LOOKAHEAD_STEPS passes
-    # 4j: 9 steps before the token at position 4j needs it.
+    # 4j: 9 steps or more before the token at position 4j needs it.
     ahead = {column: step for column, step in crossed_at_step.items() if asked_at_step[column] > 0}
-    assert len(ahead) > 10
+    assert len(ahead) > 20
     for column, step in ahead.items():
         assert step - asked_at_step[column] >= LOOKAHEAD_STEPS - 1
+    # ... in runs of MAP_RUN_TOKENS, 16 pages of 4 tokens per call, not a call per page (but the
+    # last, at the row's end).
+    settled(m)
+    assert min(m.mapper.cache.map_sizes[1:-1]) >= MAP_RUN_TOKENS // tokens_per_page
     m.close()
 
 
 def test_with_the_pool_short_the_look_ahead_runs_dry_and_a_page_mapped_ahead_is_taken_back():
     m = manager(num_pages=3, tokens_per_page=4, max_requests=3, pages_per_row=8)
-    m.allocate(request(0, 4))  # holds page 0 of its row; 3 more wanted ahead, 2 free
-    assert m.lookahead_ran_dry == 1 and m.num_free_blocks == 2  # pages mapped ahead are free
+    # It holds page 0 of its row; the rest of the row's 8 are wanted ahead (10 steps and a run of
+    # 64 tokens more), and 2 are free.
+    m.allocate(request(0, 4))
+    assert m.lookahead_ran_dry == 5 and m.num_free_blocks == 2  # pages mapped ahead are free
     row_a = int(m.row_of[0])
     assert len(settled(m)) == 3
     m.allocate(request(1, 4))  # the pool is empty: it takes the last page mapped ahead for 0
@@ -119,16 +127,16 @@ def test_with_the_pool_short_the_look_ahead_runs_dry_and_a_page_mapped_ahead_is_
 
 def test_a_finished_requests_pages_stay_mapped_and_the_next_request_in_its_row_maps_nothing():
     m = manager(num_pages=10, tokens_per_page=4, max_requests=3, pages_per_row=8)
-    m.allocate(request(0, 9))  # pages 0-2 held, 3-4 mapped ahead
+    m.allocate(request(0, 9))  # pages 0-2 held, 3-7 (the rest of its row) mapped ahead
     under = dict(settled(m))
     row, asked = int(m.row_of[0]), m.mapper.asked
     m.free(request(0, 0))
     assert settled(m) == under and m.num_free_blocks == 10 and m.num_used_blocks == 0
-    m.allocate(request(2, 13))  # the row freed last; pages 0-3 there already, page 4 ahead
-    assert m.row_of[2] == row and m.mapper.asked == asked + 1  # one more page ahead: 17 tokens
+    m.allocate(request(2, 13))  # the row freed last: its pages 0-3 and those ahead are there
+    assert m.row_of[2] == row and m.mapper.asked == asked  # no driver call at all
     assert m.owned_blocks[2] == [under[row, j] for j in range(4)]
-    # Another row takes idle pages from under the idle row when none is mapped nowhere.
-    m.allocate(request(1, 17))  # 5 pages: 5 of the pool's free, then one from request 2's ahead
+    # Another row takes pages mapped ahead from under a running row when none is mapped nowhere.
+    m.allocate(request(1, 17))  # 5 pages: the pool's 2, then 3 of request 2's pages ahead
     m.slots(np.array([1, 2]), np.array([16, 12]))
     m.close()
 
