@@ -32,14 +32,16 @@ class TorchAttention:
                 q_, k_, v_, is_causal=True, enable_gqa=True).transpose(0, 1)
         return out
 
-    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch, prompts=None):
         """Prompts whose first tokens were cached already (prefix caching): q holds the rest of
         each, and every token, cached or new, is read from the pool. Query i of a prompt with
-        n_k tokens of which n_q are in q sits at position n_k - n_q + i and sees keys up to it."""
+        n_k tokens of which n_q are in q sits at position n_k - n_q + i and sees keys up to it.
+        `prompts`: the indices of those to compute (default all; the others' rows stay unset)."""
         out = torch.empty_like(q)
         q_bounds, k_bounds = batch.cu_seqlens_host, batch.cu_seqlens_k_host
         block_size = key_blocks.shape[1]
-        for r, (start, end) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
+        for r in range(len(q_bounds) - 1) if prompts is None else prompts:
+            start, end = q_bounds[r], q_bounds[r + 1]
             n_q, n_k = end - start, k_bounds[r + 1] - k_bounds[r]
             table = batch.block_table[r, :math.ceil(n_k / block_size)]
             k = key_blocks[table].flatten(0, 1)[:n_k].transpose(0, 1)  # [n_kv_heads, n_k, d]

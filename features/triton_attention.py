@@ -12,12 +12,14 @@ decode through this kernel, which reads blocks of any power-of-two size from 16 
 through PyTorch's SDPA. Triton comes with PyTorch on CUDA: it needs no package beyond torch.
 """
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from core.attention import TorchAttention
+from core.kv_cache import PrefillBatch
 
 TOKENS_PER_TILE = 64  # tokens loaded per loop step, whatever the block size: a tile of 64 tokens
                       # spans four blocks of 16, or a quarter of a block of 256
@@ -90,6 +92,9 @@ class TritonAttention:
     name = "triton"
     cuda_graphs = True  # the kernel reads block_table and cache_seqlens on the GPU
 
+    def __init__(self):
+        self._split_of = self._split = None  # the last prefill batch, and _fresh_part's answer
+
     def prefill(self, q, k, v, batch):
         """One SDPA call for the whole chunk: the prompts as a nested (jagged) tensor, which
         PyTorch's fused kernels take on CUDA. They want as many K/V heads as query heads."""
@@ -104,9 +109,42 @@ class TritonAttention:
             as_nested(v.repeat_interleave(group, 1)), is_causal=True)
         return out.transpose(1, 2).values()  # [T, n_heads, d]
 
-    # After a cached prefix, the reference's loop: the fused SDPA kernels' causal mask is aligned
-    # to the first key, which is right only where a prompt has no cached tokens before its own.
-    prefill_after_prefix = TorchAttention.prefill_after_prefix
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+        """A chunk comes here as soon as one of its prompts has cached tokens, yet most have
+        none (W2 with blocks of 16: 56 of 2,000 prompts begin with a block another one cached).
+        Those go through `prefill`'s fused kernel, their K/V read back from the slots just
+        written. The others take the reference's loop: the fused kernels' causal mask is aligned
+        to the first key, right only where a prompt has nothing cached before its own tokens."""
+        fresh = self._fresh_part(batch)
+        if fresh is None:
+            return TorchAttention.prefill_after_prefix(self, q, key_blocks, value_blocks, batch)
+        tokens, fresh_batch, cached_prompts = fresh
+        out = TorchAttention.prefill_after_prefix(self, q, key_blocks, value_blocks, batch,
+                                                  cached_prompts)  # their rows; the rest unset
+        k, v = (blocks.flatten(0, 1)[fresh_batch.slot_mapping] for blocks in (key_blocks, value_blocks))
+        out[tokens] = self.prefill(q[tokens], k, v, fresh_batch)
+        return out
+
+    def _fresh_part(self, batch):
+        """The chunk's prompts with nothing cached: their tokens' indices ([T'] on the GPU), a
+        batch of them alone, and the other prompts' indices; None if none is fresh. Worked out
+        at the first layer and kept for the others (each layer asks with the same batch)."""
+        if self._split_of is not batch:
+            new_tokens = np.diff(batch.cu_seqlens_host)
+            fresh = new_tokens == np.diff(batch.cu_seqlens_k_host)
+            self._split_of, self._split = batch, None
+            if fresh.any():
+                # Pinned and non-blocking: a copy from pageable memory would wait for the GPU.
+                to_gpu = lambda a, dtype: torch.from_numpy(a).pin_memory().to(
+                    batch.slot_mapping.device, dtype, non_blocking=True)
+                tokens = to_gpu(np.flatnonzero(np.repeat(fresh, new_tokens)), torch.long)
+                bounds = np.concatenate([[0], np.cumsum(new_tokens[fresh])])
+                fresh_batch = PrefillBatch(slot_mapping=batch.slot_mapping[tokens],
+                                           cu_seqlens=to_gpu(bounds, torch.int32),
+                                           cu_seqlens_host=bounds.tolist(),
+                                           max_seqlen=int(new_tokens[fresh].max()))
+                self._split = tokens, fresh_batch, np.flatnonzero(~fresh).tolist()
+        return self._split
 
     def decode(self, q, key_blocks, value_blocks, batch):
         return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)

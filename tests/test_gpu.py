@@ -302,13 +302,17 @@ def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(flags, m
 
 
 @pytest.mark.parametrize("attention", ["flash", "triton"])
-@pytest.mark.parametrize("cached", [0, 1, 255, 256, 700])
-def test_prefill_after_a_cached_prefix_matches_the_reference(attention, cached):
-    # Three prompts whose first `cached` tokens (capped below each length) are in the pool.
+@pytest.mark.parametrize("cached, second_fresh", [(0, True), (1, False), (255, False), (256, False),
+                                                  (700, False), (1, True), (256, True)])
+def test_prefill_after_a_cached_prefix_matches_the_reference(attention, cached, second_fresh):
+    # Three prompts whose first `cached` tokens (capped below each length) are in the pool; with
+    # second_fresh, the second has none cached (Triton computes such prompts apart).
     g = torch.Generator(device="cuda").manual_seed(cached)
     block_size = 256 if attention == "flash" else 16
     lengths = [cached + 5, cached + 300, max(cached, 1) + 1]
     starts = [min(cached, n - 1) for n in lengths]
+    if second_fresh:
+        starts[1] = 0
     max_blocks = math.ceil(max(lengths) / block_size)
     num_blocks = 3 * max_blocks + 5
     table = torch.randperm(num_blocks, device="cuda", generator=g)[:3 * max_blocks].view(3, -1).int()
@@ -319,7 +323,10 @@ def test_prefill_after_a_cached_prefix_matches_the_reference(attention, cached):
     k_bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
     q = torch.randn(q_bounds[-1], 32, 128, device="cuda", generator=g).bfloat16()
     to_cuda = lambda b: torch.tensor(b, dtype=torch.int32, device="cuda")
-    info = PrefillBatch(None, to_cuda(q_bounds), q_bounds, max(new), table, to_cuda(k_bounds),
+    slots = torch.cat([table[r, torch.arange(s, n, device="cuda") // block_size] * block_size
+                       + torch.arange(s, n, device="cuda") % block_size
+                       for r, (s, n) in enumerate(zip(starts, lengths))]).long()  # the new tokens'
+    info = PrefillBatch(slots, to_cuda(q_bounds), q_bounds, max(new), table, to_cuda(k_bounds),
                         k_bounds, max(lengths))
     backend = FlashAttention() if attention == "flash" else TritonAttention()
     out = backend.prefill_after_prefix(q, keys, values, info)
