@@ -27,9 +27,9 @@ from core.kv_cache import DecodeBatch
 
 # When the cascade pays, measured on the H200 with tools/cascade_cost.py (README, "Shared memory
 # is not shared bandwidth"): its two kernels and the merge cost more than the plain kernel's
-# reads of the prefix until the batch x the prefix reaches some 64K tokens (a batch of 64 for a
-# prefix of 1,024 tokens, 32 for 2,048, 128 for 512).
-MIN_SHARED_TOKENS_READ = 65_536
+# reads of the prefix until the batch x the prefix reaches some 32K tokens (a batch of 32 for a
+# prefix of 1,024 tokens, 16 for 2,048, 64 for 512). With the merge in PyTorch it took 64K.
+MIN_SHARED_TOKENS_READ = 32_768
 
 
 def merge(out_shared, lse_shared, out_own, lse_own) -> torch.Tensor:
