@@ -18,6 +18,8 @@ from collections import deque
 import numpy as np
 import torch
 
+from core.kv_cache import to_device
+
 
 class OutOfBlocks(Exception):
     """The pool has fewer free blocks (or pages) than asked for. Nothing was allocated."""
@@ -106,8 +108,10 @@ class BlockManager:
         if len(blocks) == 0:
             return
         self.table[rows, columns] = blocks
-        self.block_table[torch.from_numpy(rows), torch.from_numpy(columns)] = (
-            torch.tensor(blocks, dtype=torch.int32).to(self.block_table.device))
+        entries = rows * self.table.shape[1] + columns  # where they are in the flattened table
+        device = self.block_table.device
+        self.block_table.view(-1)[to_device(entries, device)] = to_device(
+            np.asarray(blocks, dtype=np.int32), device)
 
     def _clear(self, row: int, blocks: list[int]) -> None:
         self.table[row] = 0

@@ -6,8 +6,10 @@ newest token (features/mixed_steps.py's steps do both in one prefill pass). Eith
 manager's `slots` says where each new token's K and V go.
 
 Host work per decode step does not grow with layers x requests: block bookkeeping touches only
-requests that cross a block boundary, and the only GPU-to-CPU copy is the sampled tokens, once
-per step.
+requests that cross a block boundary. Each request's newest token stays on the device, where the
+next step reads it; the only GPU-to-CPU copy is the sampled tokens, once per step. Here the host
+waits for them before it schedules the next step; features/overlap.py schedules step t+1 while
+the GPU runs step t.
 """
 
 import time
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from core.kv_cache import DecodeBatch, PrefillBatch
+from core.kv_cache import DecodeBatch, PrefillBatch, to_device
+from core.request import Step
 
 PREFILL_CHUNK_TOKENS = 8192  # tokens per prefill pass: big enough for full-speed matmuls,
                              # small enough that activations stay a small share of memory
@@ -49,6 +52,8 @@ class Generation:
     timeline: list[KVSnapshot] = field(default_factory=list)  # one per decode step
     most_running: int = 0  # the largest number of requests running at once
     scheduler: object = None  # who ran when, for the report
+    gpu_idle_seconds: float = 0.0  # the GPU's time between one step's end and the next's start
+    num_steps: int = 0  # prefill, decode and mixed
 
     @property
     def output_tokens(self) -> list[list[int]]:
@@ -104,19 +109,20 @@ class EagerDecoder:
         return self.sampler(logits, rows, positions + 1)  # [B]
 
     def step(self, tokens, positions, rows, slots) -> torch.Tensor:
-        """The same from host arrays ([B] each): the next tokens, [B] on device."""
-        inputs = np.stack([tokens, positions, rows, slots])  # [4, B]: one copy to the device
-        on_device = torch.from_numpy(inputs).to(self.block_table.device)
-        return self.decode(*on_device, int(positions.max()) + 1)
+        """The same with tokens on the device and the rest host arrays ([B] each): the next
+        tokens, [B] on device."""
+        inputs = to_device(np.stack([positions, rows, slots]), self.block_table.device)  # [3, B]
+        return self.decode(tokens, *inputs, int(positions.max()) + 1)
 
 
 class StepTimer:
     """Each step's GPU time from CUDA events, read once at the end so that timing adds no sync;
-    wall time on the CPU."""
+    wall time on the CPU. The time between one step's end and the next one's start is time the
+    GPU had nothing to do: it waited for the host."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
-        self.starts, self.stops = [], []
+        self.starts, self.stops, self.decodes = [], [], []
 
     def _now(self):
         if not self.cuda:
@@ -125,17 +131,38 @@ class StepTimer:
         event.record()
         return event
 
-    def start(self) -> None:
+    def start(self, decodes: bool) -> None:
         self.starts.append(self._now())
+        self.decodes.append(decodes)
 
     def stop(self) -> None:
         self.stops.append(self._now())
 
-    def seconds(self) -> list[float]:
+    def _between(self, starts, stops) -> list[float]:
         if not self.cuda:
-            return [stop - start for start, stop in zip(self.starts, self.stops)]
+            return [stop - start for start, stop in zip(starts, stops)]
         torch.cuda.synchronize()
-        return [start.elapsed_time(stop) / 1000 for start, stop in zip(self.starts, self.stops)]
+        return [start.elapsed_time(stop) / 1000 for start, stop in zip(starts, stops)]
+
+    def decode_seconds(self) -> list[float]:
+        """The GPU time of each step that decoded."""
+        seconds = self._between(self.starts, self.stops)
+        return [s for s, decodes in zip(seconds, self.decodes) if decodes]
+
+    def idle_seconds(self) -> float:
+        """The GPU's time between steps, in all (on the CPU, the host's: nothing runs ahead)."""
+        return sum(self._between(self.stops[:-1], self.starts[1:]))
+
+
+@dataclass
+class Launched:
+    """A step queued on the device. Its tokens reach `tokens` on the host once `ready` has passed
+    (a CUDA event; on the CPU they are there already)."""
+
+    step: Step
+    drawing: list  # the requests that draw a token: all but a mixed step's partial chunks
+    tokens: torch.Tensor  # [len(drawing)]
+    ready: object = None
 
 
 class Engine:
@@ -153,53 +180,81 @@ class Engine:
         `stop_ids` (not returned) or after its max_new_tokens, then leaves the batch and gives its
         blocks back."""
         requests = list(scheduler.waiting)
-        newest = np.array([r.tokens[-1] for r in requests])  # fed to each one's next decode step
+        # Each request's newest token, by row, on the device: its next decode step's input.
+        self.newest = torch.zeros(len(self.manager.num_tokens), dtype=torch.long, device=self.device)
+        rows = np.array([r.row for r in requests], dtype=np.int64)
+        last = np.array([r.tokens[-1] for r in requests], dtype=np.int64)
+        self.newest[to_device(rows, self.device)] = to_device(last, self.device)
         self.timeline, self.timer = [], StepTimer(self.device)
         prefilled_before = self.num_prefilled
         seconds = {"prefill": 0.0, "decode": 0.0}  # wall time of each kind of step
         # A context, so that the bar is gone before an error message (out of blocks) is printed.
         with tqdm(desc="decode", unit="step", total=steps_left(scheduler), disable=not progress,
                   leave=False) as bar:
-            while scheduler.has_work():
-                start = time.perf_counter()
-                step = scheduler.schedule()
-                drawing, new_tokens = self.run(step, newest, scheduler)
-                scheduler.finish(record(drawing, new_tokens, stop_ids, scheduler.now()))
-                seconds["decode" if step.decodes else "prefill"] += time.perf_counter() - start
+            start = time.perf_counter()
+            for step in self.steps(scheduler, stop_ids):
+                now = time.perf_counter()
+                seconds["decode" if step.decodes else "prefill"] += now - start
+                start = now
                 if step.decodes:
                     bar.update()
                     if bar.n >= bar.total:  # requests from the queue: more steps to come
                         bar.total = bar.n + steps_left(scheduler)
                     bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
                                     blocks=self.manager.num_used_blocks, refresh=False)
-        for snapshot, step_seconds in zip(self.timeline, self.timer.seconds()):
+        for snapshot, step_seconds in zip(self.timeline, self.timer.decode_seconds()):
             snapshot.seconds = step_seconds
         return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
-                          seconds["decode"], self.timeline, scheduler.most_running, scheduler)
+                          seconds["decode"], self.timeline, scheduler.most_running, scheduler,
+                          self.timer.idle_seconds(), len(self.timer.starts))
 
-    def run(self, step, newest: np.ndarray, scheduler) -> tuple[list, np.ndarray]:
-        """Compute one step. Returns the requests that drew a token, and those tokens ([D], on
-        the host); `newest` (each request's newest token, by row) gets them too."""
-        if step.decodes:  # note the cache as the step finds it, and time the step
+    def steps(self, scheduler, stop_ids):
+        """One step after the other: schedule it, compute it, wait for its tokens and record
+        them, then the next. Yields each step once its tokens are recorded."""
+        while scheduler.has_work():
+            step = scheduler.schedule()
+            launched = self.launch(step, scheduler)
+            scheduler.finish(record(launched.drawing, self.collect(launched), stop_ids,
+                                    scheduler.now()))
+            yield step
+
+    def launch(self, step, scheduler) -> Launched:
+        """Queue one step on the device: its forward pass, its sampled tokens stored as the
+        drawing requests' newest, and their copy to the host."""
+        if step.decodes:  # note the cache as the step finds it
             self.timeline.append(KVSnapshot(len(self.timeline), len(scheduler.running),
                                             len(scheduler.waiting), self.manager.num_reserved_slots,
                                             self.manager.num_unfilled_slots))
-            self.timer.start()
-        next_tokens = self.prefill(step) if step.is_prefill else self.decode(step, newest[step.rows])
-        if step.decodes:
-            self.timer.stop()
+        self.timer.start(step.decodes)
+        rows = to_device(step.rows, self.device)  # [B]
+        next_tokens = self.prefill(step) if step.is_prefill else self.decode(step, rows)
         draws = step.draws()  # every request, but the partial chunks of a mixed step
-        new_tokens = next_tokens.cpu().numpy()[draws]  # the one sync per step
-        newest[step.rows[draws]] = new_tokens
-        drawing = step.requests if draws.all() else [r for r, d in zip(step.requests, draws) if d]
-        return drawing, new_tokens
+        drawing = step.requests
+        if not draws.all():
+            drawing = [r for r, d in zip(step.requests, draws) if d]
+            drawn = to_device(np.flatnonzero(draws), self.device)
+            rows, next_tokens = rows[drawn], next_tokens[drawn]
+        self.newest[rows] = next_tokens  # where the next step reads them
+        tokens = torch.empty(len(drawing), dtype=torch.long, pin_memory=self.timer.cuda)
+        tokens.copy_(next_tokens, non_blocking=True)  # [D] to the host, queued with the rest
+        self.timer.stop()
+        ready = torch.cuda.Event() if self.timer.cuda else None
+        if ready:
+            ready.record()
+        return Launched(step, drawing, tokens, ready)
 
-    def decode(self, step, tokens: np.ndarray) -> torch.Tensor:
-        """One token for every running request: `tokens` ([B], each one's newest) at
-        step.positions, their K/V written where the block manager's slots say. Returns the next
+    def collect(self, launched: Launched) -> np.ndarray:
+        """The step's tokens on the host ([D]): the wait for the GPU, once per step."""
+        if launched.ready:
+            launched.ready.synchronize()
+        return launched.tokens.numpy()
+
+    def decode(self, step, rows: torch.Tensor) -> torch.Tensor:
+        """One token for every running request (`rows`, [B] on device): its newest token at
+        step.positions, its K/V written where the block manager's slots say. Returns the next
         tokens, [B] on device."""
         slots = self.manager.slots(step.rows, step.positions)  # [B]: the same translation as prefill
-        return self.decoder.step(tokens, step.positions, step.rows, slots)
+        return self.decoder.step(self.newest[rows], step.positions, step.rows, slots)
 
     def prefill(self, step) -> torch.Tensor:
         """Compute the uncached tokens of every request in a prefill step, packed into chunks of
@@ -216,26 +271,24 @@ class Engine:
     def _prefill_chunk(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
         """One forward pass over new_tokens[i], the tokens of request rows[i] from position
         starts[i] on (those before are cached)."""
-        to_device = lambda a, dtype=torch.long: torch.from_numpy(a).to(self.device, dtype)
+        on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         new = np.array([len(t) for t in new_tokens])  # the tokens computed here
         lengths = starts + new  # each one's tokens, cached and new
         cu_seqlens = np.concatenate([[0], np.cumsum(new)])
         # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
         slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
-        batch = PrefillBatch(slot_mapping=to_device(slots),
-                             cu_seqlens=to_device(cu_seqlens, torch.int32),
+        batch = PrefillBatch(slot_mapping=on_device(slots),
+                             cu_seqlens=on_device(cu_seqlens, torch.int32),
                              cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=int(new.max()))
         if starts.any():  # attention must read the cached tokens too, through the block table
             cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
-            batch.block_table = self.manager.block_table[to_device(rows)]
-            batch.cu_seqlens_k = to_device(cu_seqlens_k, torch.int32)
+            batch.block_table = self.manager.block_table[on_device(rows)]
+            batch.cu_seqlens_k = on_device(cu_seqlens_k, torch.int32)
             batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), int(lengths.max())
-        tokens = to_device(np.concatenate(new_tokens))  # [T]
-        # Every input goes to the device before the forward pass is queued: a copy from host
-        # memory waits for the GPU to finish what it has, so one after it would stall.
-        last_token_rows, positions = to_device(cu_seqlens[1:] - 1), to_device(positions)
-        rows_on_device, next_positions = to_device(rows), to_device(lengths)
+        tokens = on_device(np.concatenate(new_tokens))  # [T]
+        last_token_rows, positions = on_device(cu_seqlens[1:] - 1), on_device(positions)
+        rows_on_device, next_positions = on_device(rows), on_device(lengths)
         logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)
         return self.sampler(logits, rows_on_device, next_positions)  # [B, vocab] -> [B]
 

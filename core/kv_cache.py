@@ -11,7 +11,20 @@ will read go there (the padding rows of a fixed-size batch, features/cuda_graphs
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def to_device(array: np.ndarray, device, dtype=None) -> torch.Tensor:
+    """A host array on the device, without making the host wait. A copy from ordinary (pageable)
+    host memory waits until the GPU has finished everything queued before it, so one made while
+    the GPU runs a step would hold the host until the step ends; a copy from pinned
+    (page-locked) memory is queued like a kernel. (PyTorch keeps the pinned buffer alive until
+    its copy is done.)"""
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, dtype, non_blocking=True)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from core.kv_cache import to_device
 from core.request import Request, Step
 from features.sharing import SharingBlockManager
 
@@ -141,7 +142,8 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
             unshared = getattr(manager, "num_unshared_slots", manager.num_reserved_slots)
             fullest = (max(fullest[0], manager.num_reserved_slots), max(fullest[1], unshared))
             slots = manager.slots(rows, positions)
-            out = engine.decoder.step(newest[rows], positions, rows, slots).cpu().numpy()
+            tokens = to_device(newest[rows], engine.device)
+            out = engine.decoder.step(tokens, positions, rows, slots).cpu().numpy()
             for i, s in enumerate(live):
                 advance(manager, cache, s, out[i * width:(i + 1) * width], stop_ids,
                         length_penalty, newest)

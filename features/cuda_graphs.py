@@ -15,7 +15,10 @@ their kernels are long enough to hide the launches.
 
 import bisect
 
+import numpy as np
 import torch
+
+from core.kv_cache import to_device
 
 BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
 
@@ -28,10 +31,9 @@ class GraphDecoder:
         self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
         largest, device = self.buckets[-1], eager.block_table.device
         # The graphs' inputs: tokens, positions, rows and slots, [4, largest]. A step fills the
-        # first B columns and pads the rest of its bucket (`_pad`); the bucket's graph reads no
-        # further. One pinned host buffer, so that one copy that does not wait moves them all.
+        # first B columns and pads the rest of its bucket (`_padded`); the bucket's graph reads no
+        # further. The tokens are on the device already; the other three come in one copy.
         self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
-        self.host_inputs = torch.zeros(4, largest, dtype=torch.long).pin_memory()
         self.spare_slot = eager.cache.spare_slot
         self.inputs[3] = self.spare_slot
         # The attention kernel reads block_table and cache_seqlens on the GPU; the host-side
@@ -61,17 +63,17 @@ class GraphDecoder:
         if batch > self.buckets[-1]:
             return self.eager.step(tokens, positions, rows, slots)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        # Overwriting the pinned buffer is safe: the last step's copy finished before its
-        # tokens reached the host.
-        for i, values in enumerate((tokens, positions, rows, slots)):
-            self.host_inputs[i, :batch] = torch.from_numpy(values)
-        self._pad(batch, bucket, rows[0])
-        self.inputs.copy_(self.host_inputs, non_blocking=True)  # all of it: one contiguous copy
+        self.inputs[0, :batch] = tokens  # rows batch.. keep earlier tokens: any token will do
+        self.inputs[1:] = to_device(self._padded(positions, rows, slots), self.inputs.device)
         self.graphs[bucket].replay()
         return self.next_tokens[bucket][:batch]
 
-    def _pad(self, batch: int, bucket: int, first_row: int) -> None:
-        """Rows batch..bucket-1 run too, and must change nothing: each writes its K/V to the
+    def _padded(self, positions, rows, slots) -> np.ndarray:
+        """Positions, rows and slots for all the inputs' columns, [3, largest]. Columns past
+        the batch, up to its bucket, run too, and must change nothing: each writes its K/V to the
         cache's spare slot, and reads one token of the batch's first request, whose first block
-        exists. Their outputs are ignored."""
-        self.host_inputs[:, batch:bucket] = torch.tensor([0, 0, first_row, self.spare_slot])[:, None]
+        exists. Their outputs are ignored; the graph reads no column past its bucket."""
+        padded = np.empty((3, self.inputs.shape[1]), dtype=np.int64)
+        padded[:, len(rows):] = np.array([0, rows[0], self.spare_slot])[:, None]
+        padded[:, :len(rows)] = positions, rows, slots
+        return padded

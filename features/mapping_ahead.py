@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict, deque
 
 import numpy as np
+import torch
 
 from block_manager import BlockManager
 from core.engine import PREFILL_CHUNK_TOKENS
@@ -65,7 +66,19 @@ class BackgroundMapper:
         return self._ask(self.cache.map, page_sets, row, first_page)
 
     def unmap(self, row: int, first_page: int, num_pages: int) -> int:
-        return self._ask(self.cache.unmap, row, first_page, num_pages)
+        # Unlike the GPU's writes, an unmap is not queued behind the steps already queued, which
+        # may still use the pages (features/overlap.py queues a step before the last one ends):
+        # the thread waits until the GPU has passed this point.
+        queued = None
+        if torch.cuda.is_initialized():
+            queued = torch.cuda.Event()
+            queued.record()
+        return self._ask(self._unmap_after, queued, row, first_page, num_pages)
+
+    def _unmap_after(self, queued, row: int, first_page: int, num_pages: int) -> None:
+        if queued is not None:
+            queued.synchronize()  # releases the GIL, as the driver calls do
+        self.cache.unmap(row, first_page, num_pages)
 
     def wait(self, ticket: int) -> float:
         """Returns the seconds it waited."""

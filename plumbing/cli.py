@@ -332,6 +332,10 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                         "mixed_steps.py) (default: each step prefills or decodes, never both)")
     p.add_argument("--eager", action="store_true",
                    help="decode kernel by kernel from Python instead of replaying CUDA graphs")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step while the GPU computes the one before "
+                        "(features/overlap.py); default: on CUDA, where mixed steps, swapping "
+                        "and --sync-mapping allow it. --no-overlap waits for each step's tokens")
     p.add_argument("--compile", action="store_true",
                    help="on CUDA: fuse each layer's small kernels (norms, RoPE, SiLU, adds) with "
                         "torch.compile, around the attention call (features/compiled_layers.py)")

@@ -361,8 +361,24 @@ def generate(setup, cache, manager, progress: bool = True):
     largest_batch = min(len(requests), args.max_running or len(requests))
     decoder = make_decoder(setup, cache, manager, sampler, largest_batch, progress)
     stop_ids = set() if args.random_weights else setup.tokenizer.stop_ids
-    engine = Engine(setup.model, cache, manager, sampler, decoder)
+    engine = make_engine(setup, cache, manager, sampler, decoder)
     return engine.generate(scheduler, stop_ids, progress)
+
+
+def make_engine(setup, cache, manager, sampler, decoder) -> Engine:
+    """The core loop, or with --overlap (the default on CUDA) steps scheduled while the GPU runs
+    the one before, where the run allows it."""
+    overlap = setup.args.overlap
+    if overlap is None:
+        overlap = setup.device.type == "cuda"
+    if not overlap:
+        return Engine(setup.model, cache, manager, sampler, decoder)
+    from features.overlap import OverlappedEngine, why_not_overlapped
+    why_not = why_not_overlapped(setup.args, manager)
+    if why_not and setup.args.overlap:
+        raise UserError(f"--overlap does not combine with this run: {why_not}. Drop --overlap.")
+    engine_class = Engine if why_not else OverlappedEngine
+    return engine_class(setup.model, cache, manager, sampler, decoder)
 
 
 def find_max_batch(setup, allocate_kv_cache) -> None:

@@ -77,12 +77,13 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
-             max_batched_tokens=None, swap_blocks=0):
+             max_batched_tokens=None, swap_blocks=0, overlap=False):
     """Run prompts through the core engine as the scripts do (plumbing/setup.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
     `continuous`, mixed steps (features/mixed_steps.py); `swap_blocks`: with `continuous`,
-    preemption by swapping to that many host blocks (features/swapping.py)."""
+    preemption by swapping to that many host blocks (features/swapping.py); `overlap`: each step
+    scheduled before the last one's tokens are recorded (features/overlap.py)."""
     from core.engine import EagerDecoder, Engine, greedy
     from core.request import Request, Scheduler
     from features.continuous import ContinuousScheduler
@@ -104,7 +105,10 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine = Engine(model, cache, manager, sampler, decoder)
+    engine_class = Engine
+    if overlap:
+        from features.overlap import OverlappedEngine as engine_class
+    engine = engine_class(model, cache, manager, sampler, decoder)
     engine.chunk_tokens = chunk_tokens
     return engine.generate(scheduler, set(stop_ids), progress=False)
 

@@ -89,6 +89,8 @@ def test_shared_blocks_give_the_beams_of_unshared_ones_in_less_memory(models):
     assert shared.num_copied_blocks > 0  # children wrote into a part-full shared block
 
 
+# slow: 15 s of script runs; test_beam_search above checks the same search in-process
+@pytest.mark.slow
 def test_the_script_reports_the_memory_sharing_saved_and_refuses_what_it_cannot_do(tmp_path):
     import json
     import subprocess

@@ -110,7 +110,7 @@ def cached_keys_after_prefill_and_one_decode(model, prompts, num_blocks, block_s
     requests = [Request(r, p, 5) for r, p in enumerate(prompts)]
     scheduler, engine = Scheduler(manager, requests), Engine(model, cache, manager)
     with torch.inference_mode():
-        first = engine.prefill(scheduler.schedule()).numpy()
+        first = engine.prefill(scheduler.schedule())
         step = scheduler.schedule()
         slots = manager.slots(step.rows, step.positions)
         engine.decoder.step(first, step.positions, step.rows, slots)
@@ -139,14 +139,14 @@ def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
     manager.allocate(request(0, 7)), manager.allocate(request(1, 4))  # the newest at 6 and 3
     decoder = EagerDecoder(model, cache, manager.block_table)
     rows, positions = np.array([0, 1]), np.array([6, 3])
-    fed = np.array([11, 12])
+    fed = torch.tensor([11, 12])  # the newest tokens, on the device
     before = cache.k.clone()
     with torch.inference_mode():
         plain = decoder.step(fed, positions, rows, manager.slots(rows, positions))
         written = cache.k.clone()
         cache.k.copy_(before)
         spare = np.full(2, cache.spare_slot)
-        padded = decoder.step(np.tile(fed, 2), np.concatenate([positions, [0, 0]]),
+        padded = decoder.step(fed.repeat(2), np.concatenate([positions, [0, 0]]),
                               np.tile(rows, 2),
                               np.concatenate([manager.slots(rows, positions), spare]))
     assert padded[:2].tolist() == plain.tolist()

@@ -68,7 +68,7 @@ MAX_SEQ_LEN = 2048
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttention, continuous=False, samples=1, share=False,
                     sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
-                    compiled=False):
+                    compiled=False, overlap=False):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
@@ -83,7 +83,8 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
                else BlockManager(num_blocks, block_size, n, max_blocks, "cuda"))
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
                       max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs,
-                      max_batched_tokens=max_batched_tokens, swap_blocks=swap_blocks)
+                      max_batched_tokens=max_batched_tokens, swap_blocks=swap_blocks,
+                      overlap=overlap)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
     result.num_swapped = getattr(result.scheduler, "num_swapped", 0)
@@ -230,6 +231,23 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption_in_bfloat1
     assert swapped.output_tokens == static.output_tokens
 
 
+@pytest.mark.parametrize("attention, block_size", [(FlashAttention, 256), ("triton", 16)])
+def test_overlapped_steps_give_the_core_loops_tokens_in_bfloat16(attention, block_size):
+    # The same batches in the same order, each queued before the last one's tokens are back: even
+    # in bf16 the same tokens. A pool of twice the largest request's need preempts, and the batch
+    # shrinks through the CUDA-graph buckets.
+    attention = TritonAttention if attention == "triton" else attention
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=8)
+    prompts, budgets = prompts_and_budgets(16, seed=8, most_tokens=120)
+    needed = max(math.ceil((len(p) + b - 1) / block_size) for p, b in zip(prompts, budgets))
+    kw = {"num_blocks": 2 * needed, "block_size": block_size, "attention": attention,
+          "graphs": True, "continuous": True}
+    core = generate_on_gpu(model, prompts, budgets, **kw)
+    overlapped = generate_on_gpu(model, prompts, budgets, overlap=True, **kw)
+    assert core.num_preemptions > 0 and overlapped.num_preemptions == core.num_preemptions
+    assert overlapped.output_tokens == core.output_tokens
+
+
 def test_compiled_layers_give_the_eager_tokens_in_float32():
     # Static and continuous batches (every CUDA-graph bucket from 8 down to 1 is replayed), the
     # prefill and the decode steps all through the compiled layers.
@@ -244,9 +262,10 @@ def test_compiled_layers_give_the_eager_tokens_in_float32():
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
+@pytest.mark.parametrize("ahead, overlap", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "ahead", "ahead-overlapped"])
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
-def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead):
+def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead, overlap):
     from features.mapping_ahead import BackgroundMapper, MappingAheadManager
     from features.virtual_kv_cache import VirtualKVCache
     model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
@@ -264,7 +283,8 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
     manager = (MappingAheadManager(*sizes, BackgroundMapper(cache, cache.memory.make_current), "cuda")
                if ahead else PageManager(*sizes, cache, "cuda"))
     virtual = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, chunk_tokens=8192,
-                       graphs=True, continuous=ahead, max_running=3 if ahead else None)
+                       graphs=True, continuous=ahead, max_running=3 if ahead else None,
+                       overlap=overlap)
     assert virtual.output_tokens == paged.output_tokens == naive.output_tokens
     # Every page back in the pool; the spare row's first page and (ahead) idle pages still mapped.
     assert manager.num_free_blocks == num_pages and not manager.owned_blocks

@@ -117,6 +117,8 @@ def test_find_max_batch_returns_the_batch_the_pool_fits_exactly(tmp_path):
     assert f"Largest batch that completes: {k} requests" in out.stdout
 
 
+# slow: 14 s of script runs; tests/test_scheduler.py checks the same tokens in-process
+@pytest.mark.slow
 def test_continuous_batching_in_a_small_pool_preempts_and_keeps_every_token(tmp_path):
     # The smallest pool of blocks of 16 in which the longest request fits alone.
     requests = load_prompts(6, load_tokenizer())

@@ -45,19 +45,21 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, Engine, greedy, record
+from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, greedy, record
 from core.kv_cache import DecodeBatch
 from core.request import Request
 from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
 from features.mapping_ahead import MappingAheadManager, mapping_seconds
+from features.overlap import OverlappedEngine
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
 from plumbing.prompts import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB
 from plumbing.report import as_json_value, scheduling_report, sharing_report
-from plumbing.setup import DTYPES, arrival_times, load, make_decoder, make_scheduler
+from plumbing.setup import (DTYPES, arrival_times, load, make_decoder, make_engine,
+                            make_scheduler)
 from tools.shared import (SCRIPTS, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
                           parse_script_arguments)
 
@@ -208,6 +210,9 @@ def parse_arguments(argv=None):
                    help="virtual only: map pages in the loop, not ahead on a background thread")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step while the GPU runs the one before (default: where "
+                        "the run allows it)")
     p.add_argument("--compile", action="store_true", help="fused small kernels (torch.compile)")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
@@ -233,6 +238,7 @@ def script_arguments(bench_args):
             "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     argv += ["--eager"] if a.eager else []
     argv += ["--compile"] if a.compile else []
+    argv += [] if a.overlap is None else ["--overlap" if a.overlap else "--no-overlap"]
     argv += ["--continuous"] if a.continuous else []
     argv += ["--max-running", str(a.max_running)] if a.max_running else []
     argv += ["--max-batched-tokens", str(a.max_batched_tokens)] if a.max_batched_tokens else []
@@ -288,7 +294,7 @@ def bench(a) -> dict:
     cache, manager = SCRIPTS[a.script].allocate_kv_cache(setup)
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
-    engine = Engine(setup.model, cache, manager, greedy, decoder)
+    engine = make_engine(setup, cache, manager, greedy, decoder)
     prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)
 
     def run(prompts, budgets, arrivals=None):
@@ -366,6 +372,8 @@ def bench(a) -> dict:
         "decode_seconds": result.decode_seconds,
         "decode_steps": result.decode_steps,
         "gpu_wait_seconds_per_decode_step": gpu_wait_seconds_per_step(result),
+        "gpu_idle_seconds_per_step": result.gpu_idle_seconds / max(result.num_steps, 1),
+        "overlap": isinstance(engine, OverlappedEngine),
         "median_step": {"step": median_step, "seconds": step_seconds,
                         "running_requests": result.timeline[median_step].running_requests,
                         "weight_bytes": weights_read,
@@ -411,8 +419,9 @@ def print_table(r: dict) -> None:
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
              f"{100 * share:.0f}% of the matmul rate" if share else
              f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
-    print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s; the GPU "
-          f"waits {r['gpu_wait_seconds_per_decode_step'] * 1e3:.2f} ms per step for the host")
+    print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s; between "
+          f"steps the GPU idles {r['gpu_idle_seconds_per_step'] * 1e3:.3f} ms per step "
+          f"({'overlapped' if r['overlap'] else 'not overlapped'}: features/overlap.py)")
     if r["latency"]:
         mean_p99 = lambda key: (f"{r['latency'][key]['mean'] * 1e3:,.1f} ms (p99 "
                                 f"{r['latency'][key]['p99'] * 1e3:,.1f} ms)")

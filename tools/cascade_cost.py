@@ -30,7 +30,7 @@ from core.model import PRESETS
 from features.cascade import CascadeAttention
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
                           positive_int_list, writable_file, write_atomically)
-from tools.shared import copy_bandwidth, median_cuda_seconds
+from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds
 
 BLOCK_SIZE = 256  # flash-attn's paged kernel
 
@@ -65,17 +65,6 @@ def decode_batch(prefix_blocks: int, batch: int, own_tokens: int, pool_blocks: i
     return DecodeBatch(slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
                        block_table=table.to(device), cache_seqlens=seqlens.to(device),
                        max_cache_seqlen=int(seqlens.max())), int(own.sum())
-
-
-def as_graph(fn):
-    """fn recorded as a CUDA graph, as the decode step runs it: its replay launches every kernel
-    at once, so that what is timed is the GPU's work, not Python launching the cascade's dozen
-    small kernels (eagerly, those alone take some 200 us)."""
-    fn()  # kernels loaded and chosen before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def measure(a) -> dict:

@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 import llama3_virtual
-from core.engine import Engine, greedy
+from core.engine import greedy
 from core.request import Request
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, image_file,
@@ -55,7 +55,8 @@ from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, i
                           seed, writable_file, write_atomically)
 from plumbing.prompts import PROMPTS_FILE, read_records
 from plumbing.report import as_json_value, format_seconds, scheduling_report
-from plumbing.setup import choose_attention, load, make_decoder, make_requests, make_scheduler
+from plumbing.setup import (choose_attention, load, make_decoder, make_engine, make_requests,
+                            make_scheduler)
 from tools.shared import SCRIPTS, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
@@ -196,7 +197,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
         decoder = make_decoder(setup, cache, manager, greedy, largest_batch, progress=False)
-        engine = Engine(setup.model, cache, manager, greedy, decoder)
+        engine = make_engine(setup, cache, manager, greedy, decoder)
         warm_up(engine, setup, cache, manager)
         curve = {"description": f"{CURVES[name][2]}; attention: {setup.attention.name}",
                  "kv_cache_bytes": cache.nbytes, "points": []}

@@ -52,3 +52,14 @@ def copy_bandwidth(device) -> float:
 def matmul_flops_per_second(device, dtype, n: int = 8192) -> float:
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     return 2 * n**3 / median_cuda_seconds(lambda: a @ b)
+
+
+def as_graph(fn):
+    """fn recorded as a CUDA graph, as the decode step runs it: its replay launches every kernel
+    at once, so that what is timed is the GPU's work, not Python launching the kernels one by one
+    (the cascade's dozen small kernels alone take some 200 us eagerly)."""
+    fn()  # kernels loaded and chosen before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

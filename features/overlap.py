@@ -1,0 +1,78 @@
+"""Overlapped steps: the host schedules step t+1 while the GPU computes step t (on CUDA by default;
+--no-overlap runs the core loop).
+
+In core/engine.py's loop the host waits for a step's tokens, records them, lets the finished
+requests go, schedules the next step and only then queues it: all that time the GPU has nothing to
+do. Here the host queues step t+1 first and waits for step t's tokens after, so the GPU finds the
+next step queued when it finishes one. Two things make that possible:
+
+- A step's inputs never wait for the host. Each request's newest token stays on the device, where
+  the next step reads it (core/engine.py), and every copy to the device is from pinned memory,
+  queued like a kernel (core/kv_cache.py's `to_device`).
+- The scheduler runs one step behind: when it schedules step t+1 it has not seen step t's tokens.
+  That matters only for who is done. A request whose token in flight is its last (its
+  max_new_tokens) is let go before step t+1 is scheduled. One that draws a stop token at step t is
+  found out only once step t+1 is queued: it runs one step too many, whose token is thrown away.
+  vLLM's and SGLang's overlapped schedulers do the same.
+
+Blocks freed while a step is in flight can go to the next step at once: the GPU runs the steps in
+order, so the in-flight step's writes into them come first. (Unmapping a page is not ordered with
+the GPU's work: features/mapping_ahead.py's thread waits for the steps queued before it.)
+Admission, preemption and recompute are unchanged: a request preempted while scheduling step t+1
+ran in step t, whose token it has before it can be readmitted.
+"""
+
+from core.engine import Engine, record
+from core.request import Status
+
+
+def why_not_overlapped(args, manager) -> str | None:
+    """What keeps a run on the core loop, if anything: each of these reads on the host what the
+    step in flight has not brought back yet, or changes what it may still touch."""
+    from features.page_manager import PageManager
+    if args.continuous and args.max_batched_tokens:
+        return "mixed steps read the running requests' newest tokens on the host"
+    if args.continuous and args.preemption == "swap":
+        return "swapping checks on the host whether a victim has its newest token"
+    if isinstance(manager, PageManager):
+        return "--sync-mapping unmaps a finished request's pages in the loop, at once"
+    return None
+
+
+class OverlappedEngine(Engine):
+    def steps(self, scheduler, stop_ids):
+        """Queue step t+1, then wait for step t's tokens and record them. Yields each step once
+        its tokens are recorded."""
+        self.stopped = set()  # requests that drew a stop token: their later tokens are thrown away
+        in_flight = None
+        while scheduler.has_work() or in_flight:
+            if in_flight:
+                scheduler.finish(self._last_token_in_flight(in_flight))
+            queued = self.launch(scheduler.schedule(), scheduler) if scheduler.has_work() else None
+            if in_flight:
+                self._record(in_flight, scheduler, stop_ids)
+                yield in_flight.step
+            in_flight = queued
+
+    @staticmethod
+    def _last_token_in_flight(launched) -> list:
+        """The requests that the step in flight gives their last allowed token."""
+        return [r for r in launched.drawing if r.status is Status.RUNNING
+                and len(r.output_tokens) + 1 >= r.max_new_tokens]
+
+    def _record(self, launched, scheduler, stop_ids) -> None:
+        """Append the step's tokens, but those drawn after a stop token, and let go of the
+        requests that drew a stop token."""
+        tokens, drawing = self.collect(launched), launched.drawing
+        if self.stopped:
+            kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
+            tokens, drawing = tokens[kept], [drawing[i] for i in kept]
+        for request in record(drawing, tokens, stop_ids, scheduler.now()):
+            if request.status is Status.FINISHED:
+                continue  # its last token: let go of already
+            self.stopped.add(request)
+            if request.status is Status.WAITING:  # preempted while its stop token was in flight
+                scheduler.waiting.remove(request)
+                request.status = Status.FINISHED
+            else:
+                scheduler.finish([request])

@@ -1,0 +1,160 @@
+"""Overlapped steps (features/overlap.py): scheduling one step behind gives the tokens of the core
+loop, which records every step before it schedules the next: in static and continuous batches,
+under preemption, with stop tokens (a request runs one step too many, whose token is thrown
+away), with shared blocks and with pages mapped ahead; and every block comes back."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from block_manager import BlockManager
+from conftest import generate
+from core.attention import TorchAttention
+from core.engine import StepTimer
+from core.kv_cache import KVCache
+from features.mapping_ahead import BackgroundMapper
+from features import overlap
+from features.overlap import why_not_overlapped
+from features.sharing import SharingBlockManager
+from plumbing.checkpoints import random_model
+from plumbing.setup import make_engine
+from test_mapping_ahead import CheckedManager, FakePageTable
+from test_scheduler import MAX_SEQ_LEN, random_prompts
+
+PROMPT_LENGTHS = [5, 12, 3, 9, 14, 7, 1, 20, 16, 4]
+BUDGETS = [30, 4, 40, 17, 9, 33, 25, 12, 21, 1]
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+
+
+def make_manager(kind: str, cache, num_blocks: int, num_requests: int):
+    width = math.ceil(MAX_SEQ_LEN / BLOCK_SIZE)
+    if kind == "sharing":
+        return SharingBlockManager(cache, num_requests, width, prefix_caching=True)
+    if kind == "mapping ahead":
+        return CheckedManager(num_blocks, BLOCK_SIZE, num_requests, width,
+                              BackgroundMapper(FakePageTable(max_sleep_seconds=2e-4)))
+    return BlockManager(num_blocks, BLOCK_SIZE, num_requests, width)
+
+
+def run(model, prompts, num_blocks, kind="paged", **scheduling):
+    # Mapping ahead's slots are in virtual rows: the cache holds every row's every page as blocks
+    # (tests/test_mapping_ahead.py's run), of which num_blocks are mapped at a time.
+    rows = len(prompts) + 1 if kind == "mapping ahead" else 0
+    cache = KVCache(model.args, max(num_blocks, rows * math.ceil(MAX_SEQ_LEN / BLOCK_SIZE)),
+                    BLOCK_SIZE, torch.float32, "cpu", TorchAttention())
+    manager = make_manager(kind, cache, num_blocks, len(prompts))
+    result = generate(model, cache, manager, prompts, BUDGETS[:len(prompts)], MAX_SEQ_LEN,
+                      chunk_tokens=8192, **scheduling)
+    if kind == "mapping ahead":
+        manager.close()
+    held = num_blocks - manager.num_free_blocks - getattr(manager, "num_idle_pages", 0)
+    cached = len(getattr(getattr(manager, "prefix_cache", None), "block_of", {}))
+    assert not manager.owned_blocks and held <= cached, "every block back"
+    return result
+
+
+def stop_tokens(model, prompts) -> set[int]:
+    """Tokens that some requests draw partway through (the 3rd of request 0, the 6th of 3, the 2nd
+    of 7), so that those stop there."""
+    free = run(model, prompts, num_blocks=200).output_tokens
+    return {free[0][2], free[3][5], free[7][1]}
+
+
+@pytest.mark.parametrize("kind, num_blocks, scheduling, with_stops", [
+    ("paged", 200, {}, True),  # one static batch
+    ("paged", 200, {"continuous": True, "max_running": 4}, True),  # the queue fills freed rows
+    ("paged", 14, {"continuous": True}, False),  # a tight pool: preemption and recompute
+    ("paged", 14, {"continuous": True}, True),
+    ("sharing", 200, {"continuous": True, "max_running": 5}, True),  # blocks from the prefix cache
+    ("mapping ahead", 14, {"continuous": True}, True),  # pages reused, taken back, unmapped
+])
+def test_overlapped_steps_give_the_core_loops_tokens(model, kind, num_blocks, scheduling,
+                                                     with_stops):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=2)
+    if kind == "sharing":  # prompts that begin alike, so that blocks are shared
+        prompts = [prompts[7][:12] + p for p in prompts]
+    stops = stop_tokens(model, prompts) if with_stops else set()
+    core = run(model, prompts, num_blocks, kind, stop_ids=stops, **scheduling)
+    overlapped = run(model, prompts, num_blocks, kind, stop_ids=stops, overlap=True, **scheduling)
+    assert overlapped.output_tokens == core.output_tokens
+    if with_stops:  # some requests stopped early, and not one token after a stop was kept
+        assert sum(map(len, core.output_tokens)) < sum(BUDGETS)
+        assert not stops & {t for out in overlapped.output_tokens for t in out}
+    if num_blocks < 100:
+        assert overlapped.scheduler.num_preemptions > 0
+    if kind == "sharing":
+        assert core.num_prefilled_tokens < core.num_prompt_tokens, "blocks were found cached"
+    assert overlapped.decode_steps >= core.decode_steps  # a stopped request may run one more step
+
+
+def test_a_request_preempted_while_its_stop_token_is_in_flight_leaves_the_queue(model,
+                                                                                 monkeypatch):
+    # Every prompt's fifth new token stops it. In a pool of 11 blocks one request is preempted
+    # while the step that draws its stop token is in flight: it must leave the queue, not return.
+    prompts = random_prompts(PROMPT_LENGTHS, seed=2)
+    free = run(model, prompts, num_blocks=200).output_tokens
+    stops = {out[4] for out in free if len(out) > 4}
+    left_the_queue = []
+    record = overlap.OverlappedEngine._record
+
+    def counted(self, launched, scheduler, stop_ids):
+        waiting = set(scheduler.waiting)
+        record(self, launched, scheduler, stop_ids)
+        left_the_queue.extend(r for r in waiting if r in self.stopped)
+    monkeypatch.setattr(overlap.OverlappedEngine, "_record", counted)
+    core = run(model, prompts, 11, stop_ids=stops, continuous=True)
+    overlapped = run(model, prompts, 11, stop_ids=stops, continuous=True, overlap=True)
+    assert overlapped.output_tokens == core.output_tokens
+    assert len(left_the_queue) == 1 and left_the_queue[0] not in overlapped.scheduler.waiting
+    assert all(r.status.value == "finished" for r in overlapped.requests)
+
+
+def test_the_gpu_idle_time_is_the_time_between_steps():
+    timer = StepTimer("cpu")
+    timer.start(decodes=False)
+    timer.stop()
+    time.sleep(0.05)  # the host's work between two steps, which nothing overlaps on the CPU
+    timer.start(decodes=True)
+    timer.stop()
+    assert 0.05 <= timer.idle_seconds() < 0.5
+    assert len(timer.decode_seconds()) == 1
+
+
+def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
+    args = lambda **kw: type("Args", (), {"continuous": True, "max_batched_tokens": None,
+                                          "preemption": "recompute"} | kw)
+    manager = BlockManager(4, 4, 1, 4)
+    assert why_not_overlapped(args(), manager) is None
+    assert "mixed steps" in why_not_overlapped(args(max_batched_tokens=64), manager)
+    assert "swapping" in why_not_overlapped(args(preemption="swap"), manager)
+
+
+@pytest.mark.parametrize("overlap, device, expected", [
+    (None, "cpu", "Engine"),  # nothing runs ahead on the CPU: the core loop
+    (True, "cpu", "OverlappedEngine"),
+    (False, "cpu", "Engine"),
+])
+def test_the_flag_chooses_the_loop(model, overlap, device, expected):
+    setup = type("Setup", (), {"args": type("Args", (), {
+        "overlap": overlap, "continuous": False, "max_batched_tokens": None,
+        "preemption": "recompute"}), "device": torch.device(device), "model": model})
+    cache = KVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttention())
+    engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
+    assert type(engine).__name__ == expected
+
+
+def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
+    from plumbing.cli import UserError
+    setup = type("Setup", (), {"args": type("Args", (), {
+        "overlap": True, "continuous": True, "max_batched_tokens": 64,
+        "preemption": "recompute"}), "device": torch.device("cpu"), "model": model})
+    cache = KVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttention())
+    with pytest.raises(UserError, match="mixed steps"):
+        make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
