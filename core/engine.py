@@ -54,6 +54,7 @@ class Generation:
     scheduler: object = None  # who ran when, for the report
     gpu_idle_seconds: float = 0.0  # the GPU's time between one step's end and the next's start
     num_steps: int = 0  # prefill, decode and mixed
+    prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU (CUDA events)
 
     @property
     def output_tokens(self) -> list[list[int]]:
@@ -149,6 +150,11 @@ class StepTimer:
         seconds = self._between(self.starts, self.stops)
         return [s for s, decodes in zip(seconds, self.decodes) if decodes]
 
+    def prefill_seconds(self) -> float:
+        """The GPU time of the steps that only prefilled, in all."""
+        seconds = self._between(self.starts, self.stops)
+        return sum(s for s, decodes in zip(seconds, self.decodes) if not decodes)
+
     def idle_seconds(self) -> float:
         """The GPU's time between steps, in all (on the CPU, the host's: nothing runs ahead)."""
         return sum(self._between(self.stops[:-1], self.starts[1:]))
@@ -206,7 +212,8 @@ class Engine:
             snapshot.seconds = step_seconds
         return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
                           seconds["decode"], self.timeline, scheduler.most_running, scheduler,
-                          self.timer.idle_seconds(), len(self.timer.starts))
+                          self.timer.idle_seconds(), len(self.timer.starts),
+                          self.timer.prefill_seconds())
 
     def steps(self, scheduler, stop_ids):
         """One step after the other: schedule it, compute it, wait for its tokens and record

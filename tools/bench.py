@@ -359,6 +359,7 @@ def bench(a) -> dict:
         "wall_seconds": wall,
         "output_tokens_per_second": result.num_generated_tokens / wall,
         "prefill_seconds": result.prefill_seconds,
+        "prefill_gpu_seconds": result.prefill_gpu_seconds,
         "prefill_flops": flops,
         "prefill_share_of_matmul_rate": prefill_share,
         "preemptions": scheduling["preemptions"],
@@ -415,7 +416,7 @@ def print_table(r: dict) -> None:
           f"{w['dtype']} matmul {r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
     print(f"  wall                {r['wall_seconds']:.2f} s, {r['output_tokens_per_second']:,.0f} output tokens/s")
     share = r["prefill_share_of_matmul_rate"]
-    print(f"  prefill             {r['prefill_seconds']:.2f} s"
+    print(f"  prefill             {r['prefill_seconds']:.2f} s ({r['prefill_gpu_seconds']:.2f} s on the GPU)"
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
              f"{100 * share:.0f}% of the matmul rate" if share else
              f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
