@@ -145,15 +145,9 @@ class StepTimer:
         torch.cuda.synchronize()
         return [start.elapsed_time(stop) / 1000 for start, stop in zip(starts, stops)]
 
-    def decode_seconds(self) -> list[float]:
-        """The GPU time of each step that decoded."""
-        seconds = self._between(self.starts, self.stops)
-        return [s for s, decodes in zip(seconds, self.decodes) if decodes]
-
-    def prefill_seconds(self) -> float:
-        """The GPU time of the steps that only prefilled, in all."""
-        seconds = self._between(self.starts, self.stops)
-        return sum(s for s, decodes in zip(seconds, self.decodes) if not decodes)
+    def seconds(self) -> list[float]:
+        """Each step's GPU time, in order; `decodes` says which decoded."""
+        return self._between(self.starts, self.stops)
 
     def idle_seconds(self) -> float:
         """The GPU's time between steps, in all (on the CPU, the host's: nothing runs ahead)."""
@@ -208,12 +202,14 @@ class Engine:
                         bar.total = bar.n + steps_left(scheduler)
                     bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
                                     blocks=self.manager.num_used_blocks, refresh=False)
-        for snapshot, step_seconds in zip(self.timeline, self.timer.decode_seconds()):
+        gpu_seconds = self.timer.seconds()
+        decoding = [s for s, decodes in zip(gpu_seconds, self.timer.decodes) if decodes]
+        for snapshot, step_seconds in zip(self.timeline, decoding):
             snapshot.seconds = step_seconds
+        prefill_gpu = sum(gpu_seconds) - sum(decoding)
         return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
                           seconds["decode"], self.timeline, scheduler.most_running, scheduler,
-                          self.timer.idle_seconds(), len(self.timer.starts),
-                          self.timer.prefill_seconds())
+                          self.timer.idle_seconds(), len(gpu_seconds), prefill_gpu)
 
     def steps(self, scheduler, stop_ids):
         """One step after the other: schedule it, compute it, wait for its tokens and record
@@ -242,10 +238,11 @@ class Engine:
             drawn = to_device(np.flatnonzero(draws), self.device)
             rows, next_tokens = rows[drawn], next_tokens[drawn]
         self.newest[rows] = next_tokens  # where the next step reads them
-        tokens = torch.empty(len(drawing), dtype=torch.long, pin_memory=self.timer.cuda)
+        on_gpu = self.device.type == "cuda"
+        tokens = torch.empty(len(drawing), dtype=torch.long, pin_memory=on_gpu)
         tokens.copy_(next_tokens, non_blocking=True)  # [D] to the host, queued with the rest
         self.timer.stop()
-        ready = torch.cuda.Event() if self.timer.cuda else None
+        ready = torch.cuda.Event() if on_gpu else None
         if ready:
             ready.record()
         return Launched(step, drawing, tokens, ready)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from core.attention import TorchAttention
-from core.kv_cache import PrefillBatch
+from core.kv_cache import PrefillBatch, to_device
 
 TOKENS_PER_TILE = 64  # tokens loaded per loop step, whatever the block size: a tile of 64 tokens
                       # spans four blocks of 16, or a quarter of a block of 256
@@ -134,13 +134,11 @@ class TritonAttention:
             fresh = new_tokens == np.diff(batch.cu_seqlens_k_host)
             self._split_of, self._split = batch, None
             if fresh.any():
-                # Pinned and non-blocking: a copy from pageable memory would wait for the GPU.
-                to_gpu = lambda a, dtype: torch.from_numpy(a).pin_memory().to(
-                    batch.slot_mapping.device, dtype, non_blocking=True)
-                tokens = to_gpu(np.flatnonzero(np.repeat(fresh, new_tokens)), torch.long)
+                device = batch.slot_mapping.device
+                tokens = to_device(np.flatnonzero(np.repeat(fresh, new_tokens)), device)
                 bounds = np.concatenate([[0], np.cumsum(new_tokens[fresh])])
                 fresh_batch = PrefillBatch(slot_mapping=batch.slot_mapping[tokens],
-                                           cu_seqlens=to_gpu(bounds, torch.int32),
+                                           cu_seqlens=to_device(bounds, device, torch.int32),
                                            cu_seqlens_host=bounds.tolist(),
                                            max_seqlen=int(new_tokens[fresh].max()))
                 self._split = tokens, fresh_batch, np.flatnonzero(~fresh).tolist()
