@@ -9,8 +9,9 @@ once; a page is mapped under a row before the request's next token crosses into 
 attention kernel is the ordinary non-paged one: the rows are contiguous, so it needs no block
 table. Needs CUDA, flash-attn and the cuda-python package.
 
-By default a background thread maps the pages a few steps ahead, and a finished request's pages
-stay mapped for the next request in its row (features/mapping_ahead.py, vAttention's way).
+By default a background thread maps the pages a few steps ahead, a finished request's pages
+stay mapped for the next request in its row, and half the pool is mapped under the empty rows at
+start-up (features/mapping_ahead.py, vAttention's way).
 --sync-mapping maps in the loop when a page is needed and unmaps when a request finishes
 (features/page_manager.py): simpler to read, and the driver calls are then on the critical path.
 """
@@ -75,7 +76,13 @@ def allocate_kv_cache(setup):
     if args.sync_mapping or args.find_max_batch:
         return cache, PageManager(*sizes, mapper=cache, device=setup.device)
     mapper = BackgroundMapper(cache, on_start=cache.memory.make_current)
-    return cache, MappingAheadManager(*sizes, mapper=mapper, device=setup.device)
+    manager = MappingAheadManager(*sizes, mapper=mapper, device=setup.device)
+    seconds = manager.map_empty_rows()
+    print(f"Start-up: {manager.num_idle_pages:,} pages mapped under {len(manager.idle_rows):,} empty "
+          f"rows in {seconds:.2f} s, before the first request; {len(manager.free_blocks):,} left "
+          f"mapped nowhere.")
+    cache.memory.count_from_here()  # the report counts the run's driver calls, not these
+    return cache, manager
 
 
 def mapping_report(cache, manager, decode_steps: int) -> str:

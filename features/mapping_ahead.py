@@ -20,6 +20,11 @@ hides them in two ways, and this manager does both:
   idle row that finished longest ago (an unmap, then a map), or at last from a running row's pages
   mapped ahead.
 
+- Rows mapped at start-up. Before the first request, half the pool is put under the empty rows,
+  an equal share each (a whole row at most), as if a request of that length had just finished in
+  every row: the first prompts, which nothing runs beside to hide their maps behind, find their
+  pages there. The other half stays mapped nowhere, for prompts and growth past a row's share.
+
 So requests no longer live in fixed rows: a request joining takes the row freed last, whose pages
 are the most likely to be still mapped. Row 0 stays the cache's spare row. Counting, admission and
 preemption are unchanged: a page holds tokens_per_page tokens, as a block does.
@@ -43,6 +48,7 @@ MAP_RUN_TOKENS = 64  # a row found short gets pages for this many tokens more, i
                      # of 16 tokens (per-token rows), 1 of 1,024 (per-layer). Fewer, longer calls
                      # cost both threads less host time (and the GIL) per step.
 QUEUE_LOOKAHEAD_TOKENS = PREFILL_CHUNK_TOKENS  # the queue's next prompts, as many as a step admits
+START_UP_SHARE = 0.5  # of the pool, mapped under the empty rows before the first request
 
 
 class MappingFailed(Exception):
@@ -147,6 +153,22 @@ class MappingAheadManager(BlockManager):
         # the pages of requests just admitted, whose prompts need them at once, and of those growing.
         self.seconds_waiting = {"admission": 0.0, "growth": 0.0}
         self.waiting = deque()  # the scheduler's queue, once watch_queue is given it
+
+    def map_empty_rows(self) -> float:
+        """At start-up: put an equal share of START_UP_SHARE of the pool under every empty row (a
+        whole row at most), and wait for the thread to map it. Returns the seconds it took. The
+        rows become idle rows, taken by requests in the order empty rows are: row 1 first."""
+        rows = list(self.empty_rows)
+        each = min(self.pages_per_row, int(len(self.free_blocks) * START_UP_SHARE) // max(len(rows), 1))
+        if each == 0:
+            return 0.0
+        for row in rows:  # from the last row to row 1: the idle row taken next is the newest
+            for column in range(each):
+                self._map(self.free_blocks.popleft(), row, column)
+            self.idle_rows[row] = None
+        self.empty_rows = []
+        self._ask_for_maps()
+        return self.mapper.wait(self.mapper.asked)
 
     def watch_queue(self, waiting: deque) -> None:
         """The scheduler's queue of requests (plumbing/setup.py hands it over): the prompts at its

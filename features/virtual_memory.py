@@ -62,6 +62,10 @@ class VirtualMemory:
             driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
             "cuMemGetAllocationGranularity"))
         self.ranges, self.pages, self.mapped = [], [], set()  # to give back in close()
+        self.count_from_here()
+
+    def count_from_here(self) -> None:
+        """Zero the counts of maps, unmaps and their seconds: what follows is counted alone."""
         self.seconds_mapping, self.num_maps, self.num_unmaps = 0.0, 0, 0
 
     def make_current(self) -> None:

@@ -176,15 +176,39 @@ def test_a_request_freed_before_the_queue_is_admitted_changes_the_rows_and_costs
     m.close()
 
 
+def test_rows_mapped_at_start_up_hold_the_first_prompts_without_a_driver_call():
+    m = manager(num_pages=40, tokens_per_page=4, max_requests=4, pages_per_row=8)
+    m.map_empty_rows()  # half the pool, 20 pages, 5 under each of the 4 rows; waits for the maps
+    at_start = dict(settled(m))
+    assert sorted(at_start) == [(row, j) for row in range(1, 5) for j in range(5)]
+    assert len(m.free_blocks) == 20 and m.num_free_blocks == 40 and not m.empty_rows
+    asked = m.mapper.asked
+    m.allocate(request(0, 20))  # 5 pages: its row's share
+    assert m.row_of[0] == 1 and m.admission_ticket[0] <= asked  # its pages were there
+    assert m.owned_blocks[0] == [at_start[1, j] for j in range(5)]
+    m.allocate(request(1, 30))  # 8 pages: the 5 of row 2, 3 mapped now from the unmapped half
+    assert m.row_of[1] == 2 and m.admission_ticket[1] > asked
+    m.slots(np.array([0, 1]), np.array([19, 29]))  # CheckedManager: every held page mapped
+    m.close()
+
+
+def test_a_pool_smaller_than_two_pages_a_row_maps_nothing_at_start_up():
+    m = manager(num_pages=7, tokens_per_page=4, max_requests=4, pages_per_row=8)
+    assert m.map_empty_rows() == 0.0 and m.mapper.asked == 0 and len(m.empty_rows) == 4
+    m.close()
+
+
 operations = st.lists(st.tuples(st.sampled_from(["admit", "append", "append", "free"]),
                                 st.integers(0, 3), st.integers(1, 30)), max_size=50)
 
 
 @settings(max_examples=60, deadline=None)
-@given(operations, st.sampled_from([1, 3, 16]), st.integers(1, 20))
+@given(operations, st.sampled_from([1, 3, 16]), st.integers(1, 20), st.booleans())
 def test_the_page_table_is_what_the_manager_says_under_any_operations(ops, tokens_per_page,
-                                                                      num_pages):
+                                                                      num_pages, start_mapped):
     m = manager(num_pages, tokens_per_page, 4, 64, FakePageTable(max_sleep_seconds=1e-4))
+    if start_mapped:
+        m.map_empty_rows()
     queue = deque()
     m.watch_queue(queue)
     for i, (op, row, count) in enumerate(ops):
@@ -230,7 +254,8 @@ def test_a_driver_call_failing_on_the_thread_ends_the_run_in_the_loop_instead_of
     assert not m.mapper.thread.is_alive()
 
 
-def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, **scheduling):
+def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, start_mapped=False,
+        **scheduling):
     """Generation through a cache in ordinary memory whose blocks are the virtual pages: with
     blocks of tokens_per_page, slot v * row_tokens + p of a virtual row is block
     v * pages_per_row + p // tokens_per_page, so the pages of row v are blocks as well."""
@@ -241,6 +266,8 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, **sc
     if mapping_ahead:
         m = manager(num_pages, tokens_per_page, len(prompts), pages_per_row,
                     FakePageTable(max_sleep_seconds=2e-4))
+        if start_mapped:
+            m.map_empty_rows()
     else:
         m = BlockManager(num_pages, tokens_per_page, len(prompts), pages_per_row)
     result = generate(model, cache, m, prompts, budgets, MAX_SEQ_LEN, **scheduling)
@@ -250,17 +277,20 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, **sc
     return result, m
 
 
-@pytest.mark.parametrize("num_pages, scheduling", [
-    (64, {}),  # ample: one static batch, the look-ahead never runs dry
-    (14, {"continuous": True}),  # tight: preemption, rows reused, pages taken back from idle rows
-    (14, {"continuous": True, "max_batched_tokens": 24}),  # and in mixed steps
+@pytest.mark.parametrize("num_pages, start_mapped, scheduling", [
+    (64, False, {}),  # ample: one static batch, the look-ahead never runs dry
+    (64, True, {}),  # and with the rows mapped at start-up
+    (14, False, {"continuous": True}),  # tight: preemption, rows reused, pages taken back
+    (16, True, {"continuous": True}),  # from idle rows; and with 8 pages mapped at start-up
+    (14, False, {"continuous": True, "max_batched_tokens": 24}),  # and in mixed steps
 ])
-def test_mapping_ahead_gives_the_tokens_of_the_paged_cache(num_pages, scheduling):
+def test_mapping_ahead_gives_the_tokens_of_the_paged_cache(num_pages, start_mapped, scheduling):
     model = random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
     prompts = random_prompts([5, 12, 3, 9, 14, 7, 1, 20], seed=2)
     budgets = [30, 4, 40, 17, 9, 33, 25, 12]
     paged, _ = run(model, prompts, budgets, 8, 64, mapping_ahead=False)
-    ahead, m = run(model, prompts, budgets, 8, num_pages, mapping_ahead=True, **scheduling)
+    ahead, m = run(model, prompts, budgets, 8, num_pages, mapping_ahead=True,
+                   start_mapped=start_mapped, **scheduling)
     assert ahead.output_tokens == paged.output_tokens
     if num_pages < 64:
         assert ahead.scheduler.num_preemptions > 0 and m.lookahead_ran_dry > 0
