@@ -107,8 +107,9 @@ def main(argv=None) -> None:
         setup = load(args)  # the model and the first N prompts
         require_cuda_and_flash_attn(setup)
         if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
-        cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
+        manager = None  # a driver call may fail at start-up, while the rows are mapped
         try:
+            cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
             generation = generate(setup, cache, manager)
             report(setup, cache, manager, generation)
             print(mapping_report(cache, manager, generation.decode_steps))

@@ -267,10 +267,12 @@ def test_compiled_layers_give_the_eager_tokens_in_float32():
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
-@pytest.mark.parametrize("ahead, overlap", [(False, False), (True, False), (True, True)],
-                         ids=["sync", "ahead", "ahead-overlapped"])
+@pytest.mark.parametrize("ahead, start_mapped, overlap", [
+    (False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ids=["sync", "ahead", "ahead-start-mapped", "ahead-start-mapped-overlapped"])
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
-def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead, overlap):
+def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead, start_mapped,
+                                                                        overlap):
     from features.mapping_ahead import BackgroundMapper, MappingAheadManager
     from features.virtual_kv_cache import VirtualKVCache
     model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
@@ -287,6 +289,9 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
     sizes = (num_pages, cache.tokens_per_page, 8, cache.pages_per_row)
     manager = (MappingAheadManager(*sizes, BackgroundMapper(cache, cache.memory.make_current), "cuda")
                if ahead else PageManager(*sizes, cache, "cuda"))
+    if start_mapped:  # half the pool under the 8 empty rows: per-token 6 of a row's 32 pages
+        manager.map_empty_rows()  # each; per-layer (3 pages of 2,048 tokens in all) none
+        manager.map_empty_rows()
     virtual = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, chunk_tokens=8192,
                        graphs=True, continuous=ahead, max_running=3 if ahead else None,
                        overlap=overlap)
@@ -304,8 +309,13 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
 
 
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
-@pytest.mark.parametrize("flags", [[], ["--sync-mapping"]], ids=["ahead", "sync"])
-def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(flags, monkeypatch, capsys):
+@pytest.mark.parametrize("budget_gb, flags", [
+    ("0.5", []),  # call 5 of the 8 that map a page under each empty row at start-up
+    ("0.03", []),  # 14 pages, too few to map any at start-up: call 5 admits the fifth request
+    ("0.5", ["--sync-mapping"]),  # call 5 admits the fifth request, in the loop
+], ids=["ahead-at-start-up", "ahead-in-the-run", "sync"])
+def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(budget_gb, flags,
+                                                                        monkeypatch, capsys):
     import llama3_virtual
     from features.virtual_kv_cache import VirtualKVCache
     from features.virtual_memory import DriverError
@@ -313,14 +323,14 @@ def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(flags, m
 
     def failing_map(self, *args):
         calls.append(args)
-        if len(calls) == 5:  # admission maps a page for each of the 8 requests
+        if len(calls) == 5:
             raise DriverError("cuMemMap failed: CUDA_ERROR_INVALID_VALUE")
         real_map(self, *args)
     monkeypatch.setattr(VirtualKVCache, "map", failing_map)
     with pytest.raises(SystemExit) as exit:
         # A small pool: a cache the failed run leaves behind holds its pages until collected.
         llama3_virtual.main(["8", "--random-weights", "--model", "tiny", "--eager",
-                             "--kv-budget-gb", "0.5", *flags])
+                             "--kv-budget-gb", budget_gb, *flags])
     err = capsys.readouterr().err
     assert exit.value.code == 3 and "CUDA_ERROR_INVALID_VALUE" in err and "Traceback" not in err
     assert len(calls) == 5  # nothing mapped after the failure
