@@ -29,6 +29,10 @@ def add_pool_arguments(parser) -> None:
                         help=f"tokens per KV block (default: {FLASH_BLOCK_MULTIPLE} with "
                              f"flash-attn, which needs a multiple of that; 16, as vLLM, with "
                              f"--attn triton or torch)")
+    parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
+                        help="with flash-attn: the kernel that reads the blocks in decode steps; "
+                             "triton: features/triton_attention.py's, faster at short contexts "
+                             "on the H200 (README, Speed)")
     parser.add_argument("--num-blocks", type=positive_int,
                         help="blocks in the pool (default: as many as fit in the KV budget, "
                              "--kv-budget-gb)")

@@ -92,7 +92,7 @@ def load(args) -> Setup:
     refuse_output_over_input(args.json, inputs_of(args), "--json")
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    attention = choose_attention(args.attn, device)
+    attention = choose_attention(args.attn, device, getattr(args, "decode_kernel", "flash"))
     ckpt_dir = None if args.random_weights else args.ckpt_dir
     tokenizer = load_tokenizer(args.tokenizer, ckpt_dir)
     system = system_prompt(args)
@@ -138,12 +138,17 @@ def importable(module: str) -> bool:
         return False
 
 
-def choose_attention(name: str, device: torch.device):
+def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash"):
     """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
-    PyTorch reference."""
+    PyTorch reference. decode_kernel "triton" (llama3_paged.py) decodes through the Triton
+    kernel beside flash-attn's prefill."""
     if name == "auto":
         name = ("torch" if device.type != "cuda" else "flash" if importable("flash_attn")
                 else "triton" if importable("triton") else "torch")
+    if decode_kernel == "triton" and name != "flash":
+        raise UserError(f"--decode-kernel triton pairs the Triton decode kernel with flash-attn's "
+                        f"prefill, and this run attends with --attn {name}: use --attn flash "
+                        f"(with flash-attn installed), or drop --decode-kernel.")
     if name == "torch":
         return TorchAttention()
     if device.type != "cuda":
@@ -157,6 +162,9 @@ def choose_attention(name: str, device: torch.device):
     if not importable("flash_attn"):
         raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
                         "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
+    if decode_kernel == "triton":
+        from features.triton_attention import TritonDecode
+        return TritonDecode()
     return FlashAttention()
 
 

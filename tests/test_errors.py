@@ -145,6 +145,8 @@ BAD_ARGUMENTS = [
 PAGED_ONLY = [
     (["2", *TINY, "--block-size", "0"], 2, "positive whole number"),
     (["2", *TINY, "--num-blocks", "-3"], 2, "positive whole number"),
+    (["2", *TINY, "--decode-kernel", "triton"], 2, "this run attends with --attn torch"),
+    (["2", *TINY, "--decode-kernel", "cuda"], 2, "invalid choice"),
 ]
 DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the fragment
     ("truncated", "--ckpt-dir", "not a readable safetensors file"),
@@ -268,6 +270,7 @@ def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
     (bench.main, ["paged", "--num-requests", "0"], "positive whole number"),
     (bench.main, ["paged", "--json", "{tmp}"], "is a directory"),
     (bench.main, ["sideways"], "invalid choice"),
+    (bench.main, ["virtual", "--decode-kernel", "triton"], "has none to choose"),
     (build_prompts.main, ["--output", "{tmp}"], "is a directory"),
 ])
 def test_the_tools_exit_2_in_one_paragraph(main, argv, fragment, tmp_path, capsys):

@@ -174,6 +174,18 @@ def test_triton_and_flash_attn_generate_the_same_tokens():
     assert triton.output_tokens == flash.output_tokens  # the prefill token and 32 decode steps
 
 
+@needs_triton
+def test_flash_attn_prefill_with_the_triton_decode_kernel_gives_flash_attns_tokens():
+    from features.triton_attention import TritonDecode
+    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=3)
+    prompts = random_prompts(8, torch.Generator().manual_seed(3))
+    budgets = [40, 33, 5, 40, 17, 1, 40, 40]  # prompts of 20-700 tokens: most span 2-3 blocks
+    flash = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
+    mixed = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True,
+                            attention=TritonDecode)
+    assert mixed.output_tokens == flash.output_tokens
+
+
 def test_continuous_batching_in_an_ample_pool_gives_the_static_tokens_with_cuda_graphs():
     # All prompts fit one prefill chunk and the pool never runs short: the same batches as static.
     model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=4)

@@ -209,6 +209,8 @@ def parse_arguments(argv=None):
     p.add_argument("--sync-mapping", action="store_true",
                    help="virtual only: map pages in the loop, not ahead on a background thread")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
+    p.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
+                   help="paged with --attn flash: the kernel of decode steps")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step while the GPU runs the one before (default: where "
@@ -247,7 +249,7 @@ def script_arguments(bench_args):
     if a.script == "paged":
         argv += ["--block-size", str(a.block_size)]
         argv += ["--no-prefix-cache"] if a.no_prefix_cache else []
-        argv += ["--cascade", a.cascade]
+        argv += ["--cascade", a.cascade, "--decode-kernel", a.decode_kernel]
     if a.script == "virtual":
         argv += ["--layout", a.layout] + (["--sync-mapping"] if a.sync_mapping else [])
     return parse_script_arguments(a.script, argv)
@@ -405,12 +407,13 @@ def print_table(r: dict) -> None:
     block = (f", block {w['block_size']}" if w["script"] == "paged" else
              f", {w['layout']} rows" if w["script"] == "virtual" else "")
     batching = "continuous" if w["continuous"] else "static"
+    decode = " (Triton decode)" if w.get("decode_kernel", "flash") == "triton" else ""
     if mixed_steps(w):
         batching += f" (mixed steps of {w['max_batched_tokens']:,} tokens)"
     print(f"\n{w['script']}, workload {w['workload']}: {w['num_requests']:,} requests x "
           f"{w['new_tokens']} new tokens{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
           f"{r['num_prompt_tokens']:,} prompt tokens; {w['model']} random weights, {w['dtype']}, "
-          f"--attn {w['attn']}, {graphs}{block}, --max-seq-len {w['max_seq_len']}, {batching} "
+          f"--attn {w['attn']}{decode}, {graphs}{block}, --max-seq-len {w['max_seq_len']}, {batching} "
           f"batching; {r['device']}")
     print(f"  measured: copy bandwidth {r['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s, "
           f"{w['dtype']} matmul {r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
@@ -466,6 +469,9 @@ def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("bench.py"):
         refuse_output_over_input(a.json, [PROMPTS_FILE, a.system_prompt_file], "--json")
+        if a.decode_kernel != "flash" and a.script != "paged":
+            raise UserError(f"--decode-kernel chooses the kernel that reads paged blocks; the "
+                            f"{a.script} cache has none to choose: drop it, or bench paged.")
         if not torch.cuda.is_available():
             raise UserError("needs a CUDA GPU; the figures it reports are GPU limits.")
         result = bench(a)
