@@ -25,7 +25,8 @@ from core.kv_cache import PrefillBatch, to_device
 
 TOKENS_PER_TILE = 128  # tokens loaded per loop step, whatever the block size: a tile of 128
                        # tokens spans eight blocks of 16, or half a block of 256
-NUM_WARPS = 4  # 4 warps read the cache faster than 8 at every length measured (H200, README)
+NUM_WARPS = 4  # with tiles of 128, faster than 8 warps or tiles of 64 at W's and W2's lengths,
+               # blocks of 16 or 256 (H200: tools/decode_kernel_cost.py, README "Speed")
 
 
 @triton.jit
@@ -71,9 +72,11 @@ def paged_decode_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=group_rows[:, None] < GROUP)
 
 
-def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens) -> torch.Tensor:
+def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens,
+                 tile: int = TOKENS_PER_TILE, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """q: [B, n_heads, d]; key_blocks, value_blocks: [num_blocks, block_size, n_kv_heads, d];
-    block_table: [B, max_blocks] int32; cache_seqlens: [B] int32. Returns [B, n_heads, d]."""
+    block_table: [B, max_blocks] int32; cache_seqlens: [B] int32. Returns [B, n_heads, d].
+    (tools/decode_kernel_cost.py times other tiles and warps.)"""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = key_blocks.shape
     group = n_heads // n_kv_heads
@@ -83,8 +86,7 @@ def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens) -> tor
         q.stride(0), q.stride(1), key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
-        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=TOKENS_PER_TILE,
-        num_warps=NUM_WARPS)
+        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=tile, num_warps=num_warps)
     return out
 
 

@@ -23,7 +23,7 @@ import plumbing.cli
 import plumbing.prompts
 import llama3_naive
 import llama3_paged
-from tools import bench, build_prompts, plot_memory
+from tools import bench, build_prompts, decode_kernel_cost, graph_cost, plot_memory
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
@@ -266,11 +266,17 @@ def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("main, argv, fragment", [
+    (decode_kernel_cost.main, [], "needs a CUDA GPU") if not torch.cuda.is_available() else
+    (decode_kernel_cost.main, ["--warps", "0"], "positive whole number"),
     (bench.main, ["paged"], "needs a CUDA GPU") if not torch.cuda.is_available() else
     (bench.main, ["paged", "--num-requests", "0"], "positive whole number"),
     (bench.main, ["paged", "--json", "{tmp}"], "is a directory"),
     (bench.main, ["sideways"], "invalid choice"),
     (bench.main, ["virtual", "--decode-kernel", "triton"], "has none to choose"),
+    (decode_kernel_cost.main, ["--tiles", "48"], "powers of two"),
+    (decode_kernel_cost.main, ["--tiles", "8"], "16 or more"),
+    (decode_kernel_cost.main, ["--cases", "W3"], "invalid choice"),
+    (graph_cost.main, ["--batches", "256", "1024"], "unrecognized arguments"),
     (build_prompts.main, ["--output", "{tmp}"], "is a directory"),
 ])
 def test_the_tools_exit_2_in_one_paragraph(main, argv, fragment, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """flash-attn against the PyTorch reference, on the GPU. Skipped where CUDA or flash-attn is missing."""
 
+import json
 import math
 import subprocess
 import sys
@@ -184,6 +185,17 @@ def test_flash_attn_prefill_with_the_triton_decode_kernel_gives_flash_attns_toke
     mixed = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True,
                             attention=TritonDecode)
     assert mixed.output_tokens == flash.output_tokens
+
+
+@needs_triton
+def test_the_decode_kernel_tool_times_triton_beside_flash_attn_on_the_same_answers(tmp_path):
+    from tools import decode_kernel_cost
+    decode_kernel_cost.main(["--cases", "W", "W-16", "--tiles", "64,128", "--warps", "4",
+                             "--json", str(tmp_path / "k.json")])
+    blocks_256, blocks_16 = json.loads((tmp_path / "k.json").read_text())["cases"]
+    assert blocks_256["flash_seconds"] > 0 and blocks_16["flash_seconds"] is None
+    for run in blocks_256["triton"]:  # outputs of about 0.1: bf16 rounds at about 1e-3 there
+        assert run["seconds"] > 0 and run["max_difference_from_flash"] < 1e-2
 
 
 def test_continuous_batching_in_an_ample_pool_gives_the_static_tokens_with_cuda_graphs():

@@ -2,7 +2,7 @@
 against the same step replayed as one CUDA graph, per batch size.
 
     python tools/graph_cost.py                          # random 8B weights, flash-attn, bf16
-    python tools/graph_cost.py --batches 256 1024 --context-tokens 512
+    python tools/graph_cost.py --batches 256,1024 --context-tokens 512
 
 features/cuda_graphs.py captures a graph per batch bucket up to 512 and runs larger batches
 eagerly; this measures whether that costs anything. Each request holds --context-tokens tokens of

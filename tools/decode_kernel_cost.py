@@ -1,0 +1,144 @@
+"""The decode attention kernels side by side: flash-attn's paged kernel against the Triton kernel
+(features/triton_attention.py) at several tile sizes and warp counts, on one layer's cache.
+
+    python tools/decode_kernel_cost.py                      # W's and W2's lengths, blocks of 256 and 16
+    python tools/decode_kernel_cost.py --cases W W-16 --tiles 64,128 --warps 4,8
+
+Each case is a batch of requests with random lengths (uniform between two bounds), their K/V of
+random values in blocks scattered over the pool, Llama 3 8B's heads (32 query heads, 8 K/V heads
+of 128). Each kernel is timed with CUDA events after a warm-up (medians) and set against reading
+the same K/V at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up
+only; with blocks of 16 the Triton kernel is timed alone.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from plumbing.cli import UserError, exit_quietly_on_ctrl_c
+
+exit_quietly_on_ctrl_c("decode_kernel_cost.py")  # before torch loads
+
+import torch
+
+from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int_list,
+                          writable_file, write_atomically)
+from plumbing.setup import importable
+from tools.shared import copy_bandwidth, median_cuda_seconds
+
+N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
+# name: (batch, fewest tokens, most tokens, block size). W's requests halfway through their 256
+# new tokens; W2's at a typical step (batch 220, replies of up to 2,048 tokens); W2 at batch 512.
+CASES = {
+    "W": (256, 140, 400, 256),
+    "W2": (220, 200, 2400, 256),
+    "W2-512": (512, 200, 2400, 256),
+    "W-16": (256, 140, 400, 16),
+    "W2-16": (220, 200, 2400, 16),
+}
+
+
+def parse_arguments(argv=None):
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                   help="which batches to time: " + "; ".join(
+                       f"{name}: {b} requests of {lo}-{hi} tokens, blocks of {s}"
+                       for name, (b, lo, hi, s) in CASES.items()))
+    p.add_argument("--tiles", type=positive_int_list, default=[64, 128],
+                   help="tokens the Triton kernel loads per loop step (powers of two, 16 or more)")
+    p.add_argument("--warps", type=positive_int_list, default=[4, 8],
+                   help="warps per Triton program (powers of two)")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
+    a = p.parse_args(argv)
+    for value in a.tiles + a.warps:
+        if value & (value - 1):
+            p.error(f"--tiles and --warps take powers of two; {value} is not one.")
+    if min(a.tiles) < 16:
+        p.error("--tiles must be 16 or more: the kernel's matmuls need 16 rows.")
+    return a
+
+
+def one_case(batch: int, fewest: int, most: int, block_size: int, device) -> dict:
+    """The kernels' inputs: q [B, 32, 128], a pool [blocks, block_size, 8, 128] for K and for V,
+    a block table [B, max_blocks] over a random permutation of the pool, the lengths [B]."""
+    g = torch.Generator(device=device).manual_seed(0)
+    lengths = torch.randint(fewest, most + 1, (batch,), device=device, generator=g, dtype=torch.int32)
+    blocks_each = [math.ceil(n / block_size) for n in lengths.tolist()]
+    order = torch.randperm(sum(blocks_each), device=device, generator=g).int()
+    table = torch.zeros(batch, max(blocks_each), dtype=torch.int32, device=device)
+    for r, start in enumerate(torch.tensor([0] + blocks_each).cumsum(0)[:-1].tolist()):
+        table[r, :blocks_each[r]] = order[start:start + blocks_each[r]]
+    pool = (len(order), block_size, N_KV_HEADS, HEAD_DIM)
+    keys = torch.randn(pool, device=device, generator=g).bfloat16()
+    values = torch.randn(pool, device=device, generator=g).bfloat16()
+    q = torch.randn(batch, N_HEADS, HEAD_DIM, device=device, generator=g).bfloat16()
+    return {"q": q, "keys": keys, "values": values, "table": table, "lengths": lengths,
+            "kv_bytes": int(lengths.sum()) * 2 * N_KV_HEADS * HEAD_DIM * 2}
+
+
+def measure(a) -> dict:
+    from flash_attn import flash_attn_with_kvcache
+    from features.triton_attention import paged_decode
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    cases = []
+    for name in a.cases:
+        batch, fewest, most, block_size = CASES[name]
+        c = one_case(batch, fewest, most, block_size, device)
+        row = {"case": name, "batch": batch, "block_size": block_size, "kv_bytes": c["kv_bytes"],
+               "floor_seconds": c["kv_bytes"] / bandwidth, "flash_seconds": None, "triton": []}
+        flash_out = None
+        if block_size % 256 == 0:
+            flash = lambda: flash_attn_with_kvcache(c["q"][:, None], c["keys"], c["values"],
+                                                    cache_seqlens=c["lengths"],
+                                                    block_table=c["table"], causal=True)[:, 0]
+            row["flash_seconds"], flash_out = median_cuda_seconds(flash), flash()
+        for tile in a.tiles:
+            for warps in a.warps:
+                triton = lambda t=tile, w=warps: paged_decode(c["q"], c["keys"], c["values"],
+                                                             c["table"], c["lengths"], t, w)
+                seconds, out = median_cuda_seconds(triton), triton()
+                differs = None if flash_out is None else (out.float() - flash_out.float()).abs().max().item()
+                row["triton"].append({"tile": tile, "warps": warps, "seconds": seconds,
+                                      "max_difference_from_flash": differs})
+        cases.append(row)
+    return {"device": torch.cuda.get_device_name(device),
+            "copy_bandwidth_bytes_per_second": bandwidth, "cases": cases}
+
+
+def print_table(result: dict) -> None:
+    print(f"One layer's decode attention, bf16, {N_HEADS} query heads, {N_KV_HEADS} K/V heads of "
+          f"{HEAD_DIM}; {result['device']}, copy bandwidth "
+          f"{result['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s")
+    print(f"{'case':<8} {'batch':>5} {'block':>5} {'K/V':>8} {'floor':>9}  {'kernel':<22} {'time':>9} "
+          f"{'reads':>10} {'max |diff| from flash':>22}")
+    for r in result["cases"]:
+        head = (f"{r['case']:<8} {r['batch']:>5} {r['block_size']:>5} {r['kv_bytes'] / 1e9:>5.2f} GB "
+                f"{r['floor_seconds'] * 1e6:>6.1f} us")
+        kernels = [("flash-attn", r["flash_seconds"], None)] if r["flash_seconds"] else []
+        kernels += [(f"Triton, tile {t['tile']}, {t['warps']} warps", t["seconds"],
+                     t["max_difference_from_flash"]) for t in r["triton"]]
+        for i, (kernel, seconds, differs) in enumerate(kernels):
+            print(f"{head if i == 0 else '':<37}  {kernel:<22} {seconds * 1e6:>6.1f} us "
+                  f"{r['kv_bytes'] / seconds / 1e12:>5.2f} TB/s "
+                  f"{'' if differs is None else f'{differs:.1e}':>22}")
+
+
+def main(argv=None) -> None:
+    a = parse_arguments(argv)
+    with one_paragraph_errors("decode_kernel_cost.py"):
+        if not (torch.cuda.is_available() and importable("flash_attn") and importable("triton")):
+            raise UserError("needs a CUDA GPU with flash-attn and Triton: it times their kernels "
+                            "on it.")
+        result = measure(a)
+        if a.json:
+            write_atomically(a.json, lambda path: path.write_text(json.dumps(result)))
+        print_table(result)
+
+
+if __name__ == "__main__":
+    main()
