@@ -12,7 +12,6 @@ only; with blocks of 16 the Triton kernel is timed alone.
 """
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -26,9 +25,9 @@ exit_quietly_on_ctrl_c("decode_kernel_cost.py")  # before torch loads
 import torch
 
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int_list,
-                          writable_file, write_atomically)
+                          writable_file)
 from plumbing.setup import importable
-from tools.shared import copy_bandwidth, median_cuda_seconds
+from tools.shared import copy_bandwidth, median_cuda_seconds, write_and_print
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
 # name: (batch, fewest tokens, most tokens, block size). W's requests halfway through their 256
@@ -134,10 +133,7 @@ def main(argv=None) -> None:
         if not (torch.cuda.is_available() and importable("flash_attn") and importable("triton")):
             raise UserError("needs a CUDA GPU with flash-attn and Triton: it times their kernels "
                             "on it.")
-        result = measure(a)
-        if a.json:
-            write_atomically(a.json, lambda path: path.write_text(json.dumps(result)))
-        print_table(result)
+        write_and_print(measure(a), a.json, print_table)
 
 
 if __name__ == "__main__":

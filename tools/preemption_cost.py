@@ -23,7 +23,6 @@ out) at the matmul rate measured here. GPU times are medians of CUDA-event timin
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -46,11 +45,10 @@ from core.request import Request, Step
 from features.swapping import HostBlocks
 from plumbing.checkpoints import random_model
 from plumbing.cli import (HelpFormatter, first_paragraph, format_bytes, one_paragraph_errors,
-                          positive_int, positive_int_list, writable_file,
-                          write_atomically)
+                          positive_int, positive_int_list, writable_file)
 from plumbing.report import format_seconds
 from plumbing.setup import DTYPES, choose_attention
-from tools.shared import matmul_flops_per_second, median_cuda_seconds
+from tools.shared import matmul_flops_per_second, median_cuda_seconds, write_and_print
 
 BLOCK_SIZES = [16, 32, 64, 128, 256]
 
@@ -211,10 +209,7 @@ def main(argv=None) -> None:
     with one_paragraph_errors("preemption_cost.py"):
         if a.device != "cpu" and not torch.cuda.is_available():
             raise UserError(f"--device {a.device}: CUDA is not available here; use --device cpu.")
-        result = measure(a)
-        if a.json:
-            write_atomically(a.json, lambda path: path.write_text(json.dumps(result)))
-        print_table(result)
+        write_and_print(measure(a), a.json, print_table)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What the tools share: the three scripts' command lines, and the GPU's measured ceilings.
+"""What the tools share: the three scripts' command lines, the GPU's measured ceilings, and how a
+measuring tool ends (its figures to --json, its table printed).
 
 A tool runs the scripts' caches in its own process (the model loaded once), so it sets each run
 up as the script's command line would: `parse_script_arguments` parses a command line with that
@@ -6,6 +7,7 @@ script's parser. The ceilings are what each tool sets its figures against: the c
 and the matmul rate, measured on this GPU, timed with CUDA events after a warm-up, as medians.
 """
 
+import json
 import statistics
 
 import torch
@@ -13,7 +15,7 @@ import torch
 import llama3_naive
 import llama3_paged
 import llama3_virtual
-from plumbing.cli import argument_parser
+from plumbing.cli import argument_parser, write_atomically
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 
@@ -63,3 +65,10 @@ def as_graph(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def write_and_print(result: dict, json_path, print_table) -> None:
+    """--json first, if asked for, so that a closed pipe cutting the table short loses nothing."""
+    if json_path:
+        write_atomically(json_path, lambda path: path.write_text(json.dumps(result)))
+    print_table(result)
