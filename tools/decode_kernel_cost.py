@@ -6,8 +6,10 @@
 
 Each case is a batch of requests with random lengths (uniform between two bounds), their K/V of
 random values in blocks scattered over the pool, Llama 3 8B's heads (32 query heads, 8 K/V heads
-of 128). Each kernel is timed with CUDA events after a warm-up (medians) and set against reading
-the same K/V at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up
+of 128). Each kernel is captured as a CUDA graph, as decode steps run it, so that Python's time to
+launch it is not counted (a Triton launch from Python takes tens of microseconds, as long as the
+kernel at W's lengths), and the replays are timed with CUDA events after a warm-up (medians). Each
+is set against reading the same K/V at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up
 only; with blocks of 16 the Triton kernel is timed alone.
 """
 
@@ -27,7 +29,7 @@ import torch
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int_list,
                           writable_file)
 from plumbing.setup import importable
-from tools.shared import copy_bandwidth, median_cuda_seconds, write_and_print
+from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds, write_and_print
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
 # name: (batch, fewest tokens, most tokens, block size). W's requests halfway through their 256
@@ -95,12 +97,12 @@ def measure(a) -> dict:
             flash = lambda: flash_attn_with_kvcache(c["q"][:, None], c["keys"], c["values"],
                                                     cache_seqlens=c["lengths"],
                                                     block_table=c["table"], causal=True)[:, 0]
-            row["flash_seconds"], flash_out = median_cuda_seconds(flash), flash()
+            row["flash_seconds"], flash_out = median_cuda_seconds(as_graph(flash)), flash()
         for tile in a.tiles:
             for warps in a.warps:
                 triton = lambda t=tile, w=warps: paged_decode(c["q"], c["keys"], c["values"],
                                                              c["table"], c["lengths"], t, w)
-                seconds, out = median_cuda_seconds(triton), triton()
+                seconds, out = median_cuda_seconds(as_graph(triton)), triton()
                 differs = None if flash_out is None else (out.float() - flash_out.float()).abs().max().item()
                 row["triton"].append({"tile": tile, "warps": warps, "seconds": seconds,
                                       "max_difference_from_flash": differs})
