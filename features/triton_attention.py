@@ -153,10 +153,10 @@ class TritonAttention:
 
 
 class TritonDecode(FlashAttention):
-    """flash-attn for prefill, `paged_decode` for decode steps (--decode-kernel triton). Few
-    tokens per request make flash-attn's decode kernel read the cache at about 2.6-3.0 TB/s on
-    the H200 at W's lengths; this kernel, with its 4 warps, reads the same blocks 10-14% faster
-    (README, "Speed"). flash-attn's kernel catches up as requests grow long."""
+    """flash-attn for prefill, `paged_decode` for decode steps (--decode-kernel triton). At W's
+    few hundred tokens per request, flash-attn's decode kernel reads the cache at 2.9 TB/s on the
+    H200 and this one at 3.5 TB/s; at W2's longer requests the lead shrinks to 1.08x
+    (tools/decode_kernel_cost.py, README "Speed")."""
 
     def decode(self, q, key_blocks, value_blocks, batch):
         return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)

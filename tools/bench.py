@@ -407,7 +407,7 @@ def print_table(r: dict) -> None:
     block = (f", block {w['block_size']}" if w["script"] == "paged" else
              f", {w['layout']} rows" if w["script"] == "virtual" else "")
     batching = "continuous" if w["continuous"] else "static"
-    decode = " (Triton decode)" if w.get("decode_kernel", "flash") == "triton" else ""
+    decode = " (Triton decode)" if w["decode_kernel"] == "triton" else ""
     if mixed_steps(w):
         batching += f" (mixed steps of {w['max_batched_tokens']:,} tokens)"
     print(f"\n{w['script']}, workload {w['workload']}: {w['num_requests']:,} requests x "
