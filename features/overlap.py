@@ -26,15 +26,16 @@ from core.engine import Engine, record
 from core.request import Status
 
 
-def why_not_overlapped(args, manager) -> str | None:
+def why_not_overlapped(args, manager=None) -> str | None:
     """What keeps a run on the core loop, if anything: each of these reads on the host what the
-    step in flight has not brought back yet, or changes what it may still touch."""
+    step in flight has not brought back yet, or changes what it may still touch. Without a
+    manager, what the flags alone say (plumbing/setup.py asks before loading the model)."""
     from features.page_manager import PageManager
     if args.continuous and args.max_batched_tokens:
         return "mixed steps read the running requests' newest tokens on the host"
     if args.continuous and args.preemption == "swap":
         return "swapping checks on the host whether a victim has its newest token"
-    if isinstance(manager, PageManager):
+    if isinstance(manager, PageManager) or getattr(args, "sync_mapping", False):
         return "--sync-mapping unmaps a finished request's pages in the loop, at once"
     return None
 

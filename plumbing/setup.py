@@ -82,6 +82,10 @@ def load(args) -> Setup:
     if args.top_p < 1 and args.temperature == 0:
         raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
                         "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
+    if args.overlap:  # refused now, not after minutes of loading the model
+        from features.overlap import why_not_overlapped
+        if why_not := why_not_overlapped(args):
+            raise UserError(f"--overlap does not combine with this run: {why_not}. Drop --overlap.")
     if args.find_max_batch and args.continuous:
         raise UserError("--find-max-batch finds the largest static batch that fits the KV cache; "
                         "with --continuous every batch completes, as requests wait and are "

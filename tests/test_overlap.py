@@ -134,6 +134,21 @@ def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
     assert why_not_overlapped(args(), manager) is None
     assert "mixed steps" in why_not_overlapped(args(max_batched_tokens=64), manager)
     assert "swapping" in why_not_overlapped(args(preemption="swap"), manager)
+    assert "--sync-mapping" in why_not_overlapped(args(sync_mapping=True))  # the flags alone
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--max-batched-tokens", "64"], "mixed steps"),
+    (["--preemption", "swap"], "swapping"),
+])
+def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags, reason, capsys):
+    import llama3_paged
+    with pytest.raises(SystemExit) as exit:
+        llama3_paged.main(["2", "--random-weights", "--model", "tiny", "--device", "cpu",
+                           "--continuous", "--overlap", *flags])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and reason in err and "Drop --overlap" in err
+    assert "Random weights" not in out  # printed as the model is built: it never was
 
 
 @pytest.mark.parametrize("overlap, device, expected", [
