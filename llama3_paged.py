@@ -31,8 +31,8 @@ def add_pool_arguments(parser) -> None:
                              f"--attn triton or torch)")
     parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
                         help="with flash-attn: the kernel that reads the blocks in decode steps; "
-                             "triton: features/triton_attention.py's, faster at short contexts "
-                             "on the H200 (README, Speed)")
+                             "triton: features/triton_attention.py's, faster on the H200, most "
+                             "at short contexts (README, Speed)")
     parser.add_argument("--num-blocks", type=positive_int,
                         help="blocks in the pool (default: as many as fit in the KV budget, "
                              "--kv-budget-gb)")
