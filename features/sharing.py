@@ -46,7 +46,7 @@ class SharingBlockManager(BlockManager):
         self.free_blocks = OrderedDict.fromkeys(range(self.num_blocks))
         self.ref_counts = np.zeros(self.num_blocks, dtype=np.int64)  # requests holding each block
         self.prefix_cache = PrefixCache(self.block_size) if prefix_caching else None
-        self.last_lookup = (None, [])  # (request, its tokens, cache version) -> its cached blocks
+        self.last_lookup = (None, [])  # ((row, tokens, cache version), its cached blocks)
         self.prompt_holders: dict[tuple, int] = {}  # a prompt -> the row of a request holding it
         # What sharing saved, for the report: references taken to blocks computed for another
         # request, copies made; per request at its first admission, the tokens it found cached

@@ -84,8 +84,7 @@ def load(args) -> Setup:
                         "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
     if args.overlap:  # refused now, not after minutes of loading the model
         from features.overlap import why_not_overlapped
-        if why_not := why_not_overlapped(args):
-            raise UserError(f"--overlap does not combine with this run: {why_not}. Drop --overlap.")
+        refuse_overlap(why_not_overlapped(args))
     if args.find_max_batch and args.continuous:
         raise UserError("--find-max-batch finds the largest static batch that fits the KV cache; "
                         "with --continuous every batch completes, as requests wait and are "
@@ -386,11 +385,17 @@ def make_engine(setup, cache, manager, sampler, decoder) -> Engine:
     if not overlap:
         return Engine(setup.model, cache, manager, sampler, decoder)
     from features.overlap import OverlappedEngine, why_not_overlapped
-    why_not = why_not_overlapped(setup.args, manager)
-    if why_not and setup.args.overlap:
-        raise UserError(f"--overlap does not combine with this run: {why_not}. Drop --overlap.")
+    why_not = why_not_overlapped(setup.args, manager)  # the manager too: --find-max-batch's
+    if setup.args.overlap:
+        refuse_overlap(why_not)
     engine_class = Engine if why_not else OverlappedEngine
     return engine_class(setup.model, cache, manager, sampler, decoder)
+
+
+def refuse_overlap(why_not: str | None) -> None:
+    """An explicit --overlap that the run cannot have ends here, with the reason."""
+    if why_not:
+        raise UserError(f"--overlap does not combine with this run: {why_not}. Drop --overlap.")
 
 
 def find_max_batch(setup, allocate_kv_cache) -> None:

@@ -12,7 +12,6 @@ weights read at the measured copy bandwidth, whichever is longer, plus the K/V r
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,10 +31,11 @@ from core.kv_cache import KVCache
 from core.request import Request
 from plumbing.checkpoints import random_model
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
-                          positive_int_list, writable_file, write_atomically)
+                          positive_int_list, writable_file)
 from plumbing.setup import importable
 from tools.bench import decode_flops_per_token, step_floor_seconds, weight_bytes_read_per_step
-from tools.shared import as_graph, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds
+from tools.shared import (as_graph, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
+                          write_and_print)
 
 BLOCK_SIZE = 256  # flash-attn's paged kernel, as tools/bench.py runs it
 
@@ -91,20 +91,21 @@ def measure(a) -> dict:
             **hardware, "rows": rows}
 
 
+def print_table(result: dict) -> None:
+    print(f"One decode step, random 8B weights, bf16, flash-attn, blocks of {BLOCK_SIZE}, "
+          f"{result['context_tokens']} tokens cached per request; {result['device']}")
+    print(f"{'batch':>6} {'eager':>10} {'graph':>10} {'eager/graph':>12} {'floor':>10}")
+    for r in result["rows"]:
+        print(f"{r['batch']:>6} {r['eager_seconds'] * 1e3:>7.2f} ms {r['graph_seconds'] * 1e3:>7.2f} ms "
+              f"{r['eager_seconds'] / r['graph_seconds']:>11.2f}x {r['floor_seconds'] * 1e3:>7.2f} ms")
+
+
 def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("graph_cost.py"):
         if not torch.cuda.is_available() or not importable("flash_attn"):
             raise UserError("needs a CUDA GPU with flash-attn: a decode step is timed on it.")
-        result = measure(a)
-        if a.json:
-            write_atomically(a.json, lambda path: path.write_text(json.dumps(result)))
-        print(f"One decode step, random 8B weights, bf16, flash-attn, blocks of {BLOCK_SIZE}, "
-              f"{result['context_tokens']} tokens cached per request; {result['device']}")
-        print(f"{'batch':>6} {'eager':>10} {'graph':>10} {'eager/graph':>12} {'floor':>10}")
-        for r in result["rows"]:
-            print(f"{r['batch']:>6} {r['eager_seconds'] * 1e3:>7.2f} ms {r['graph_seconds'] * 1e3:>7.2f} ms "
-                  f"{r['eager_seconds'] / r['graph_seconds']:>11.2f}x {r['floor_seconds'] * 1e3:>7.2f} ms")
+        write_and_print(measure(a), a.json, print_table)
 
 
 if __name__ == "__main__":
