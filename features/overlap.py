@@ -36,7 +36,8 @@ def why_not_overlapped(args, manager=None) -> str | None:
     if args.continuous and args.preemption == "swap":
         return "swapping checks on the host whether a victim has its newest token"
     if isinstance(manager, PageManager) or getattr(args, "sync_mapping", False):
-        return "--sync-mapping unmaps a finished request's pages in the loop, at once"
+        return ("mapping in the loop (--sync-mapping; --find-max-batch's runs too) unmaps a "
+                "finished request's pages at once")
     return None
 
 
