@@ -7,8 +7,9 @@ i // block_size), the pool's blocks are the physical frames, and the block table
 table. A request claims a new block only when its last one is full, so at most block_size - 1
 slots per request sit reserved but empty, and a finished request gives every block back at once.
 
-The methods come in pairs, named by the scheduler's questions: `blocks_to_allocate` / `allocate`
-for a request joining, `blocks_to_append` / `append_token` for a decode step, then `free`.
+The methods come in pairs, named by the scheduler's questions: `num_blocks_to_allocate` /
+`allocate` for a request joining, `num_blocks_to_append` / `append_token` for a decode step,
+then `free`.
 `slots` is the one translation from a token's position to its place in the pool, for prefill
 and decode alike.
 """
@@ -18,20 +19,29 @@ from collections import deque
 import numpy as np
 import torch
 
-from core.kv_cache import to_device
+
+
+def to_device(array: np.ndarray, device, dtype=None) -> torch.Tensor:
+    """A host array on the device, without making the host wait: a copy from pinned
+    (page-locked) memory is queued like a kernel, where one from ordinary memory would wait for
+    everything queued before it."""
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, dtype, non_blocking=True)
 
 
 class OutOfBlocks(Exception):
-    """The pool has fewer free blocks (or pages) than asked for. Nothing was allocated."""
+    """The pool has fewer free blocks than asked for. Nothing was allocated."""
 
-    def __init__(self, needed: int, free: int, total: int, block_size: int, unit: str = "blocks"):
+    unit = "blocks"
+
+    def __init__(self, needed: int, free: int, total: int, block_size: int):
         self.needed, self.free, self.total, self.block_size = needed, free, total, block_size
-        self.unit = unit
-        super().__init__(f"needed {needed} {unit} of {block_size} tokens, {free} of {total} free")
+        super().__init__(f"needed {needed} {self.unit} of {block_size} tokens, {free} of {total} free")
 
 
 class BlockManager:
-    unit = "blocks"  # what the pool is counted in, for the report
 
     def __init__(self, num_blocks: int, block_size: int, max_requests: int,
                  max_blocks_per_request: int, device="cpu"):
@@ -49,7 +59,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_to_allocate(self, request) -> int:
+    def num_blocks_to_allocate(self, request) -> int:
         """Free blocks that allocate(request) would take."""
         return self.blocks_needed(len(request.tokens))
 
@@ -67,7 +77,7 @@ class BlockManager:
         self._place(np.full(needed, request.row), np.arange(needed), blocks)
         return 0
 
-    def blocks_to_append(self, rows: np.ndarray) -> int:
+    def num_blocks_to_append(self, rows: np.ndarray) -> int:
         """Free blocks that append_token(rows) would take."""
         return int((self.num_tokens[rows] % self.block_size == 0).sum())
 
@@ -88,7 +98,7 @@ class BlockManager:
     def free(self, request) -> None:
         """A finished (or preempted) request lets go of every block it held."""
         blocks = self.owned_blocks.pop(request.row)
-        self._clear(request.row, blocks)
+        self._clear(request.row)
         self.free_blocks.extend(blocks)
         self.num_tokens[request.row] = 0
 
@@ -113,14 +123,13 @@ class BlockManager:
         self.block_table.view(-1)[to_device(entries, device)] = to_device(
             np.asarray(blocks, dtype=np.int32), device)
 
-    def _clear(self, row: int, blocks: list[int]) -> None:
+    def _clear(self, row: int) -> None:
         self.table[row] = 0
         self.block_table[row] = 0
 
     def _check_free(self, needed: int) -> None:
         if needed > self.num_free_blocks:
-            raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks, self.block_size,
-                              self.unit)
+            raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks, self.block_size)
 
     # What the report counts.
 

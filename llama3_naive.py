@@ -2,53 +2,64 @@
 
     python llama3_naive.py 7 --random-weights
 
-This is the paged layout with one block per request, max_seq_len tokens long: the block table has
-a single column and request r's row is [r]. A request that stops after 300 tokens still holds all
-8,192 of its slots, which is why this script runs out of memory at a small batch.
+Read it after llama3_paged.py: the model, the loop and the report are the lesson's, imported.
+Only the cache differs. It is the paged pool with one block per request, max_seq_len tokens
+long: the block table has a single column and request r's row is [r]. A request that stops
+after 300 tokens still holds all 8,192 of its slots, which is why this script runs out of memory
+at a small batch.
 """
 
-from plumbing.cli import exit_quietly_on_ctrl_c
+import sys
 
-SCRIPT = "llama3_naive.py"
-exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
+if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
+    from plumbing.cli import exit_quietly_on_ctrl_c
+    exit_quietly_on_ctrl_c("llama3_naive.py")
 
+import llama3_paged as lesson
 from block_manager import BlockManager
-from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
-                          one_paragraph_errors)
-from plumbing.report import report
-from plumbing.setup import find_max_batch, generate, kv_budget_bytes, kv_cache, load
+from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes
+from plumbing.inputs import kv_budget_bytes
 
 
-def allocate_kv_cache(setup):
-    """One block of max_seq_len tokens per request: every request's worst case, reserved before
-    its first token, whether or not it will ever use it. A static batch needs N of them; with
-    --continuous there are as many as the budget holds, and a request waits for a free one."""
-    args = setup.args
-    block_size, cache_bytes = args.max_seq_len, args.max_seq_len * setup.kv_bytes_per_token
-    budget = kv_budget_bytes(setup)
-    fits = int(budget // cache_bytes)
-    num_blocks = min(fits, setup.num_sequences) if args.continuous else setup.num_sequences
-    if not 0 < num_blocks <= fits:
-        asked = max(num_blocks, 1)
+def requests_that_fit(run, budget_bytes: float) -> int:
+    """How many max_seq_len rows the KV budget holds."""
+    return int(budget_bytes // (run.args.max_seq_len * run.kv_bytes_per_token))
+
+
+def reserve_rows(run, num_rows: int, budget_bytes: float):
+    """`num_rows` blocks of max_seq_len tokens, each request's worst case, reserved before its
+    first token whether or not it will ever use it. Returns the cache and its block manager."""
+    block_size, fits = run.args.max_seq_len, requests_that_fit(run, budget_bytes)
+    if not 0 < num_rows <= fits:
+        asked = max(num_rows, 1)
         raise UserError(
             f"Out of memory: {asked:,} requests x {block_size:,} tokens x "
-            f"{setup.kv_bytes_per_token // 1024} KiB per token = "
-            f"{format_bytes(asked * cache_bytes)} "
-            f"of KV cache to reserve up front, and the KV budget is {format_bytes(budget)}: "
-            f"{fits:,} requests fit. Try fewer requests or a smaller --max-seq-len, or "
-            f"llama3_paged.py, which reserves only the blocks requests fill.", OUT_OF_MEMORY)
-    cache = kv_cache(setup, num_blocks, block_size)
+            f"{run.kv_bytes_per_token // 1024} KiB per token = "
+            f"{format_bytes(asked * block_size * run.kv_bytes_per_token)} of KV cache to reserve "
+            f"up front, and the KV budget is {format_bytes(budget_bytes)}: {fits:,} requests fit. "
+            f"Try fewer requests or a smaller --max-seq-len, or llama3_paged.py, which reserves "
+            f"only the blocks requests fill.", OUT_OF_MEMORY)
+    cache = lesson.make_kv_cache(run, num_rows, block_size)
     # The block table the kernel reads: [N, 1], one column: request r's row is its one block.
-    return cache, BlockManager(num_blocks, block_size, setup.num_sequences, 1, setup.device)
+    return cache, BlockManager(num_rows, block_size, run.num_sequences, 1, run.device)
+
+
+def allocate_kv_cache(run):
+    """A static batch: a row for each of its N requests."""
+    return reserve_rows(run, run.num_sequences, kv_budget_bytes(run))
+
+
+def no_pool_arguments(parser) -> None:
+    """The naive cache has nothing to size: its one block per request is --max-seq-len long."""
 
 
 def main(argv=None) -> None:
-    with one_paragraph_errors(SCRIPT):
-        setup = load(argument_parser(SCRIPT, __doc__).parse_args(argv))  # the model, the first N prompts
-        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
-        cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
-        report(setup, cache, manager, generate(setup, cache, manager))
+    lesson.main(argv, "llama3_naive.py", __doc__, no_pool_arguments, allocate_kv_cache)
 
 
 if __name__ == "__main__":
-    main()
+    if lesson.needs_features(sys.argv[1:], no_pool_arguments):
+        from features.run import main as main_with_features
+        main_with_features("llama3_naive.py", sys.argv[1:])
+    else:
+        main()

@@ -1,99 +1,745 @@
-"""Paged batched Llama 3 decoding: requests share a pool of small KV blocks, claimed as they grow.
+"""Paged batched Llama 3 decoding: the lesson in one file, read top to bottom.
 
     python llama3_paged.py 49 --random-weights
 
-The pool is sized once from the KV budget (on a GPU, the memory left after the weights and the
-activations; on the CPU, --kv-budget-gb). The block manager gives each prompt the blocks it
-fills, one more block whenever a request's last block is full, and takes every block back the
-moment the request finishes. flash-attn's paged kernel finds each request's blocks through the
-block table, so they need not be contiguous.
+A naive KV cache reserves every request's longest sequence before its first token
+(llama3_naive.py). Here requests share a pool of small blocks: a request claims a block only when
+its tokens reach it, so at most block_size - 1 of its slots sit empty, and its blocks return to
+the pool the moment it finishes. block_manager.py says who holds which block; the attention
+kernel follows its block table, so a request's blocks need not be contiguous. Sections: 1 the
+model, 2 the KV cache and attention, 3 requests and the static scheduler, 4 the loop, 5 the
+report, 6 main. Features (features/) extend these classes; features/run.py builds those runs.
 """
 
-from plumbing.cli import exit_quietly_on_ctrl_c
-
-SCRIPT = "llama3_paged.py"
-exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
-
+import argparse
 import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
 
-from block_manager import BlockManager
-from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
-                          one_paragraph_errors, positive_int)
-from plumbing.report import report
-from plumbing.setup import (FLASH_BLOCK_MULTIPLE, find_max_batch, generate, kv_budget_bytes,
-                            kv_cache, load)
+if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
+    from plumbing.cli import exit_quietly_on_ctrl_c
+    exit_quietly_on_ctrl_c("llama3_paged.py")
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from block_manager import BlockManager, to_device
+from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, check_host_memory,
+                          format_bytes, one_paragraph_errors, positive_int)
+from plumbing.inputs import (TOKENS_PER_PASS, device_total_bytes, kv_budget_bytes,
+                             load_run, rope_frequencies)
+
+# --- 1. The model ------------------------------------------------------------------------------
+# Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
+# prompt each in prefill, one token each in decode), never a padded [batch, seq].
+
+
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) by its position's angle (Meta's layout): seen as
+    the complex number x[2i] + j*x[2i+1], one multiplication by e^(j*angle).
+    x: [T, heads, head_dim]; rotations: [T, head_dim / 2] complex."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, heads, head_dim / 2]
+    return torch.view_as_real(pairs * rotations[:, None, :]).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        # Q, K and V in one matmul: one kernel launch instead of three for every layer and step.
+        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=False, dtype=dtype)
+        self.wo = nn.Linear(q_size, args.dim, bias=False, dtype=dtype)
+
+    def forward(self, x, rotations, kv_cache, batch) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.wqkv(x).view(T, -1, self.head_dim)  # [T, n_heads + 2 * n_kv_heads, head_dim]
+        q_and_k, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)
+        q_and_k = apply_rope(q_and_k, rotations)  # both rotated at once, by the same angles
+        q, k = q_and_k.split([self.n_heads, self.n_kv_heads], dim=1)
+        # The cache stores k and v where this batch's tokens belong, then attends over everything
+        # each request has cached so far. How it finds that memory is the whole lesson (part 2).
+        out = kv_cache.attention(self.layer_index, q, k, v, batch)  # [T, n_heads, head_dim]
+        return self.wo(out.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args, dtype: torch.dtype):
+        super().__init__()
+        # Gate and up projections merged into one matmul, split after: SwiGLU = silu(gate) * up.
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.ffn_dim, bias=False, dtype=dtype)
+        self.w_down = nn.Linear(args.ffn_dim, args.dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each [T, ffn_dim]
+        return self.w_down(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, args.norm_eps, dtype=dtype)
+        self.attention = Attention(args, layer_index, dtype)
+        self.ffn_norm = nn.RMSNorm(args.dim, args.norm_eps, dtype=dtype)
+        self.feed_forward = FeedForward(args, dtype)
+
+    def forward(self, h, rotations, kv_cache, batch) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), rotations, kv_cache, batch)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Built on the `meta` device and materialised by plumbing/inputs.py: no weights are
+    initialised twice, and an 8B model never passes through host memory as float32."""
+
+    def __init__(self, args, dtype: torch.dtype):
+        super().__init__()
+        self.args = args  # plumbing/inputs.py's ModelArgs: the shapes, from a config or a preset
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, dtype) for i in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim, args.norm_eps, dtype=dtype)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype)
+        if args.tie_embeddings:  # Llama 3.2 1B/3B reuse the embedding as the output head
+            self.output.weight = self.tok_embeddings.weight
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Precompute the rotation of every position a request can reach: [max_positions,
+        head_dim / 2] complex."""
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                             rope_frequencies(self.args))
+        device = self.tok_embeddings.weight.device
+        self.rope_rotations = torch.polar(torch.ones_like(angles), angles).to(device)
+
+    def forward(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
+        """tokens, positions: [T]. Returns logits [T, vocab], or only at rows `logits_at`:
+        prefill needs each prompt's last row, and all T rows of a 128K vocabulary would not fit."""
+        rotations = self.rope_rotations[positions]  # [T, head_dim / 2] complex
+        h = self.tok_embeddings(tokens)  # [T, dim]
+        for layer in self.layers:
+            h = layer(h, rotations, kv_cache, batch)
+        if logits_at is not None:
+            h = h[logits_at]
+        return self.output(self.norm(h))  # [T or len(logits_at), vocab]
+
+
+# --- 2. The KV cache and the attention that reads it through the block table -------------------
+# A slot is one token's K and V in one layer; slot s lives in block s // block_size, at offset
+# s % block_size. The naive cache is this pool with one max_seq_len block per request: only
+# num_blocks, block_size and who writes the block table differ.
+
+FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
+
+
+@dataclass
+class PrefillBatch:
+    """Prompts packed into one sequence of T tokens. A prompt may begin with tokens cached
+    already: then only the rest is packed here, and attention reads all of them from the pool."""
+
+    slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
+    cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
+    cu_seqlens_host: list[int]
+    max_seqlen: int
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, when tokens are cached
+    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: prompt r's tokens, cached and new
+    cu_seqlens_k_host: list[int] | None = None
+    max_seqlen_k: int = 0
+
+
+@dataclass
+class DecodeBatch:
+    """One new token for each of B requests."""
+
+    slot_mapping: torch.Tensor  # [B] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32: the physical blocks of each request
+    cache_seqlens: torch.Tensor  # [B] int32: tokens cached per request, the new one included
+    max_cache_seqlen: int
+
+
+class KVCache:
+    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
+        self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
+        self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_dim)
+        # [n_layers, slots, n_kv_heads, head_dim]: allocated once, up front, zeroed so that slots
+        # no token has written stay finite. One spare slot sits past the last block, in no block:
+        # K/V that a step must write and no one will read go there.
+        self.spare_slot = num_blocks * block_size
+        slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V as blocks, [num_blocks, block_size, n_kv_heads, head_dim]: the
+        same memory as the slots, seen as the kernel reads it."""
+        return (self.k[layer, :self.spare_slot].view(self.block_shape),
+                self.v[layer, :self.spare_slot].view(self.block_shape))
+
+    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+        """Store this batch's k, v ([T, n_kv_heads, head_dim]) in their slots, then attend."""
+        self.k[layer].index_copy_(0, batch.slot_mapping, k)
+        self.v[layer].index_copy_(0, batch.slot_mapping, v)
+        if isinstance(batch, PrefillBatch) and batch.block_table is None:
+            return self.attention_backend.prefill(q, k, v, batch)  # nothing cached: k, v are all
+        if isinstance(batch, PrefillBatch):
+            return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
+        return self.attention_backend.decode(q, *self.blocks(layer), batch)
+
+
+class FlashAttention:
+    """flash-attn 2: varlen prefill over the packed prompts; paged decode that follows
+    block_table inside the kernel, reading each block once, never gathering."""
+
+    name = "flash"
+
+    def __init__(self):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def prefill(self, q, k, v, batch):
+        return self.varlen(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
+                           batch.max_seqlen, batch.max_seqlen, causal=True)
+
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+        """The cached tokens are read through the block table; the causal mask is aligned to the
+        end of each prompt, so the new tokens see everything before them."""
+        return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
+                           batch.max_seqlen, batch.max_seqlen_k, causal=True,
+                           block_table=batch.block_table)
+
+    def decode(self, q, key_blocks, value_blocks, batch):
+        out = self.with_kvcache(q[:, None], key_blocks, value_blocks,  # q: [B, 1, n_heads, d]
+                                cache_seqlens=batch.cache_seqlens, block_table=batch.block_table,
+                                causal=True)
+        return out[:, 0]
+
+
+class TorchAttention:
+    """The same three calls in PyTorch, readable and slow: each request's blocks are gathered
+    into a dense tensor for SDPA. It runs anywhere; the tests hold flash-attn to it."""
+
+    name = "torch"
+
+    def prefill(self, q, k, v, batch):
+        """q: [T, n_heads, d]; k, v: [T, n_kv_heads, d], the packed prompts' own: all there is."""
+        out = torch.empty_like(q)
+        for start, end in zip(batch.cu_seqlens_host[:-1], batch.cu_seqlens_host[1:]):
+            out[start:end] = attend(q[start:end], k[start:end], v[start:end])
+        return out
+
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+        out = torch.empty_like(q)
+        for r in range(len(batch.cu_seqlens_host) - 1):
+            out[slice(*batch.cu_seqlens_host[r:r + 2])] = self.attend_after_prefix(
+                r, q, key_blocks, value_blocks, batch)
+        return out
+
+    def attend_after_prefix(self, r: int, q, key_blocks, value_blocks, batch) -> torch.Tensor:
+        """Prompt r's new tokens after its cached ones, every key read from the pool."""
+        start, end = batch.cu_seqlens_host[r:r + 2]
+        n_k = batch.cu_seqlens_k_host[r + 1] - batch.cu_seqlens_k_host[r]
+        table = batch.block_table[r, :math.ceil(n_k / key_blocks.shape[1])]  # its blocks
+        k, v = (blocks[table].flatten(0, 1)[:n_k] for blocks in (key_blocks, value_blocks))
+        return attend(q[start:end], k, v)
+
+    def decode(self, q, key_blocks, value_blocks, batch):
+        """One new token per request. q: [B, n_heads, d] -> [B, n_heads, d]."""
+        max_len = batch.max_cache_seqlen  # known on the host: gather only blocks someone uses
+        table = batch.block_table[:, :math.ceil(max_len / key_blocks.shape[1])]
+        k = key_blocks[table].flatten(1, 2)[:, :max_len]  # [B, max_len, n_kv_heads, d]
+        v = value_blocks[table].flatten(1, 2)[:, :max_len]
+        holds_token = torch.arange(max_len, device=q.device) < batch.cache_seqlens[:, None]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=holds_token[:, None, None, :], enable_gqa=True)  # [B, n_heads, 1, d]
+        return out[:, :, 0]
+
+
+def attend(q, k, v) -> torch.Tensor:
+    """Causal attention of one prompt's n_q newest tokens over its n_k tokens: query i sits at
+    position n_k - n_q + i and sees keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
+    n_q, n_k = len(q), len(k)
+    sees = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=sees, enable_gqa=True).transpose(0, 1)
+
+
+# --- 3. Requests and the static scheduler ------------------------------------------------------
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    row: int  # its row of the block table, and its number: requests are 0 .. N-1
+    prompt_tokens: list[int]
+    max_new_tokens: int  # it stops after this many, or at a stop token
+    output_tokens: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    arrival_time: float = 0.0  # seconds from the start: when it asked
+    admitted_at: float | None = None  # seconds from the start: when it first got blocks
+    token_times: list[float] = field(default_factory=list)  # when each token reached the host
+
+    @property
+    def tokens(self) -> list[int]:
+        """Everything the cache must hold for it to go on: its prompt and what it generated."""
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_tokens) + len(self.output_tokens)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """tokens[start:end], without copying the rest."""
+        past_prompt = lambda i: max(i - len(self.prompt_tokens), 0)
+        return self.prompt_tokens[start:end] + self.output_tokens[past_prompt(start):past_prompt(end)]
+
+
+@dataclass
+class Step:
+    """A prefill of requests just admitted, or a decode of one token for each running request."""
+
+    is_prefill: bool
+    requests: list[Request]  # in admission order
+    rows: np.ndarray  # [B] their rows
+    num_cached: np.ndarray | None = None  # prefill: [B] tokens already in the cache, skipped
+    positions: np.ndarray | None = None  # decode: [B] the position each one's new token takes
+
+    @property
+    def decodes(self) -> bool:
+        return not self.is_prefill
+
+
+class Scheduler:
+    """Static batching, the original experiment's: every request is admitted at the first step,
+    and a batch that does not fit ends the run (block_manager.OutOfBlocks)."""
+
+    def __init__(self, manager: BlockManager, requests: list[Request]):
+        self.manager = manager
+        self.waiting = deque(requests)
+        self.running: list[Request] = []  # admission order: the newest is last
+        self.rows = np.zeros(0, dtype=np.int64)  # [len(running)] their rows, for the manager
+        self.most_running, self.start = 0, time.perf_counter()
+        self.clock = time.perf_counter  # tests give a fake one
+
+    def now(self) -> float:
+        return self.clock() - self.start
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def schedule(self) -> Step:
+        if self.waiting:
+            admitted = list(self.waiting)
+            self.waiting.clear()
+            step = self._admit(admitted)
+            if len(step.requests):
+                return step
+        return self._decode()
+
+    def finish(self, requests: list[Request]) -> None:
+        """Requests that are done give every block back at once."""
+        for request in requests:
+            request.status = Status.FINISHED
+            self.manager.free(request)
+            i = self.running.index(request)  # a search in C: no Python loop over the batch
+            self.running = self.running[:i] + self.running[i + 1:]
+            self.rows = np.delete(self.rows, i)
+
+    def _admit(self, requests: list[Request]) -> Step:
+        """Give each request its blocks, and a prefill step for those with slots to fill."""
+        prefill, num_cached = [], []
+        for request in requests:
+            cached = self._allocate(request)
+            request.status = Status.RUNNING
+            if request.admitted_at is None:
+                request.admitted_at = self.now()
+            if self.manager.num_tokens[request.row] > cached:
+                prefill.append(request)
+                num_cached.append(cached)
+        self._set_running(self.running + requests)
+        self.most_running = max(self.most_running, len(self.running))
+        rows = np.array([r.row for r in prefill], dtype=np.int64)
+        return Step(True, prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
+
+    def _allocate(self, request: Request) -> int:
+        """The request's blocks; returns how many of its tokens they hold already."""
+        return self.manager.allocate(request)
+
+    def _decode(self) -> Step:
+        positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the last
+        self.manager.append_token(self.rows)  # one more slot each: a new block per boundary
+        return Step(False, self.running, self.rows, positions=positions)
+
+    def _set_running(self, running: list[Request]) -> None:
+        self.running = running
+        self.rows = np.array([r.row for r in running], dtype=np.int64)
+
+
+# --- 4. The loop -------------------------------------------------------------------------------
+# Each step the scheduler says who runs; the block manager's `slots` says where each new token's
+# K and V go, for prefill and decode alike. The host waits for the GPU once per step, for the
+# new tokens; block bookkeeping touches only requests that cross a block boundary.
+
+
+
+@dataclass
+class KVSnapshot:
+    """The cache at one decode step, in slots (times kv_bytes_per_token: bytes)."""
+
+    step: int
+    running_requests: int
+    waiting_requests: int
+    reserved_slots: int  # slots in blocks owned by running requests
+    unfilled_slots: int  # of those, slots holding no token: the fragmentation
+    seconds: float = 0.0  # the step's time
+
+    @property
+    def filled_slots(self) -> int:
+        return self.reserved_slots - self.unfilled_slots
+
+
+@dataclass
+class Generation:
+    requests: list[Request]  # in order, each with its output_tokens (stop token excluded)
+    num_prefilled_tokens: int  # tokens computed by prefill passes
+    prefill_seconds: float
+    decode_seconds: float
+    timeline: list[KVSnapshot]  # one per decode step
+    most_running: int  # the most requests running at once
+    scheduler: Scheduler
+
+    @property
+    def output_tokens(self) -> list[list[int]]:
+        return [r.output_tokens for r in self.requests]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_tokens) for r in self.requests)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(r.output_tokens) for r in self.requests)
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.timeline)
+
+    @property
+    def fullest(self) -> KVSnapshot:
+        """The step at which the cache held the most tokens."""
+        return max(self.timeline, key=lambda s: s.filled_slots)
+
+
+def greedy(logits, rows, positions) -> torch.Tensor:
+    """The most likely next token of each row: [B, vocab] -> [B]. A sampler is told which
+    request (`rows`) draws at which position; greedy needs neither."""
+    return logits.argmax(-1)
+
+
+def packed_passes(sizes: list[int], tokens_per_pass: int):
+    """Consecutive ranges of prompts whose sizes add up to at most tokens_per_pass (one at least)."""
+    start = 0
+    while start < len(sizes):
+        end, total = start + 1, sizes[start]
+        while end < len(sizes) and total + sizes[end] <= tokens_per_pass:
+            total, end = total + sizes[end], end + 1
+        yield range(start, end)
+        start = end
+
+
+class Decoder:
+    """One decode step, kernel by kernel from Python."""
+
+    def __init__(self, model, cache, block_table, sampler=greedy):
+        self.model, self.cache, self.block_table, self.sampler = model, cache, block_table, sampler
+
+    def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
+        """One token for each of B requests: tokens, positions, rows, slots are [B] on device."""
+        batch = DecodeBatch(slot_mapping=slots,
+                            block_table=self.block_table[rows],  # [B, max_blocks]: their rows
+                            cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
+        logits = self.model(tokens, positions, self.cache, batch)  # [B, vocab]
+        return self.sampler(logits, rows, positions + 1)  # [B]
+
+    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
+        """The same with tokens on the device and the rest host arrays ([B] each)."""
+        inputs = to_device(np.stack([positions, rows, slots]), self.block_table.device)  # [3, B]
+        return self.decode(tokens, *inputs, int(positions.max()) + 1)
+
+
+class Engine:
+    tokens_per_pass = TOKENS_PER_PASS
+
+    def __init__(self, model, cache, manager: BlockManager, sampler=greedy, decoder=None):
+        self.model, self.cache, self.manager, self.sampler = model, cache, manager, sampler
+        self.decoder = decoder or Decoder(model, cache, manager.block_table, sampler)
+        self.device = manager.block_table.device
+        self.num_prefilled = 0  # tokens computed by prefill passes, over every run
+
+    @torch.inference_mode()
+    def generate(self, scheduler: Scheduler, stop_ids=frozenset(), progress=True) -> Generation:
+        """Run every request waiting in `scheduler` to the end. A request stops at a token in
+        `stop_ids` (not kept) or after its max_new_tokens, and gives its blocks back."""
+        requests, prefilled_before = list(scheduler.waiting), self.num_prefilled
+        self.timeline, seconds = [], {"prefill": 0.0, "decode": 0.0}
+        # A context, so that the bar is gone before an error message (out of blocks) is printed.
+        with tqdm(desc="decode", unit="step", total=steps_left(scheduler), disable=not progress,
+                  leave=False) as bar:
+            start = time.perf_counter()
+            for step in self.steps(scheduler, stop_ids):
+                now = time.perf_counter()
+                elapsed, start = now - start, now
+                seconds["decode" if step.decodes else "prefill"] += elapsed
+                if step.decodes:
+                    self.timeline[-1].seconds = elapsed
+                    bar.update()
+                    if bar.n >= bar.total:  # requests from a queue: more steps to come
+                        bar.total = bar.n + steps_left(scheduler)
+                    bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                                    blocks=self.manager.num_used_blocks, refresh=False)
+        return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
+                          seconds["decode"], self.timeline, scheduler.most_running, scheduler)
+
+    def steps(self, scheduler: Scheduler, stop_ids):
+        """Schedule a step, compute it, append its tokens, let the finished requests go."""
+        while scheduler.has_work():
+            step = scheduler.schedule()
+            if step.decodes:
+                self.note_the_cache(scheduler)
+            if step.is_prefill:
+                tokens = self.prefill(step)
+            else:
+                last = np.array([r.tokens[-1] for r in step.requests], dtype=np.int64)
+                tokens = self.decode(step, to_device(last, self.device))
+            tokens = tokens.cpu().numpy()  # [B]: the host waits for the GPU here, once a step
+            scheduler.finish(append_tokens(step.requests, tokens, stop_ids, scheduler.now()))
+            yield step
+
+    def note_the_cache(self, scheduler: Scheduler) -> None:
+        """The cache as a decode step finds it: a point of the timeline."""
+        self.timeline.append(KVSnapshot(len(self.timeline), len(scheduler.running),
+                                        len(scheduler.waiting), self.manager.num_reserved_slots,
+                                        self.manager.num_unfilled_slots))
+
+    def decode(self, step: Step, last_tokens: torch.Tensor) -> torch.Tensor:
+        """One token for every running request: its last token ([B] on device) at
+        step.positions, its K/V written where the block manager's slots say."""
+        slots = self.manager.slots(step.rows, step.positions)  # [B]: as prefill finds them
+        return self.decoder.step(last_tokens, step.positions, step.rows, slots)
+
+    def prefill(self, step: Step) -> torch.Tensor:
+        """Compute the uncached tokens of every request in a prefill step, packed into passes of
+        about tokens_per_pass, writing each token's K/V into its slot. Returns [B] on device."""
+        new = [r.tokens_between(int(start), r.num_tokens)
+               for r, start in zip(step.requests, step.num_cached)]
+        return self.prefill_passes(step, new)
+
+    def prefill_passes(self, step: Step, new: list[list[int]]) -> torch.Tensor:
+        self.num_prefilled += sum(map(len, new))
+        return torch.cat([self._prefill_pass(step.rows[p], [new[i] for i in p], step.num_cached[p])
+                          for p in packed_passes(list(map(len, new)), self.tokens_per_pass)])
+
+    def _prefill_pass(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
+        """One forward pass over new_tokens[i], the tokens of request rows[i] from position
+        starts[i] on (those before are cached)."""
+        on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
+        new = np.array([len(t) for t in new_tokens])  # the tokens computed here
+        lengths = starts + new  # each one's tokens, cached and new
+        cu_seqlens = np.concatenate([[0], np.cumsum(new)])
+        # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
+        slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
+        batch = PrefillBatch(slot_mapping=on_device(slots),
+                             cu_seqlens=on_device(cu_seqlens, torch.int32),
+                             cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=int(new.max()))
+        if starts.any():  # attention must read the cached tokens too, through the block table
+            cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
+            batch.block_table = self.manager.block_table[on_device(rows)]
+            batch.cu_seqlens_k = on_device(cu_seqlens_k, torch.int32)
+            batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), int(lengths.max())
+        tokens = on_device(np.concatenate(new_tokens))  # [T]
+        last_token_rows, positions = on_device(cu_seqlens[1:] - 1), on_device(positions)
+        logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)
+        return self.sampler(logits, on_device(rows), on_device(lengths))  # [B, vocab] -> [B]
+
+
+def steps_left(scheduler: Scheduler) -> int:
+    """Decode steps until the longest request still to run could end, for the progress bar."""
+    pending = [*scheduler.running, *scheduler.waiting]
+    return max((r.max_new_tokens - len(r.output_tokens) for r in pending), default=0)
+
+
+def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids, now=0.0) -> list:
+    """Append each request's new token, which reached the host at `now`; return the requests
+    that are done: a stop token (not kept) or their last allowed token."""
+    done = []
+    for request, token in zip(requests, new_tokens.tolist()):
+        if token in stop_ids:
+            done.append(request)
+            continue
+        request.output_tokens.append(token)
+        request.token_times.append(now)
+        if len(request.output_tokens) >= request.max_new_tokens:
+            done.append(request)
+    return done
+
+
+# --- 5. The report -----------------------------------------------------------------------------
+# Reserved: slots in blocks that running requests own. Filled: those holding a token's K and V.
+# Unfilled: reserved minus filled, memory no one can use until its request ends. Fragmented
+# Memory is the unfilled memory at the step the cache held the most tokens, as the original
+# experiment printed it (GB = 10^9 bytes), and its share of the device's memory.
+
+def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
+    """The first answers, the speed, and where the KV cache's memory went."""
+    shown = run.prompts if run.args.show_all else run.prompts[:3]
+    for prompt, request in zip(shown, g.requests):
+        print(f"\n--- request {prompt.id} ---\n> {prompt.prompt.strip()[:300]}\n\n"
+              f"{run.tokenizer.decode(request.output_tokens)}")
+    if len(shown) < len(run.prompts):
+        print(f"\n({len(run.prompts) - len(shown)} more answers; --show-all prints them)")
+    per_token, gb = run.kv_bytes_per_token, format_bytes
+    print(f"\n=== {run.args.script} ===\nTokens: {g.num_prompt_tokens:,} "
+          f"prompt, {g.num_generated_tokens:,} generated in {g.prefill_seconds:.2f} s of prefill "
+          f"and {g.decode_steps:,} decode steps in {g.decode_seconds:.2f} s")
+    print(f"KV cache: {gb(cache.nbytes)} allocated up front = {manager.num_blocks:,} blocks x "
+          f"{manager.block_size:,} tokens x {per_token // 1024} KiB per token")
+    fullest = g.fullest if g.timeline else KVSnapshot(0, 0, 0, 0, 0)
+    reserved, unfilled = fullest.reserved_slots * per_token, fullest.unfilled_slots * per_token
+    print(f"  at the fullest step ({fullest.step}, {fullest.running_requests} running): reserved "
+          f"{gb(reserved)}, filled {gb(reserved - unfilled)}, unfilled {gb(unfilled)} "
+          f"({100 * unfilled / max(reserved, 1):.1f}% of reserved)")
+    total = device_total_bytes(run.device)
+    print(f"Fragmented Memory: {gb(unfilled)} ({100 * unfilled / total:.2f}%)")
+
+
+# --- 6. main -----------------------------------------------------------------------------------
+
+def make_kv_cache(run, num_blocks: int, block_size: int) -> KVCache:
+    """The pool, checked against what the kernel takes and what memory holds."""
+    if run.attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
+        raise UserError(f"KV blocks of {block_size} tokens (the paged script's --block-size; the "
+                        f"naive script's block is --max-seq-len long): flash-attn 2's paged kernel "
+                        f"needs a multiple of {FLASH_BLOCK_MULTIPLE}. Use one, or --attn torch.")
+    size = num_blocks * block_size * run.kv_bytes_per_token
+    if run.device.type == "cpu":
+        check_host_memory(size, "the KV cache", "Ask for a smaller cache (--kv-budget-gb).")
+    try:
+        return KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
+    except torch.OutOfMemoryError as e:
+        raise UserError(f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "
+                        f"{block_size:,} tokens = {format_bytes(size)} needed, "
+                        f"{format_bytes(torch.cuda.mem_get_info(run.device)[0])} free after the "
+                        f"weights. Try fewer requests or a smaller cache.", OUT_OF_MEMORY) from e
+
+
+def pool_size(run, budget_bytes: float) -> tuple[int, int]:
+    """Paged: (num_blocks, block_size): as many small blocks as the KV budget holds."""
+    block_size = run.args.block_size or (FLASH_BLOCK_MULTIPLE if run.attention.name == "flash" else 16)
+    num_blocks = run.args.num_blocks or int(budget_bytes // (block_size * run.kv_bytes_per_token))
+    if num_blocks == 0:
+        raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
+                        f"{format_bytes(block_size * run.kv_bytes_per_token)}, more than the KV "
+                        f"budget of {format_bytes(budget_bytes)}. Use a smaller --block-size or a "
+                        f"larger --kv-budget-gb.", OUT_OF_MEMORY)
+    return num_blocks, block_size
+
+
+def allocate_kv_cache(run) -> tuple[KVCache, BlockManager]:
+    """The pool, and the block manager that hands its blocks out. The block table the kernel
+    reads is [N, max_blocks_per_request]: row r lists request r's blocks, in order."""
+    return allocate_pool(run, kv_budget_bytes(run))
+
+
+def allocate_pool(run, budget_bytes: float) -> tuple[KVCache, BlockManager]:
+    num_blocks, block_size = pool_size(run, budget_bytes)
+    max_blocks_per_request = math.ceil(run.args.max_seq_len / block_size)
+    return make_kv_cache(run, num_blocks, block_size), BlockManager(
+        num_blocks, block_size, run.num_sequences, max_blocks_per_request, run.device)
+
+
+def make_requests(run) -> list[Request]:
+    """One request per prompt. With random weights text is nonsense: each stops where its
+    ShareGPT reply stopped (after one token at least: the prefill always makes one)."""
+    args = run.args
+    replies = [max(p.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens
+               for p in run.prompts]
+    return [Request(i, p.prompt_tokens, min(reply, args.max_new_tokens,
+                                            args.max_seq_len - len(p.prompt_tokens)))
+            for i, (p, reply) in enumerate(zip(run.prompts, replies))]
+
+
+def generate(run, cache: KVCache, manager: BlockManager, progress=True) -> Generation:
+    stop_ids = set() if run.args.random_weights else run.tokenizer.stop_ids
+    scheduler = Scheduler(manager, make_requests(run))
+    return Engine(run.model, cache, manager).generate(scheduler, stop_ids, progress)
 
 
 def add_pool_arguments(parser) -> None:
     parser.add_argument("--block-size", type=positive_int,
                         help=f"tokens per KV block (default: {FLASH_BLOCK_MULTIPLE} with "
-                             f"flash-attn, which needs a multiple of that; 16, as vLLM, with "
-                             f"--attn triton or torch)")
-    parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
-                        help="with flash-attn: the kernel that reads the blocks in decode steps; "
-                             "triton: features/triton_attention.py's, faster on the H200, most "
-                             "at short contexts (README, Speed)")
+                             f"flash-attn, which needs a multiple of that; 16 with --attn torch)")
     parser.add_argument("--num-blocks", type=positive_int,
-                        help="blocks in the pool (default: as many as fit in the KV budget, "
-                             "--kv-budget-gb)")
-    parser.add_argument("--no-prefix-cache", action="store_true",
-                        help="compute every prompt in full, even where its first blocks are in "
-                             "the pool already (prefix caching is on with --system-prompt or "
-                             "--system-prompt-file, where requests share their first blocks)")
-    parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
-                        help="with a system prompt: decode attention reads its shared blocks once "
-                             "per step, not once per request (features/cascade.py); auto: where "
-                             "the measured rule says it pays")
-    parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
-                        help="beam search: K beams per prompt sharing blocks, scored by summed "
-                             "log-probabilities (features/beam_search.py); with --no-sharing "
-                             "each beam holds blocks of its own")
-    parser.add_argument("--no-sharing", action="store_true",
-                        help="every sequence holds blocks of its own: no prefix caching, and "
-                             "--samples prefill a copy of the prompt each (the comparison run)")
+                        help="blocks in the pool (default: as many as the KV budget holds)")
 
 
-def allocate_kv_cache(setup):
-    """Many small blocks, as many as memory holds, shared by all requests: each claims one more
-    only when its last block is full, so at most block_size - 1 of its slots sit empty."""
-    args = setup.args
-    block_size = args.block_size or (FLASH_BLOCK_MULTIPLE if setup.attention.name == "flash" else 16)
-    block_bytes = block_size * setup.kv_bytes_per_token
-    num_blocks = args.num_blocks or int(kv_budget_bytes(setup) // block_bytes)
-    if num_blocks == 0:
-        raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
-                        f"{format_bytes(block_bytes)}, more than the KV budget of "
-                        f"{format_bytes(kv_budget_bytes(setup))}. Use a smaller --block-size or a "
-                        f"larger --kv-budget-gb.", OUT_OF_MEMORY)
-    max_blocks_per_request = math.ceil(args.max_seq_len / block_size)
-    cache = kv_cache(setup, num_blocks, block_size)
-    # The block table the kernel reads: [N, max_blocks_per_request], row r = request r's blocks
-    # (with --samples K, each sample is a request).
-    # Blocks are shared where requests begin with the same tokens: samples of one prompt, or
-    # prompts after one system prompt (the prefix cache). Elsewhere the prefix cache would find
-    # next to nothing (1% of W2's prompt tokens), and the plain block manager runs.
-    prefix_caching = setup.system_prompt is not None and not args.no_prefix_cache
-    if args.no_sharing or not (args.samples > 1 or args.beam_width > 1 or prefix_caching):
-        return cache, BlockManager(num_blocks, block_size, setup.num_sequences,
-                                   max_blocks_per_request, setup.device)
-    from features.sharing import SharingBlockManager
-    return cache, SharingBlockManager(cache, setup.num_sequences, max_blocks_per_request,
-                                      prefix_caching)
+def choose_attention(args):
+    """flash-attn on CUDA, the PyTorch reference on the CPU (or with --attn torch)."""
+    if args.attn == "torch" or (args.attn == "auto" and args.device.type != "cuda"):
+        return TorchAttention()
+    if args.device.type != "cuda":
+        raise UserError(f"--attn {args.attn} needs a CUDA device; use --attn torch on the CPU.")
+    try:
+        return FlashAttention()
+    except ImportError as e:
+        raise UserError("flash-attn is not installed. Install it after torch with `pip install "
+                        "flash-attn --no-build-isolation`, or use --attn torch.") from e
 
 
-def main(argv=None) -> None:
-    with one_paragraph_errors(SCRIPT):
-        parser = argument_parser(SCRIPT, __doc__)
-        add_pool_arguments(parser)
-        setup = load(parser.parse_args(argv))  # the model and the first N prompts
-        if setup.args.beam_width > 1:  # loaded only when asked for
-            from plumbing import beams
-            beams.check_arguments(setup.args)
-            return beams.run_beam_search(setup, *allocate_kv_cache(setup))
-        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
-        cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
-        report(setup, cache, manager, generate(setup, cache, manager))
+def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=add_pool_arguments,
+         allocate=allocate_kv_cache) -> None:
+    """Arguments -> model and prompts -> the KV cache (where the scripts differ) -> generate ->
+    report. llama3_naive.py runs it with its own cache."""
+    with one_paragraph_errors(script):
+        parser = argument_parser(script, doc)
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+        run = load_run(args, Llama, choose_attention(args))
+        cache, manager = allocate(run)
+        report(run, cache, manager, generate(run, cache, manager))
+
+
+def needs_features(argv: list[str], add_arguments=add_pool_arguments) -> bool:
+    """Whether a command line asks for more than this file: --help (which lists every flag), a
+    flag it does not define (a feature's), or a CUDA device, where CUDA graphs and overlapped
+    steps run by default. features/run.py then builds the run."""
+    if {"-h", "--help"} & set(argv):
+        return True
+    parser = argument_parser("", "", exit_on_error=False)
+    add_arguments(parser)
+    try:
+        args, others = parser.parse_known_args(argv)
+    except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
+        return True
+    return bool(others) or args.device.type == "cuda"
 
 
 if __name__ == "__main__":
-    main()
+    if needs_features(sys.argv[1:]):
+        from features.run import main  # noqa: the module llama3_paged, imported there, is this file
+        main("llama3_paged.py", sys.argv[1:])
+    else:
+        main()

@@ -16,20 +16,20 @@ start-up (features/mapping_ahead.py, vAttention's way).
 (features/page_manager.py): simpler to read, and the driver calls are then on the critical path.
 """
 
-from plumbing.cli import exit_quietly_on_ctrl_c
-
 SCRIPT = "llama3_virtual.py"
-exit_quietly_on_ctrl_c(SCRIPT)  # first, so that Ctrl-C while torch loads ends in one line too
+if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
+    from plumbing.cli import exit_quietly_on_ctrl_c
+    exit_quietly_on_ctrl_c(SCRIPT)
 
 from features.mapping_ahead import (BackgroundMapper, MappingAheadManager, MappingFailed,
                                     mapping_seconds)
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
 from features.virtual_memory import DriverError, DriverOutOfMemory
-from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, argument_parser, format_bytes,
+from features import run as features
+from features.report import report
+from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, format_bytes,
                           one_paragraph_errors)
-from plumbing.report import report
-from plumbing.setup import find_max_batch, generate, importable, kv_budget_bytes, load
 
 
 def add_layout_arguments(parser):
@@ -44,24 +44,24 @@ def add_layout_arguments(parser):
     return parser
 
 
-def require_cuda_and_flash_attn(setup) -> None:
-    if setup.device.type != "cuda" or setup.attention.name != "flash":
+def require_cuda_and_flash_attn(run) -> None:
+    if run.device.type != "cuda" or run.attention.name != "flash":
         raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn's non-paged "
                         "kernel: it needs --device cuda and flash-attn (--attn flash or auto).")
-    if not importable("cuda.bindings"):
+    if not features.importable("cuda.bindings"):
         raise UserError("llama3_virtual.py maps GPU memory with CUDA's virtual memory API, which "
                         "Python reaches through the cuda-python package: `pip install cuda-python`.")
 
 
-def allocate_kv_cache(setup):
+def allocate_kv_cache(run):
     """A row of address space for every request, reserved up front at no cost, and physical pages,
     as many as memory holds, to be mapped under the rows as requests grow."""
-    args = setup.args
+    args = run.args
     try:
-        cache = VirtualKVCache(setup.model.args, setup.num_sequences, args.max_seq_len,
-                               setup.dtype, setup.device, setup.attention, args.layout)
-        page_bytes = cache.tokens_per_page * setup.kv_bytes_per_token  # a page in every tensor
-        num_pages = int(kv_budget_bytes(setup) // page_bytes)
+        cache = VirtualKVCache(run.model.args, run.num_sequences, args.max_seq_len,
+                               run.dtype, run.device, run.attention, args.layout)
+        page_bytes = cache.tokens_per_page * run.kv_bytes_per_token  # a page in every tensor
+        num_pages = int(features.kv_budget_bytes(run) // page_bytes)
         if num_pages == 0:
             raise UserError(f"Not one page of {format_bytes(page_bytes)} fits in the KV budget. "
                             f"Raise --kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
@@ -71,12 +71,12 @@ def allocate_kv_cache(setup):
                         f"weights. Lower --kv-budget-gb or --gpu-memory-utilization.",
                         OUT_OF_MEMORY) from e
     # The block table lists the virtual pages of each request's row; the MMU does the rest.
-    sizes = (num_pages, cache.tokens_per_page, setup.num_sequences, cache.pages_per_row)
+    sizes = (num_pages, cache.tokens_per_page, run.num_sequences, cache.pages_per_row)
     # --find-max-batch makes a cache per attempt; it counts requests, not time: map in the loop.
     if args.sync_mapping or args.find_max_batch:
-        return cache, PageManager(*sizes, mapper=cache, device=setup.device)
+        return cache, PageManager(*sizes, mapper=cache, device=run.device)
     mapper = BackgroundMapper(cache, on_start=cache.memory.make_current)
-    manager = MappingAheadManager(*sizes, mapper=mapper, device=setup.device)
+    manager = MappingAheadManager(*sizes, mapper=mapper, device=run.device)
     seconds = manager.map_empty_rows()
     print(f"Start-up: {manager.num_idle_pages:,} pages mapped under {len(manager.idle_rows):,} empty "
           f"rows in {seconds:.2f} s, before the first request; {len(manager.free_blocks):,} left "
@@ -103,15 +103,16 @@ def mapping_report(cache, manager, decode_steps: int) -> str:
 
 def main(argv=None) -> None:
     with one_paragraph_errors(SCRIPT):
-        args = add_layout_arguments(argument_parser(SCRIPT, __doc__)).parse_args(argv)
-        setup = load(args)  # the model and the first N prompts
-        require_cuda_and_flash_attn(setup)
-        if setup.args.find_max_batch: return find_max_batch(setup, allocate_kv_cache)
+        parser = features.argument_parser_with_features(SCRIPT, __doc__, add_layout_arguments)
+        run = features.load(parser.parse_args(argv))  # the model and the first N prompts
+        require_cuda_and_flash_attn(run)
+        if run.args.find_max_batch:
+            return features.find_max_batch(run, allocate_kv_cache)
         manager = None  # a driver call may fail at start-up, while the rows are mapped
         try:
-            cache, manager = allocate_kv_cache(setup)  # where the three scripts differ
-            generation = generate(setup, cache, manager)
-            report(setup, cache, manager, generation)
+            cache, manager = allocate_kv_cache(run)  # where the three scripts differ
+            generation = features.generate(run, cache, manager)
+            report(run, cache, manager, generation)
             print(mapping_report(cache, manager, generation.decode_steps))
         except (DriverError, MappingFailed) as e:
             where = "on the background thread" if isinstance(e, MappingFailed) else "in the loop"

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from core.kv_cache import to_device
-from core.request import Request, Step
+from block_manager import to_device
+from llama3_paged import Request, Step
 from features.sharing import SharingBlockManager
 
 

@@ -23,7 +23,7 @@ cascade. The PyTorch reference here is for the tests.
 
 import torch
 
-from core.kv_cache import DecodeBatch
+from llama3_paged import DecodeBatch
 
 # When the cascade pays, measured on the H200 with tools/cascade_cost.py (README, "Shared memory
 # is not shared bandwidth"): its two kernels and the merge cost more than the plain kernel's
@@ -104,7 +104,7 @@ class CascadeAttention:
     `active`, for batches of `min_batch` or more: prefill is the backend's own."""
 
     def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int):
-        self.backend, self.name, self.cuda_graphs = backend, backend.name, backend.cuda_graphs
+        self.backend, self.name = backend, backend.name
         self.prefill, self.prefill_after_prefix = backend.prefill, backend.prefill_after_prefix
         self.prefix_blocks, self.prefix_tokens = prefix_blocks, prefix_blocks * block_size
         self.parts = (FlashParts(self.prefix_tokens, device) if backend.name == "flash"

@@ -21,7 +21,7 @@ decodes one token for every running request, never both:
 
 import time
 
-from core.request import Scheduler, Status, Step
+from llama3_paged import Scheduler, Status, Step
 
 # Share of the pool that admission leaves free for the running requests to grow into (vLLM's
 # default is 1%; README, "Serving a stream", measures both).
@@ -61,7 +61,7 @@ class ContinuousScheduler(Scheduler):
             step = self._admit(joining)
             if len(step.requests):
                 return step
-        while self.manager.blocks_to_append(self.rows) > self.manager.num_free_blocks:
+        while self.manager.num_blocks_to_append(self.rows) > self.manager.num_free_blocks:
             self._preempt_newest()
         return self._decode()
 
@@ -79,7 +79,7 @@ class ContinuousScheduler(Scheduler):
             # The watermark's blocks stay free, unless nothing else runs or joins: then the head
             # request always gets in, and alone it fits (the constructor made sure).
             spare = self.watermark_blocks if joining or self.running else 0
-            blocks += self.manager.blocks_to_allocate(request)
+            blocks += self.manager.num_blocks_to_allocate(request)
             if (len(self.running) + len(joining) == self.max_running
                     or joining and tokens + n > self.chunk_tokens
                     or blocks + spare > self.manager.num_free_blocks):

@@ -18,7 +18,7 @@ import bisect
 import numpy as np
 import torch
 
-from core.kv_cache import to_device
+from block_manager import to_device
 
 BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
 
@@ -58,7 +58,7 @@ class GraphDecoder:
                 self.graphs[batch_size], pool = graph, graph.pool()
 
     def step(self, tokens, positions, rows, slots) -> torch.Tensor:
-        """Same contract as EagerDecoder.step."""
+        """Same contract as Decoder.step."""
         batch = len(rows)
         if batch > self.buckets[-1]:
             return self.eager.step(tokens, positions, rows, slots)

@@ -40,14 +40,14 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from core.engine import PREFILL_CHUNK_TOKENS
-from features.page_manager import consecutive_runs
+from llama3_paged import TOKENS_PER_PASS
+from features.page_manager import PageManager, consecutive_runs
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
 MAP_RUN_TOKENS = 64  # a row found short gets pages for this many tokens more, in one call: 4 pages
                      # of 16 tokens (per-token rows), 1 of 1,024 (per-layer). Fewer, longer calls
                      # cost both threads less host time (and the GIL) per step.
-QUEUE_LOOKAHEAD_TOKENS = PREFILL_CHUNK_TOKENS  # the queue's next prompts, as many as a step admits
+QUEUE_LOOKAHEAD_TOKENS = TOKENS_PER_PASS  # the queue's next prompts, as many as a step admits
 START_UP_SHARE = 0.5  # of the pool, mapped under the empty rows before the first request
 
 
@@ -126,7 +126,7 @@ class BackgroundMapper:
 
 
 class MappingAheadManager(BlockManager):
-    unit = "pages"
+    _check_free = PageManager._check_free  # out of pages, not blocks
 
     def __init__(self, num_pages: int, tokens_per_page: int, max_requests: int,
                  pages_per_row: int, mapper: BackgroundMapper, device="cpu"):
@@ -200,7 +200,7 @@ class MappingAheadManager(BlockManager):
         pages = self.owned_blocks.pop(request.row)
         self.num_idle_pages += len(pages)
         self.num_tokens[request.row] = 0
-        self._clear(request.row, pages)
+        self._clear(request.row)
         row = int(self.row_of[request.row])
         if self.num_mapped[row]:
             self.idle_rows[row] = None  # the newest idle row: the next request takes it

@@ -23,10 +23,51 @@ preempted halfway through its prompt would leave blocks there that were never wr
 steps run on the plain block manager only, for now.
 """
 
-import numpy as np
+from dataclasses import dataclass
 
-from core.request import Request, Step
+import numpy as np
+import torch
+
+from block_manager import to_device
 from features.continuous import ContinuousScheduler
+from features.timed_engine import TimedEngine
+from llama3_paged import Request, Step
+
+
+@dataclass
+class MixedStep(Step):
+    """A prefill pass whose first num_decoding requests compute just their last token (a decode,
+    read through the block table as a one-token chunk after a cached prefix), and which computes
+    each request's tokens up to ends[i] only ([B]). A request whose chunk stops short of its
+    prompt takes no token yet."""
+
+    ends: np.ndarray | None = None
+    num_decoding: int = 0
+
+    @property
+    def decodes(self) -> bool:
+        return not self.is_prefill or self.num_decoding > 0
+
+    def takes_a_token(self) -> np.ndarray:
+        """Which of the step's requests take their next token now: [B] booleans."""
+        return self.ends == np.array([r.num_tokens for r in self.requests])
+
+
+class MixedEngine(TimedEngine):
+    def prefill(self, step: MixedStep) -> torch.Tensor:
+        """Each request's tokens from num_cached to its end in this step."""
+        new = [r.tokens_between(int(start), int(end))
+               for r, start, end in zip(step.requests, step.num_cached, step.ends)]
+        tokens = self.prefill_passes(step, new)
+        self.num_prefilled -= step.num_decoding  # a decode row is no prompt token
+        return tokens
+
+    def taking_tokens(self, step, rows, next_tokens):
+        if not isinstance(step, MixedStep) or step.takes_a_token().all():
+            return step.requests, rows, next_tokens
+        takes = step.takes_a_token()
+        taking = to_device(np.flatnonzero(takes), self.device)
+        return [r for r, t in zip(step.requests, takes) if t], rows[taking], next_tokens[taking]
 
 
 class MixedScheduler(ContinuousScheduler):
@@ -49,10 +90,10 @@ class MixedScheduler(ContinuousScheduler):
             return Step(False, requests, rows, positions=positions)
         starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
         ends = np.array([end for _, _, end in chunks], dtype=np.int64)
-        return Step(True, requests + [r for r, _, _ in chunks],
-                    np.concatenate([rows, [r.row for r, _, _ in chunks]]).astype(np.int64),
-                    num_cached=np.concatenate([positions, starts]),
-                    ends=np.concatenate([positions + 1, ends]), num_decoding=len(rows))
+        return MixedStep(True, requests + [r for r, _, _ in chunks],
+                         np.concatenate([rows, [r.row for r, _, _ in chunks]]).astype(np.int64),
+                         num_cached=np.concatenate([positions, starts]),
+                         ends=np.concatenate([positions + 1, ends]), num_decoding=len(rows))
 
     def _make_room_to_decode(self) -> np.ndarray:
         """Preempt the newest requests until every running request past its prompt has room for
@@ -61,7 +102,7 @@ class MixedScheduler(ContinuousScheduler):
             decoding = np.ones(len(self.running), dtype=bool)
             if self.prefilling:
                 decoding = ~np.isin(self.rows, [r.row for r in self.prefilling])
-            if self.manager.blocks_to_append(self.rows[decoding]) <= self.manager.num_free_blocks:
+            if self.manager.num_blocks_to_append(self.rows[decoding]) <= self.manager.num_free_blocks:
                 return decoding
             self._preempt_newest()
 
@@ -94,7 +135,7 @@ class MixedScheduler(ContinuousScheduler):
         if self.waiting[0].arrival_time > self.now():
             return False
         spare = self.watermark_blocks if self.running else 0
-        needed = self.manager.blocks_to_allocate(self.waiting[0])
+        needed = self.manager.num_blocks_to_allocate(self.waiting[0])
         return needed + spare <= self.manager.num_free_blocks
 
     def _preempt_newest(self) -> None:

@@ -1,14 +1,14 @@
 """Overlapped steps: the host schedules step t+1 while the GPU computes step t (on CUDA by default;
 --no-overlap runs the core loop).
 
-In core/engine.py's loop the host waits for a step's tokens, records them, lets the finished
+In the lesson's loop (llama3_paged.py) the host waits for a step's tokens, records them, lets the finished
 requests go, schedules the next step and only then queues it: all that time the GPU has nothing to
 do. Here the host queues step t+1 first and waits for step t's tokens after, so the GPU finds the
 next step queued when it finishes one. Two things make that possible:
 
 - A step's inputs never wait for the host. Each request's newest token stays on the device, where
-  the next step reads it (core/engine.py), and every copy to the device is from pinned memory,
-  queued like a kernel (core/kv_cache.py's `to_device`).
+  the next step reads it (features/timed_engine.py), and every copy to the device is from pinned memory,
+  queued like a kernel (block_manager.py's `to_device`).
 - The scheduler runs one step behind: when it schedules step t+1 it has not seen step t's tokens.
   That matters only for who is done. A request whose token in flight is its last (its
   max_new_tokens) is let go before step t+1 is scheduled. One that draws a stop token at step t is
@@ -22,14 +22,14 @@ Admission, preemption and recompute are unchanged: a request preempted while sch
 ran in step t, whose token it has before it can be readmitted.
 """
 
-from core.engine import Engine, record
-from core.request import Status
+from features.timed_engine import StepInFlight, TimedEngine
+from llama3_paged import Status, append_tokens
 
 
 def why_not_overlapped(args, manager=None) -> str | None:
     """What keeps a run on the core loop, if anything: each of these reads on the host what the
     step in flight has not brought back yet, or changes what it may still touch. Without a
-    manager, what the flags alone say (plumbing/setup.py asks before loading the model)."""
+    manager, what the flags alone say (features/run.py asks before loading the model)."""
     from features.page_manager import PageManager
     if args.continuous and args.max_batched_tokens:
         return "mixed steps read the running requests' newest tokens on the host"
@@ -41,7 +41,7 @@ def why_not_overlapped(args, manager=None) -> str | None:
     return None
 
 
-class OverlappedEngine(Engine):
+class OverlappedEngine(TimedEngine):
     def steps(self, scheduler, stop_ids):
         """Queue step t+1, then wait for step t's tokens and record them. Yields each step once
         its tokens are recorded."""
@@ -57,19 +57,19 @@ class OverlappedEngine(Engine):
             in_flight = queued
 
     @staticmethod
-    def _last_token_in_flight(launched) -> list:
+    def _last_token_in_flight(in_flight: StepInFlight) -> list:
         """The requests that the step in flight gives their last allowed token."""
-        return [r for r in launched.drawing if r.status is Status.RUNNING
+        return [r for r in in_flight.requests if r.status is Status.RUNNING
                 and len(r.output_tokens) + 1 >= r.max_new_tokens]
 
-    def _record(self, launched, scheduler, stop_ids) -> None:
+    def _record(self, in_flight: StepInFlight, scheduler, stop_ids) -> None:
         """Append the step's tokens, but those drawn after a stop token, and let go of the
         requests that drew a stop token."""
-        tokens, drawing = self.collect(launched), launched.drawing
+        tokens, drawing = self.wait_for_tokens(in_flight), in_flight.requests
         if self.stopped:
             kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
             tokens, drawing = tokens[kept], [drawing[i] for i in kept]
-        for request in record(drawing, tokens, stop_ids, scheduler.now()):
+        for request in append_tokens(drawing, tokens, stop_ids, scheduler.now()):
             if request.status is Status.FINISHED:
                 continue  # its last token: let go of already
             self.stopped.add(request)

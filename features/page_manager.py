@@ -14,7 +14,11 @@ with pages of tokens_per_page tokens for blocks.
 
 import numpy as np
 
-from block_manager import BlockManager
+from block_manager import BlockManager, OutOfBlocks
+
+
+class OutOfPages(OutOfBlocks):
+    unit = "pages"
 
 
 def consecutive_runs(rows: np.ndarray, columns: np.ndarray):
@@ -28,7 +32,6 @@ def consecutive_runs(rows: np.ndarray, columns: np.ndarray):
 
 
 class PageManager(BlockManager):
-    unit = "pages"
 
     def __init__(self, num_pages: int, tokens_per_page: int, max_requests: int,
                  pages_per_row: int, mapper, device="cpu"):
@@ -42,9 +45,13 @@ class PageManager(BlockManager):
             self.mapper.map(pages[start:end], int(rows[start]) + 1, int(columns[start]))
         super()._place(rows, columns, ((rows + 1) * self.pages_per_row + columns).tolist())
 
-    def _clear(self, row: int, pages: list[int]) -> None:
-        self.mapper.unmap(row + 1, 0, len(pages))
-        super()._clear(row, pages)  # back to the spare row
+    def free(self, request) -> None:
+        self.mapper.unmap(request.row + 1, 0, len(self.owned_blocks[request.row]))
+        super().free(request)  # its row of the table back to the spare row
+
+    def _check_free(self, needed: int) -> None:
+        if needed > self.num_free_blocks:
+            raise OutOfPages(needed, self.num_free_blocks, self.num_blocks, self.block_size)
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Position p of request r is slot p of its row: contiguous, whatever pages are under it."""

@@ -80,7 +80,7 @@ class SharingBlockManager(BlockManager):
             return len(request.tokens)
         return len(self._cached_blocks(request)) * self.block_size
 
-    def blocks_to_allocate(self, request) -> int:
+    def num_blocks_to_allocate(self, request) -> int:
         """Free blocks that allocate(request) would take: cached blocks that no one holds count."""
         if self._fork_parent(request) is not None:
             return 0
@@ -92,7 +92,7 @@ class SharingBlockManager(BlockManager):
         if parent is not None:
             return self._fork(parent, request)
         tokens, cached = request.tokens, self._cached_blocks(request)
-        self._check_free(self.blocks_to_allocate(request))
+        self._check_free(self.num_blocks_to_allocate(request))
         for block in cached:  # one more holder; a cached block no one held leaves the free pool
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
@@ -136,7 +136,7 @@ class SharingBlockManager(BlockManager):
         for row, parent in zip(rows, parents):
             for block in old[row]:
                 self._release(block)
-            self._clear(row, old[row])
+            self._clear(row)
             self.owned_blocks[row], self.num_tokens[row] = list(old[parent]), counts[parent]
             self._place(np.full(len(old[parent]), row), np.arange(len(old[parent])), old[parent])
 
@@ -154,14 +154,14 @@ class SharingBlockManager(BlockManager):
                 must_copy.append(row)
         return must_copy
 
-    def blocks_to_append(self, rows: np.ndarray) -> int:
-        return super().blocks_to_append(rows) + len(self._must_copy(rows))
+    def num_blocks_to_append(self, rows: np.ndarray) -> int:
+        return super().num_blocks_to_append(rows) + len(self._must_copy(rows))
 
     def append_token(self, rows: np.ndarray) -> None:
         """Copy on write first: the copy replaces the shared block in the request's list and
         table row, and is made on the GPU before the step writes into it. Then the plain append."""
         must_copy = np.array(self._must_copy(rows), dtype=np.int64)
-        self._check_free(self.blocks_to_append(rows))
+        self._check_free(self.num_blocks_to_append(rows))
         columns = self.num_tokens[must_copy] // self.block_size
         sources = self.table[must_copy, columns].tolist()
         copies = [self._take_free() for _ in must_copy]
@@ -181,7 +181,7 @@ class SharingBlockManager(BlockManager):
         blocks = self.owned_blocks.pop(row)
         if self.prefix_cache:
             self.prefix_cache.register(blocks, request.tokens[:self.num_tokens[row]])
-        self._clear(row, blocks)
+        self._clear(row)
         for block in reversed(blocks):  # a prefix's last blocks are reused first, its first last
             self._release(block)
         self.num_tokens[row] = 0

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from core.attention import FlashAttention, TorchAttention
-from core.kv_cache import PrefillBatch, to_device
+from llama3_paged import FlashAttention, TorchAttention
+from llama3_paged import PrefillBatch
+from block_manager import to_device
 
 TOKENS_PER_TILE = 128  # tokens loaded per loop step, whatever the block size: a tile of 128
                        # tokens spans eight blocks of 16, or half a block of 256
@@ -94,7 +95,6 @@ class TritonAttention:
     """Decode through `paged_decode`; prefill through PyTorch's SDPA on the packed prompts."""
 
     name = "triton"
-    cuda_graphs = True  # the kernel reads block_table and cache_seqlens on the GPU
 
     def __init__(self):
         self._split_of = self._split = None  # the last prefill batch, and _fresh_part's answer
@@ -123,8 +123,10 @@ class TritonAttention:
         if fresh is None:
             return TorchAttention.prefill_after_prefix(self, q, key_blocks, value_blocks, batch)
         tokens, fresh_batch, cached_prompts = fresh
-        out = TorchAttention.prefill_after_prefix(self, q, key_blocks, value_blocks, batch,
-                                                  cached_prompts)  # their rows; the rest unset
+        out = torch.empty_like(q)  # the cached prompts' rows here, the fresh ones' below
+        for r in cached_prompts:
+            out[slice(*batch.cu_seqlens_host[r:r + 2])] = TorchAttention.attend_after_prefix(
+                self, r, q, key_blocks, value_blocks, batch)
         k, v = (blocks.flatten(0, 1)[fresh_batch.slot_mapping] for blocks in (key_blocks, value_blocks))
         out[tokens] = self.prefill(q[tokens], k, v, fresh_batch)
         return out

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from core.kv_cache import PrefillBatch
+from llama3_paged import PrefillBatch
 from features.virtual_memory import VirtualMemory
 
 LAYOUTS = ["per-token", "per-layer"]

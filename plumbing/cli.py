@@ -122,6 +122,23 @@ def write_atomically(path: Path, write) -> None:
         raise UserError(f"Could not write {path}: {e.strerror or e}.") from e
 
 
+def as_json_value(value):
+    """What json cannot write itself: numpy's numbers as numbers, paths and devices as text."""
+    import numpy as np
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return str(value)
+
+
+def write_json(args, record: dict) -> None:
+    """--json: the run's arguments and `record`, written atomically."""
+    import json
+    text = json.dumps({"arguments": vars(args)} | record, default=as_json_value)
+    write_atomically(args.json, lambda path: path.write_text(text))
+
+
 GB = 1e9  # memory is counted in powers of 10, as the original experiment printed it
 
 
@@ -263,12 +280,14 @@ def first_paragraph(docstring: str) -> str:
     return " ".join(docstring.strip().split("\n\n")[0].split())
 
 
-def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
-    """The flags every script takes. `script` names the program in messages and reports; the
+def argument_parser(script: str, description: str, exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """The flags of the lesson, which every script takes (features/run.py adds the features'). `script` names the program in messages and reports; the
     first line of `description` (the script's docstring) heads --help."""
     import torch  # for the default device, once the script has loaded it
-    p = argparse.ArgumentParser(prog=script, description=first_paragraph(description),
-                                formatter_class=HelpFormatter)
+    # conflict_handler="resolve": features/run.py redefines --attn with the Triton kernel added.
+    p = argparse.ArgumentParser(prog=script, description=first_paragraph(description) or None,
+                                formatter_class=HelpFormatter, conflict_handler="resolve",
+                                exit_on_error=exit_on_error)
     p.set_defaults(script=script)
     p.add_argument("num_requests", metavar="N", type=positive_int,
                    help="decode the first N prompts of sharegpt_filtered.json as one batch "
@@ -287,58 +306,12 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
-                   help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
-                        "else the PyTorch reference")
+    p.add_argument("--attn", choices=["auto", "flash", "torch"], default="auto",
+                   help="auto: flash-attn on CUDA, the PyTorch reference on the CPU")
     p.add_argument("--max-seq-len", type=sequence_length, default=8192,
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
-    p.add_argument("--samples", type=positive_int, default=1, metavar="K",
-                   help="completions per prompt (vLLM's n): N x K sequences in all; the paged "
-                        "script's share the prompt's blocks")
-    p.add_argument("--temperature", type=temperature, default=0.0,
-                   help="0: greedy, the most likely token (so is any temperature below 1e-5); "
-                        "above 0: sample from the softmax of logits / temperature")
-    p.add_argument("--top-p", type=fraction, default=1.0,
-                   help="with --temperature: sample only from the most likely tokens whose "
-                        "probabilities add up to this")
-    system = p.add_mutually_exclusive_group()
-    system.add_argument("--system-prompt", metavar="TEXT",
-                        help="a system turn that begins every request (default: none)")
-    system.add_argument("--system-prompt-file", type=Path, metavar="PATH",
-                        help=f"the system turn read from a file; {SYSTEM_PROMPT_FILE.name} has "
-                             f"one of about 1,000 tokens")
-    p.add_argument("--continuous", action="store_true",
-                   help="continuous batching: requests wait in a queue, join as blocks free up and "
-                        "are preempted (and later recomputed) when blocks run out, instead of one "
-                        "static batch admitted up front")
-    p.add_argument("--max-running", type=positive_int,
-                   help="with --continuous: most requests running at once (default: as many as "
-                        "the KV cache admits)")
-    p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
-                   help="with --continuous: requests arrive over time, R per second on average "
-                        "(a Poisson process drawn with --seed), and the report gives their "
-                        "latencies (features/arrivals.py); inf: all at the start")
-    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
-                   help="with --continuous: what a preempted request keeps: nothing (its tokens "
-                        "are prefilled again when it returns), or its K/V, copied to host memory "
-                        "and back (features/swapping.py)")
-    p.add_argument("--swap-space", type=gigabytes, default=4.0, metavar="GB",
-                   help="with --preemption swap: host memory for swapped K/V")
-    p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
-                   help="with --continuous: mixed steps, each one token for every running request "
-                        "plus prompt chunks up to this many tokens in all (features/"
-                        "mixed_steps.py) (default: each step prefills or decodes, never both)")
-    p.add_argument("--eager", action="store_true",
-                   help="decode kernel by kernel from Python instead of replaying CUDA graphs")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule each step while the GPU computes the one before "
-                        "(features/overlap.py); default: on CUDA, where mixed steps, swapping "
-                        "and --sync-mapping allow it. --no-overlap waits for each step's tokens")
-    p.add_argument("--compile", action="store_true",
-                   help="on CUDA: fuse each layer's small kernels (norms, RoPE, SiLU, adds) with "
-                        "torch.compile, around the attention call (features/compiled_layers.py)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of the GPU's memory for weights, activations and KV cache")
     p.add_argument("--kv-budget-gb", type=gigabytes,
@@ -346,13 +319,8 @@ def argument_parser(script: str, description: str) -> argparse.ArgumentParser:
                         f"--gpu-memory-utilization leaves after the weights and activations; on the "
                         f"CPU, {CPU_KV_BUDGET_GB})")
     p.add_argument("--seed", type=seed, default=0,
-                   help="seed of --random-weights and of sampling (--temperature)")
-    p.add_argument("--find-max-batch", action="store_true",
-                   help="find the largest batch (at most N) that completes with the other flags "
-                        "as given: bisection over real runs, one line per attempt")
+                   help="seed of --random-weights (and of sampling, --temperature)")
     p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
-    p.add_argument("--json", type=writable_file, metavar="PATH",
-                   help="write arguments, token ids, memory and throughput here")
     return p
 
 

@@ -78,14 +78,15 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
              max_batched_tokens=None, swap_blocks=0, overlap=False):
-    """Run prompts through the core engine as the scripts do (plumbing/setup.py's generate):
+    """Run prompts through the core engine as the scripts do (features/run.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
     `continuous`, mixed steps (features/mixed_steps.py); `swap_blocks`: with `continuous`,
     preemption by swapping to that many host blocks (features/swapping.py); `overlap`: each step
     scheduled before the last one's tokens are recorded (features/overlap.py)."""
-    from core.engine import EagerDecoder, Engine, greedy
-    from core.request import Request, Scheduler
+    from features.timed_engine import TimedEngine
+    from llama3_paged import Decoder, Engine, greedy
+    from llama3_paged import Request, Scheduler
     from features.continuous import ContinuousScheduler
     requests = [Request(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
@@ -101,19 +102,23 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if hasattr(manager, "watch_queue"):  # as plumbing/setup.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
-    decoder = EagerDecoder(model, cache, manager.block_table, sampler)
+    decoder = Decoder(model, cache, manager.block_table, sampler)
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine_class = Engine
+    engine_class = Engine  # the lesson's loop
+    if continuous or graphs:  # as features/run.py runs every feature
+        engine_class = TimedEngine
+    if continuous and max_batched_tokens:
+        from features.mixed_steps import MixedEngine as engine_class
     if overlap:
         from features.overlap import OverlappedEngine as engine_class
     engine = engine_class(model, cache, manager, sampler, decoder)
-    engine.chunk_tokens = chunk_tokens
+    engine.tokens_per_pass = chunk_tokens
     return engine.generate(scheduler, set(stop_ids), progress=False)
 
 
 def request(row: int, n: int, first: int = 0):
     """A request of n distinct prompt tokens, for the block manager's tests."""
-    from core.request import Request
+    from llama3_paged import Request
     return Request(row, tokens(n, first), max_new_tokens=1)

@@ -9,14 +9,16 @@ import torch
 
 from block_manager import BlockManager
 from conftest import tokens
-from core.attention import TorchAttention
-from core.engine import EagerDecoder, Engine, greedy
-from core.kv_cache import KVCache
-from core.request import Request
+from llama3_paged import TorchAttention
+from llama3_paged import Decoder, Engine, greedy
+from llama3_paged import KVCache
+from llama3_paged import Request
 from features.arrivals import latency_report, poisson_arrival_times
 from features.continuous import ContinuousScheduler
-from features.mixed_steps import MixedScheduler
-from plumbing.checkpoints import random_model
+from features.mixed_steps import MixedEngine, MixedScheduler, MixedStep
+from test_mixed_steps import takes_a_token
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts, run
 
 
@@ -71,7 +73,7 @@ def test_no_request_is_admitted_before_it_arrives(mixed):
     scheduler.clock, scheduler.sleep, scheduler.start = clock, clock.sleep, 0.0
     while scheduler.has_work():
         step = scheduler.schedule()
-        for request, draws in zip(step.requests, step.draws()):
+        for request, draws in zip(step.requests, takes_a_token(step)):
             assert clock.time >= request.arrival_time, "computed before it arrived"
             if draws:
                 request.output_tokens.append(1)
@@ -87,7 +89,7 @@ def test_no_request_is_admitted_before_it_arrives(mixed):
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -102,7 +104,8 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
     scheduler = (MixedScheduler(manager, requests, None, 24) if mixed
                  else ContinuousScheduler(manager, requests, None, 8192))
-    engine = Engine(model, cache, manager, greedy, EagerDecoder(model, cache, manager.block_table))
+    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else Engine
+    engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert result.output_tokens == static.output_tokens
     for r in requests:

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.attention import TorchAttention
-from core.kv_cache import DecodeBatch
+from llama3_paged import TorchAttention
+from llama3_paged import DecodeBatch
 
 
 def dense_attention(q, keys, values):

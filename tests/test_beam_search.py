@@ -8,12 +8,13 @@ import torch
 from conftest import tiny_hf_model
 
 from block_manager import BlockManager
-from core.attention import TorchAttention
-from core.engine import EagerDecoder, Engine
-from core.kv_cache import KVCache
+from llama3_paged import TorchAttention
+from llama3_paged import Decoder, Engine
+from llama3_paged import KVCache
 from features.beam_search import BeamSampler, beam_search
 from features.sharing import SharingBlockManager
-from plumbing.checkpoints import load_model
+from plumbing.inputs import load_model
+from llama3_paged import Llama
 
 MAX_SEQ_LEN = 128
 PROMPT_LENGTHS = [5, 17, 30, 2]
@@ -28,7 +29,7 @@ def our_beams(model, prompts, width, new_tokens, stop_ids, sharing=True, block_s
                else BlockManager(num_blocks, block_size, n, max_blocks))
     sampler = BeamSampler(width)
     engine = Engine(model, cache, manager, sampler,
-                    EagerDecoder(model, cache, manager.block_table, sampler))
+                    Decoder(model, cache, manager.block_table, sampler))
     result = beam_search(engine, prompts, width, [new_tokens] * len(prompts), stop_ids,
                          progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks, "a block leaked"
@@ -53,7 +54,7 @@ def models(tmp_path_factory):
     hf = tiny_hf_model(rope_scaling=False, tied=False, seed=3)
     path = tmp_path_factory.mktemp("tiny")
     hf.save_pretrained(path)
-    return hf, load_model(path, "cpu", torch.float32, max_positions=MAX_SEQ_LEN)
+    return hf, load_model(Llama, path, "cpu", torch.float32, max_positions=MAX_SEQ_LEN)
 
 
 @pytest.mark.parametrize("width", [2, 4])

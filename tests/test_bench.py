@@ -4,16 +4,17 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from core.attention import TorchAttention
+from llama3_paged import TorchAttention
 from tools.bench import (gpu_wait_seconds_per_step, parse_arguments, prefill_flops,
                          script_arguments, weight_bytes_read_per_step)
-from plumbing.checkpoints import random_model
-from core.kv_cache import KVCache, PrefillBatch
+from plumbing.inputs import random_model
+from llama3_paged import Llama
+from llama3_paged import KVCache, PrefillBatch
 
 
 def test_prefill_flops_match_pytorchs_count():
     # One-token prompts: causal attention is then the full attention that the counter counts.
-    model = random_model("tiny", "cpu", torch.float32, 64, seed=0)
+    model = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=0)
     n = 5
     cache = KVCache(model.args, 1, n, torch.float32, "cpu", TorchAttention())
     bounds = list(range(n + 1))
@@ -28,14 +29,14 @@ def test_prefill_flops_match_pytorchs_count():
 def test_a_prompt_found_cached_leaves_only_the_rest_to_compute():
     # Its first 4 tokens cached: computing them alone, then the rest after them, is the whole
     # prompt's work and one more output head (each prefill computes its last token's logits).
-    args = random_model("tiny", "cpu", torch.float32, 64, seed=0).args
+    args = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=0).args
     head = 2 * args.dim * args.vocab_size
     assert (prefill_flops(args, [4]) + prefill_flops(args, [10], [4])
             == prefill_flops(args, [10]) + head)
 
 
 def test_decode_reads_every_weight_but_the_embedding_table():
-    untied = random_model("tiny", "cpu", torch.float32, 64, seed=0)
+    untied = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=0)
     params = sum(p.numel() for p in untied.parameters())
     embedding = untied.args.vocab_size * untied.args.dim
     assert weight_bytes_read_per_step(untied) == 4 * (params - embedding)
@@ -50,7 +51,7 @@ def test_workload_w_is_what_the_paged_script_would_run():
 
 
 def test_workload_p_is_long_prompts_of_sharegpt_text_cut_to_length():
-    from plumbing.prompts import PROMPTS_FILE, load_tokenizer, read_records
+    from plumbing.inputs import PROMPTS_FILE, load_tokenizer, read_records
     from tools.bench import long_prompts
     a = parse_arguments(["virtual", "--workload", "P"])
     assert (a.num_requests, a.prompt_tokens, a.new_tokens, a.continuous) == (256, 4096, 16, True)
@@ -64,9 +65,9 @@ def test_workload_p_is_long_prompts_of_sharegpt_text_cut_to_length():
 
 
 def test_decode_flops_are_the_matmuls_pytorch_counts():
-    from core.kv_cache import DecodeBatch
+    from llama3_paged import DecodeBatch
     from tools.bench import decode_flops_per_token
-    model = random_model("tiny", "cpu", torch.float32, 64, seed=0)
+    model = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=0)
     a, batch, cached = model.args, 3, 5
     cache = KVCache(a, batch, 8, torch.float32, "cpu", TorchAttention())
     step = DecodeBatch(torch.arange(batch) * 8 + cached - 1,
@@ -91,8 +92,9 @@ def test_a_step_floor_is_bound_by_the_weights_when_small_and_the_flops_when_larg
 
 
 def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
-    from core.engine import Generation, KVSnapshot
+    from llama3_paged import Generation, KVSnapshot
     steps = [KVSnapshot(i, 4, 0, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
-    generation = Generation([], 0, 0.0, decode_seconds=0.036, timeline=steps)
+    generation = Generation([], 0, 0.0, decode_seconds=0.036, timeline=steps, most_running=4,
+                            scheduler=None)
     assert gpu_wait_seconds_per_step(generation) == pytest.approx((0.036 - 0.033) / 3)
-    assert gpu_wait_seconds_per_step(Generation([], 0, 0.0, 0.0)) == 0.0
+    assert gpu_wait_seconds_per_step(Generation([], 0, 0.0, 0.0, [], 0, None)) == 0.0

@@ -56,9 +56,9 @@ def test_freeing_a_sequence_returns_every_block():
 def test_freed_blocks_are_reused():
     m = manager(num_blocks=2)
     m.allocate(request(0, 8))
-    assert m.blocks_to_allocate(request(1, 1)) > m.num_free_blocks
+    assert m.num_blocks_to_allocate(request(1, 1)) > m.num_free_blocks
     m.free(request(0, 0))
-    assert m.blocks_to_allocate(request(1, 8)) <= m.num_free_blocks
+    assert m.num_blocks_to_allocate(request(1, 8)) <= m.num_free_blocks
     m.allocate(request(1, 8))
     assert sorted(m.owned_blocks[1]) == [0, 1]
 

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from core.attention import TorchAttention
-from core.engine import EagerDecoder, Engine, greedy
-from core.kv_cache import DecodeBatch, KVCache
-from core.request import Request
+from llama3_paged import TorchAttention
+from llama3_paged import Decoder, Engine, greedy
+from llama3_paged import DecodeBatch, KVCache
+from llama3_paged import Request
 from features.cascade import CascadeAttention, CascadeDecoder
 from features.continuous import ContinuousScheduler
 from features.sharing import SharingBlockManager
-from plumbing.checkpoints import random_model
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from test_sharing import random_prompts
 
 MAX_SEQ_LEN = 160
@@ -75,7 +76,7 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
     cache = KVCache(model.args, 128, block_size, torch.float32, "cpu", TorchAttention())
     manager = SharingBlockManager(cache, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
                                   prefix_caching=True)
-    decoder = eager = EagerDecoder(model, cache, manager.block_table)
+    decoder = eager = Decoder(model, cache, manager.block_table)
     if cascade_on:
         system_blocks = 21 // block_size
         cascade = CascadeAttention(cache.attention_backend, system_blocks, block_size, "cpu",
@@ -90,7 +91,7 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
 
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size):
-    model = random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=31)
+    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=31)
     system = random_prompts([21], seed=3)[0]  # 5 full blocks of 4, or 2 of 8, then a part
     prompts = random_prompts([5, 12, 1, 30, 8, 17, 9], seed=4, prefix=system)
     budgets = [9, 4, 12, 7, 10, 5, 8]
@@ -105,7 +106,7 @@ def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size)
 @pytest.mark.parametrize("own_lengths", [[1, 300, 40, 700, 257, 1, 1, 1],  # padding-like rows
                                          list(range(1, 2000, 37))])
 def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths):
-    from core.attention import FlashAttention
+    from llama3_paged import FlashAttention
     prefix_blocks, block_size = 4, 256
     q, (k, v), batch, prefix = shared_prefix_batch(prefix_blocks, own_lengths, block_size,
                                                    "cuda", torch.bfloat16)

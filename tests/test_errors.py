@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
 
 import plumbing.cli
-import plumbing.prompts
+import plumbing.inputs
 import llama3_naive
 import llama3_paged
 from tools import bench, build_prompts, decode_kernel_cost, graph_cost, plot_memory
@@ -28,7 +28,10 @@ from tools import bench, build_prompts, decode_kernel_cost, graph_cost, plot_mem
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
-SCRIPTS = {"naive": llama3_naive.main, "paged": llama3_paged.main}
+from features.run import command_line
+
+SCRIPTS = {"naive": lambda argv: command_line("llama3_naive.py", argv),
+           "paged": lambda argv: command_line("llama3_paged.py", argv)}
 
 
 def run_main(main, argv, capsys):
@@ -169,7 +172,7 @@ def test_bad_arguments_exit_2_in_one_paragraph(script, argv, code, fragment, tmp
 
 @pytest.mark.parametrize("argv, code, fragment", PAGED_ONLY)
 def test_bad_pool_arguments_exit_2_in_one_paragraph(argv, code, fragment, capsys):
-    assert_one_paragraph(*run_main(llama3_paged.main, argv, capsys)[::2], code, fragment)
+    assert_one_paragraph(*run_main(SCRIPTS["paged"], argv, capsys)[::2], code, fragment)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -193,8 +196,8 @@ def test_a_damaged_prompts_file_exits_2(content, fragment, tmp_path, monkeypatch
     prompts = tmp_path / "sharegpt_filtered.json"
     if content is not None:
         prompts.write_text(content)
-    monkeypatch.setattr(plumbing.prompts, "PROMPTS_FILE", prompts)
-    assert_one_paragraph(*run_main(llama3_paged.main, ["1", *TINY], capsys)[::2], 2, fragment)
+    monkeypatch.setattr(plumbing.inputs, "PROMPTS_FILE", prompts)
+    assert_one_paragraph(*run_main(SCRIPTS["paged"], ["1", *TINY], capsys)[::2], 2, fragment)
 
 
 OUT_OF_MEMORY = [  # each says how much was asked for and how much there is
@@ -219,7 +222,7 @@ def test_running_out_of_memory_or_blocks_exits_1_with_the_numbers(script, argv, 
 
 def test_the_8b_model_on_a_small_machine_exits_1_with_the_numbers(monkeypatch, capsys):
     monkeypatch.setattr(plumbing.cli, "host_available_bytes", lambda: 8 * 10**9)
-    code, _, err = run_main(llama3_paged.main, ["2", "--random-weights", "--device", "cpu"], capsys)
+    code, _, err = run_main(SCRIPTS["paged"], ["2", "--random-weights", "--device", "cpu"], capsys)
     assert_one_paragraph(code, err, 1, "the model's weights needs 32.")  # 8.0 G params in fp32
     assert "8.00 GB available" in err
 
@@ -231,7 +234,7 @@ def one_run(tmp_path_factory):
     for argv in (["2", *TINY, "--max-new-tokens", "3", "--json", folder / "run.json"],
                  ["2", *TINY, "--max-new-tokens", "3", "--find-max-batch", "--json",
                   folder / "find.json"]):
-        llama3_paged.main([str(a) for a in argv])
+        SCRIPTS["paged"]([str(a) for a in argv])
     (folder / "list.json").write_text("[1, 2, 3]")
     (folder / "no_steps.json").write_text(json.dumps(
         json.loads((folder / "run.json").read_text()) | {"timeline": []}))
@@ -327,7 +330,7 @@ def test_ctrl_c_while_the_plot_imports_or_draws_exits_130(one_run, tmp_path):
 
 def test_a_checkpoint_config_that_is_not_an_object_says_so_for_its_layout(tmp_path, capsys):
     (tmp_path / "config.json").write_text("null")
-    code, _, err = run_main(llama3_paged.main, ["2", "--device", "cpu", "--ckpt-dir", tmp_path],
+    code, _, err = run_main(SCRIPTS["paged"], ["2", "--device", "cpu", "--ckpt-dir", tmp_path],
                             capsys)
     assert_one_paragraph(code, err, 2, "holds null, not an object of settings")
     assert "Hugging Face config.json" in err and "params.json" in err
@@ -338,7 +341,7 @@ def test_the_allocator_refusing_memory_exits_1_in_one_paragraph(monkeypatch, cap
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't "
                            "allocate memory: you tried to allocate 34359738368 bytes.")
     monkeypatch.setattr(torch, "empty", refuse)  # as materialising the weights calls it
-    code, _, err = run_main(llama3_paged.main, ["2", *TINY], capsys)
+    code, _, err = run_main(SCRIPTS["paged"], ["2", *TINY], capsys)
     assert_one_paragraph(code, err, 1, "Out of memory: the CPU's allocator refused")
 
 
@@ -377,7 +380,7 @@ def test_an_output_that_cannot_show_the_answers_prints_them_anyway():
 def test_a_temperature_too_small_to_divide_by_is_greedy(tmp_path):
     runs = {}
     for name, extra in [("greedy", []), ("tiny", ["--temperature", "1e-38"])]:
-        llama3_paged.main(["2", *TINY, "--max-new-tokens", "5", *extra,
+        SCRIPTS["paged"](["2", *TINY, "--max-new-tokens", "5", *extra,
                            "--json", str(tmp_path / f"{name}.json")])
         runs[name] = [r["output_tokens"] for r in
                       json.loads((tmp_path / f"{name}.json").read_text())["requests"]]
@@ -409,8 +412,8 @@ def test_an_empty_prompt_or_reply_is_a_request_like_any_other(tmp_path, monkeypa
     prompts.write_text(json.dumps([
         {"id": "no-prompt", "conversations": [{"value": ""}, {"value": "an answer"}]},
         {"id": "no-reply", "conversations": [{"value": "a question"}, {"value": ""}]}]))
-    monkeypatch.setattr(plumbing.prompts, "PROMPTS_FILE", prompts)
-    code, _, err = run_main(llama3_paged.main, ["2", *TINY, "--json", tmp_path / "run.json"],
+    monkeypatch.setattr(plumbing.inputs, "PROMPTS_FILE", prompts)
+    code, _, err = run_main(SCRIPTS["paged"], ["2", *TINY, "--json", tmp_path / "run.json"],
                             capsys)
     assert code == 0 and "Traceback" not in err, err
     outputs = [r["output_tokens"] for r in json.loads((tmp_path / "run.json").read_text())["requests"]]

@@ -8,7 +8,8 @@ import torch
 
 import llama3_naive
 import llama3_paged
-from core.model import PRESETS
+from features.run import command_line
+from plumbing.inputs import PRESETS
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
@@ -24,7 +25,7 @@ def test_a_token_of_llama3_8b_costs_128_kib_of_kv_cache():
 
 @pytest.mark.parametrize("budget_gb, block_size", [(0.01, 16), (0.125, 16), (0.05, 48)])
 def test_the_paged_pool_is_the_kv_budget_in_whole_blocks(budget_gb, block_size, tmp_path):
-    llama3_paged.main([*TINY, "1", "--max-new-tokens", "2", "--kv-budget-gb", str(budget_gb),
+    command_line("llama3_paged.py", [*TINY, "1", "--max-new-tokens", "2", "--kv-budget-gb", str(budget_gb),
                        "--block-size", str(block_size), "--json", str(tmp_path / "run.json")])
     memory = json.loads((tmp_path / "run.json").read_text())["memory"]
     assert memory["kv_pool_blocks"] == int(budget_gb * 1e9 // (block_size * TINY_BYTES_PER_TOKEN))
@@ -32,11 +33,11 @@ def test_the_paged_pool_is_the_kv_budget_in_whole_blocks(budget_gb, block_size, 
 
 def test_on_the_cpu_the_naive_cache_fits_7_requests_of_8192_tokens(tmp_path):
     # 0.125 GB / (8,192 tokens x 2 KiB) = 7.45: seven max-length caches fit, an eighth does not.
-    llama3_naive.main([*TINY, "7", "--max-new-tokens", "4", "--json", str(tmp_path / "run.json")])
+    command_line("llama3_naive.py", [*TINY, "7", "--max-new-tokens", "4", "--json", str(tmp_path / "run.json")])
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["memory"]["kv_pool_bytes"] >= 7 * 8192 * TINY_BYTES_PER_TOKEN
     with pytest.raises(SystemExit) as exit:
-        llama3_naive.main([*TINY, "8"])
+        command_line("llama3_naive.py", [*TINY, "8"])
     assert exit.value.code == 1
 
 
@@ -45,12 +46,12 @@ def test_the_printed_fragmented_memory_is_the_unfilled_kv_at_the_fullest_step(sc
                                                                              tmp_path, capsys):
     """Four requests of different lengths (their ShareGPT replies, at most 100 tokens): the
     fullest step is not the last, and the printed figure is the arithmetic done here."""
-    from plumbing.prompts import load_prompts, load_tokenizer
-    from plumbing.report import device_total_bytes
+    from plumbing.inputs import load_prompts, load_tokenizer
+    from features.report import device_total_bytes
     prompts = load_prompts(4, load_tokenizer())
     budgets = [min(p.num_reply_tokens, 100) for p in prompts]
     assert len(set(budgets)) > 1, "requests of different lengths"
-    script.main([*TINY, "4", "--max-new-tokens", "100", "--json", str(tmp_path / "run.json")])
+    command_line(f"{script.__name__}.py", [*TINY, "4", "--max-new-tokens", "100", "--json", str(tmp_path / "run.json")])
     printed = capsys.readouterr().out
     # Decode step s feeds each request its (s + 1)th new token: it then holds its prompt and
     # s + 1 new tokens, while it has tokens left to make (the first came from the prefill).
@@ -71,7 +72,7 @@ def test_the_printed_fragmented_memory_is_the_unfilled_kv_at_the_fullest_step(sc
 
 
 def test_every_json_value_keeps_its_type(tmp_path):
-    llama3_paged.main([*TINY, "2", "--max-new-tokens", "3", "--json", str(tmp_path / "run.json")])
+    command_line("llama3_paged.py", [*TINY, "2", "--max-new-tokens", "3", "--json", str(tmp_path / "run.json")])
     record = json.loads((tmp_path / "run.json").read_text())
     text_keys = {"script", "mode", "kv_pool_unit", "id", "ckpt_dir", "device", "attn", "model",
                  "dtype", "tokenizer", "json", "system_prompt", "system_prompt_file"}

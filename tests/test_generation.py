@@ -6,21 +6,22 @@ import numpy as np
 import pytest
 import torch
 
-from core.attention import TorchAttention
+from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from conftest import generate, request
 from block_manager import OutOfBlocks
-from plumbing.checkpoints import random_model
-from core.engine import EagerDecoder, Engine
-from core.request import Request, Scheduler
-from core.kv_cache import KVCache
+from plumbing.inputs import random_model
+from llama3_paged import Llama
+from llama3_paged import Decoder, Engine
+from llama3_paged import Request, Scheduler
+from llama3_paged import KVCache
 
 MAX_SEQ_LEN = 96
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=3)
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=3)
 
 
 def run(model, prompts, budgets, num_blocks, block_size, stop_ids=frozenset(), chunk_tokens=64):
@@ -137,7 +138,7 @@ def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
     torch.manual_seed(8)
     cache.k.normal_(), cache.v.normal_()  # stand-ins for the tokens cached so far
     manager.allocate(request(0, 7)), manager.allocate(request(1, 4))  # the newest at 6 and 3
-    decoder = EagerDecoder(model, cache, manager.block_table)
+    decoder = Decoder(model, cache, manager.block_table)
     rows, positions = np.array([0, 1]), np.array([6, 3])
     fed = torch.tensor([11, 12])  # the newest tokens, on the device
     before = cache.k.clone()

@@ -10,13 +10,14 @@ import torch
 
 from conftest import ROOT
 
-from core.attention import FlashAttention, TorchAttention
+from llama3_paged import FlashAttention, TorchAttention
 from conftest import generate
 from features.sharing import SharingBlockManager
-from plumbing.setup import importable
+from features.run import importable
 from block_manager import BlockManager
-from plumbing.checkpoints import random_model
-from core.kv_cache import DecodeBatch, KVCache, PrefillBatch
+from plumbing.inputs import random_model
+from llama3_paged import Llama
+from llama3_paged import DecodeBatch, KVCache, PrefillBatch
 from features.page_manager import PageManager
 from features.sampling import Sampler
 
@@ -107,7 +108,7 @@ def prompts_and_budgets(n, seed, most_tokens):
 
 
 def test_naive_and_paged_generate_the_same_tokens_with_flash_attn():
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
     prompts = random_prompts(8, torch.Generator().manual_seed(0))
     naive = generate_on_gpu(model, prompts, [32] * 8, num_blocks=8, block_size=MAX_SEQ_LEN)
     paged = generate_on_gpu(model, prompts, [32] * 8, num_blocks=64, block_size=256)
@@ -117,7 +118,7 @@ def test_naive_and_paged_generate_the_same_tokens_with_flash_attn():
 def test_cuda_graphs_generate_the_same_tokens_as_eager_decoding():
     # Budgets from 1 to 40: the batch shrinks from 20 through buckets 24, 16, 8, 4, 2 and 1,
     # so most steps run padding rows.
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=1)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=1)
     prompts, budgets = prompts_and_budgets(20, seed=1, most_tokens=40)
     eager = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256)
     graphs = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
@@ -167,7 +168,7 @@ def test_triton_paged_decode_matches_float64_attention(gqa, block_size, dtype):
 
 @needs_triton
 def test_triton_and_flash_attn_generate_the_same_tokens():
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=2)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=2)
     prompts = random_prompts(8, torch.Generator().manual_seed(2))
     flash = generate_on_gpu(model, prompts, [33] * 8, num_blocks=64, block_size=256)
     triton = generate_on_gpu(model, prompts, [33] * 8, num_blocks=1024, block_size=16,
@@ -178,7 +179,7 @@ def test_triton_and_flash_attn_generate_the_same_tokens():
 @needs_triton
 def test_flash_attn_prefill_with_the_triton_decode_kernel_gives_flash_attns_tokens():
     from features.triton_attention import TritonDecode
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=3)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=3)
     prompts = random_prompts(8, torch.Generator().manual_seed(3))
     budgets = [40, 33, 5, 40, 17, 1, 40, 40]  # prompts of 20-700 tokens: most span 2-3 blocks
     flash = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
@@ -200,7 +201,7 @@ def test_the_decode_kernel_tool_times_triton_beside_flash_attn_on_the_same_answe
 
 def test_continuous_batching_in_an_ample_pool_gives_the_static_tokens_with_cuda_graphs():
     # All prompts fit one prefill chunk and the pool never runs short: the same batches as static.
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=4)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=4)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
                for n in torch.randint(20, 500, (12,), generator=g)]
@@ -219,7 +220,7 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32(max_batched_tokens):
     # while small, they outgrow it (a CPU replay of the scheduler preempts 14 times). With
     # max_batched_tokens, in mixed steps (features/mixed_steps.py): prompts chunked, decode rows
     # computed as one-token chunks through the block table.
-    model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
+    model = random_model(Llama, "1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
                for n in torch.randint(16, 48, (10,), generator=g)]
@@ -240,7 +241,7 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption_in_bfloat1
     # Unlike recompute (above: float32 only), a swapped request continues from the very K/V it
     # left with, so even bf16 gives the tokens of the run that never preempted it.
     attention = TritonAttention if attention == "triton" else attention
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
     g = torch.Generator().manual_seed(6)
     shortest = max(16, block_size - 48)  # prompts that outgrow their first block as they decode
     prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
@@ -262,7 +263,7 @@ def test_overlapped_steps_give_the_core_loops_tokens_in_bfloat16(attention, bloc
     # largest request's need (a CPU replay of the scheduler preempts 7 times with blocks of 256,
     # 13 with blocks of 16), and the batch shrinks through the CUDA-graph buckets.
     attention = TritonAttention if attention == "triton" else attention
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=8)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=8)
     g = torch.Generator().manual_seed(8)
     shortest = max(16, block_size - 48)
     prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
@@ -280,7 +281,7 @@ def test_overlapped_steps_give_the_core_loops_tokens_in_bfloat16(attention, bloc
 def test_compiled_layers_give_the_eager_tokens_in_float32():
     # Static and continuous batches (every CUDA-graph bucket from 8 down to 1 is replayed), the
     # prefill and the decode steps all through the compiled layers.
-    model = random_model("1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=7)
+    model = random_model(Llama, "1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=7)
     prompts, budgets = prompts_and_budgets(8, seed=7, most_tokens=40)
     kw = {"num_blocks": 1024, "block_size": 16, "attention": TritonAttention, "graphs": True}
     eager = generate_on_gpu(model, prompts, budgets, **kw)
@@ -299,7 +300,7 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
                                                                         overlap):
     from features.mapping_ahead import BackgroundMapper, MappingAheadManager
     from features.virtual_kv_cache import VirtualKVCache
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
     prompts = random_prompts(8, torch.Generator().manual_seed(0))
     budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
     paged = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
@@ -400,7 +401,7 @@ def prompts_after_a_system_prompt(n, generator, system_tokens=600):
 
 @pytest.mark.parametrize("attention, block_size", [("flash", 256), ("triton", 16)])
 def test_forks_and_a_cached_system_prompt_give_the_tokens_of_no_sharing(attention, block_size):
-    model = random_model("1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
     g = torch.Generator().manual_seed(6)
     prompts = prompts_after_a_system_prompt(6, g)
     budgets = torch.randint(1, 30, (6,), generator=g).tolist()
@@ -420,7 +421,7 @@ def test_sampling_draws_the_same_tokens_with_and_without_sharing_on_the_gpu():
     # bf16/fp16 and float32. Sampling turns any rounding difference into another token, and the
     # runs compute the prompts in different batches (forks prefill a prompt once, copies K
     # times; cached prefixes are read back, not recomputed), which round apart in lower precision.
-    model = random_model("tiny", "cuda", torch.float64, MAX_SEQ_LEN, seed=7)
+    model = random_model(Llama, "tiny", "cuda", torch.float64, MAX_SEQ_LEN, seed=7)
     g = torch.Generator().manual_seed(7)
     prompts = prompts_after_a_system_prompt(4, g, system_tokens=100)
     budgets = [20] * 4

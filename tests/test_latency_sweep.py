@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import latency_sweep
 from latency_sweep import capacity, merged, saturation
-from plumbing.prompts import load_prompts, load_tokenizer
+from plumbing.inputs import load_prompts, load_tokenizer
 
 MAX_NEW_TOKENS, SECONDS, MIN_REQUESTS = 6, 0.1, 4
 

@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager, OutOfBlocks
 from conftest import generate, request
-from core.attention import TorchAttention
-from core.kv_cache import KVCache
+from llama3_paged import TorchAttention
+from llama3_paged import KVCache
 from features.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
                                     MappingFailed)
-from plumbing.checkpoints import random_model
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 
 
@@ -285,7 +286,7 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, star
     (14, False, {"continuous": True, "max_batched_tokens": 24}),  # and in mixed steps
 ])
 def test_mapping_ahead_gives_the_tokens_of_the_paged_cache(num_pages, start_mapped, scheduling):
-    model = random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
     prompts = random_prompts([5, 12, 3, 9, 14, 7, 1, 20], seed=2)
     budgets = [30, 4, 40, 17, 9, 33, 25, 12]
     paged, _ = run(model, prompts, budgets, 8, 64, mapping_ahead=False)

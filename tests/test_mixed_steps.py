@@ -11,19 +11,20 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from conftest import tokens
-from core.engine import EagerDecoder, Engine, greedy
-from core.request import Request
-from features.mixed_steps import MixedScheduler
+from llama3_paged import Decoder, Engine, greedy
+from llama3_paged import Request
+from features.mixed_steps import MixedEngine, MixedScheduler, MixedStep
 from features.sharing import SharingBlockManager
-from core.attention import TorchAttention
-from core.kv_cache import KVCache
-from plumbing.checkpoints import random_model
+from llama3_paged import TorchAttention
+from llama3_paged import KVCache
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, FakeCache, preemption_workload
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
 
 
 def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_tokens, max_running=None):
@@ -33,7 +34,8 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
     requests = [Request(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = StepRecorder(manager, requests, max_running, max_batched_tokens)
-    engine = Engine(model, cache, manager, greedy, EagerDecoder(model, cache, manager.block_table))
+    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else Engine
+    engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     return engine.generate(scheduler, progress=False), manager, scheduler.steps
 
 
@@ -90,11 +92,16 @@ def test_the_worked_example_of_the_readme(model):
     assert [len(t) for t in result.output_tokens] == [4, 3]
 
 
+def takes_a_token(step) -> list:
+    """Which of the step's requests take a token: all but a mixed step's partial prompts."""
+    return step.takes_a_token() if isinstance(step, MixedStep) else [True] * len(step.requests)
+
+
 def feed(step) -> list:
     """What the engine does with a step's tokens, without a model: one token for each request
     that draws one; returns those done."""
     done = []
-    for request, draws in zip(step.requests, step.draws()):
+    for request, draws in zip(step.requests, takes_a_token(step)):
         if draws:
             request.output_tokens.append(1000 * (request.row + 1) + len(request.output_tokens))
             if len(request.output_tokens) >= request.max_new_tokens:

@@ -4,9 +4,10 @@ import pytest
 import torch
 from conftest import hf_to_meta, tiny_hf_model
 
-from core.attention import TorchAttention
-from plumbing.checkpoints import load_model
-from core.kv_cache import KVCache, PrefillBatch
+from llama3_paged import TorchAttention
+from plumbing.inputs import load_model
+from llama3_paged import Llama
+from llama3_paged import KVCache, PrefillBatch
 
 PROMPT_LENGTHS = [5, 17, 40, 1]
 
@@ -43,7 +44,7 @@ def assert_close(ours, theirs):
 def test_logits_match_transformers_from_hugging_face_layout(tmp_path, rope_scaling, tied):
     hf = tiny_hf_model(rope_scaling, tied)
     hf.save_pretrained(tmp_path)
-    model = load_model(tmp_path, "cpu", torch.float32, max_positions=128)
+    model = load_model(Llama, tmp_path, "cpu", torch.float32, max_positions=128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     assert_close(our_logits(model, prompts), reference_logits(hf, prompts))
@@ -53,7 +54,7 @@ def test_logits_match_transformers_from_hugging_face_layout(tmp_path, rope_scali
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers_from_meta_layout(tmp_path, rope_scaling, tied):
     hf = tiny_hf_model(rope_scaling, tied, original_context=8192)  # Meta's code fixes 8192
-    model = load_model(hf_to_meta(hf, tmp_path), "cpu", torch.float32, max_positions=128)
+    model = load_model(Llama, hf_to_meta(hf, tmp_path), "cpu", torch.float32, max_positions=128)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     assert_close(our_logits(model, prompts), reference_logits(hf, prompts))
@@ -63,7 +64,7 @@ def test_rope_scaling_changes_the_model(tmp_path):
     """The scaled-RoPE tests above can fail: with scaling off, the logits differ."""
     hf = tiny_hf_model(rope_scaling=True, tied=False)
     hf.save_pretrained(tmp_path)
-    model = load_model(tmp_path, "cpu", torch.float32, max_positions=128)
+    model = load_model(Llama, tmp_path, "cpu", torch.float32, max_positions=128)
     prompts = [list(range(100, 140))]
     unscaled = model.args.__class__(**{**model.args.__dict__, "rope_scaling": None})
     model.args = unscaled

@@ -7,10 +7,11 @@ import sys
 import torch
 
 from conftest import ROOT
-from core.model import Llama, PRESETS
+from llama3_paged import Llama
+from plumbing.inputs import PRESETS
 from tools.bench import parse_arguments as bench_arguments
 from tools.nano_vllm_bench import llama3_8b_as_qwen3, parse_arguments, workload_requests
-from plumbing.prompts import load_prompts, load_tokenizer
+from plumbing.inputs import load_prompts, load_tokenizer
 
 
 def matmul_shapes(model) -> list:

@@ -8,18 +8,20 @@ import time
 
 import pytest
 import torch
+from features.run import command_line
 
 from block_manager import BlockManager
 from conftest import generate
-from core.attention import TorchAttention
-from core.engine import StepTimer
-from core.kv_cache import KVCache
+from llama3_paged import TorchAttention
+from features.timed_engine import StepTimer
+from llama3_paged import KVCache
 from features.mapping_ahead import BackgroundMapper
 from features import overlap
 from features.overlap import why_not_overlapped
 from features.sharing import SharingBlockManager
-from plumbing.checkpoints import random_model
-from plumbing.setup import make_engine
+from plumbing.inputs import random_model
+from llama3_paged import Llama
+from features.run import make_engine
 from test_mapping_ahead import CheckedManager, FakePageTable
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 
@@ -30,7 +32,7 @@ BLOCK_SIZE = 4
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
 
 
 def make_manager(kind: str, cache, num_blocks: int, num_requests: int):
@@ -144,7 +146,7 @@ def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
 def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags, reason, capsys):
     import llama3_paged
     with pytest.raises(SystemExit) as exit:
-        llama3_paged.main(["2", "--random-weights", "--model", "tiny", "--device", "cpu",
+        command_line("llama3_paged.py", ["2", "--random-weights", "--model", "tiny", "--device", "cpu",
                            "--continuous", "--overlap", *flags])
     out, err = capsys.readouterr()
     assert exit.value.code == 2 and reason in err and "Drop --overlap" in err
@@ -152,12 +154,12 @@ def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags,
 
 
 @pytest.mark.parametrize("overlap, device, expected", [
-    (None, "cpu", "Engine"),  # nothing runs ahead on the CPU: the core loop
+    (None, "cpu", "TimedEngine"),  # nothing runs ahead on the CPU: one step after the other
     (True, "cpu", "OverlappedEngine"),
-    (False, "cpu", "Engine"),
+    (False, "cpu", "TimedEngine"),
 ])
 def test_the_flag_chooses_the_loop(model, overlap, device, expected):
-    setup = type("Setup", (), {"args": type("Args", (), {
+    setup = type("Run", (), {"args": type("Args", (), {
         "overlap": overlap, "continuous": False, "max_batched_tokens": None,
         "preemption": "recompute"}), "device": torch.device(device), "model": model})
     cache = KVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttention())
@@ -167,7 +169,7 @@ def test_the_flag_chooses_the_loop(model, overlap, device, expected):
 
 def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
     from plumbing.cli import UserError
-    setup = type("Setup", (), {"args": type("Args", (), {
+    setup = type("Run", (), {"args": type("Args", (), {
         "overlap": True, "continuous": True, "max_batched_tokens": 64,
         "preemption": "recompute"}), "device": torch.device("cpu"), "model": model})
     cache = KVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttention())

@@ -11,10 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import preemption_cost
 from block_manager import BlockManager
-from core.attention import TorchAttention
-from core.kv_cache import KVCache
+from llama3_paged import TorchAttention
+from llama3_paged import KVCache
 from features.swapping import HostBlocks
-from plumbing.checkpoints import PRESETS
+from plumbing.inputs import PRESETS
 
 
 def held_kv(cache, manager, requests):

@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import BlockManager
-from core.attention import TorchAttention
-from plumbing.checkpoints import random_model
+from llama3_paged import TorchAttention
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from conftest import generate
-from core.kv_cache import KVCache
-from core.request import Request
+from llama3_paged import KVCache
+from llama3_paged import Request
 from features.continuous import ContinuousScheduler, RequestTooLarge
 from features.sharing import SharingBlockManager
 
@@ -22,7 +23,7 @@ MAX_SEQ_LEN = 640  # room for prompts of two blocks of 256 and their new tokens
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
 
 
 def run(model, prompts, budgets, num_blocks, block_size, **scheduling):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
 
-from plumbing.prompts import load_prompts
-from plumbing.prompts import load_tokenizer
+from plumbing.inputs import load_prompts
+from plumbing.inputs import load_tokenizer
 
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
 

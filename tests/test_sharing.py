@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from core.attention import TorchAttention
-from plumbing.checkpoints import random_model
+from llama3_paged import TorchAttention
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from conftest import generate
 from features.sharing import SharingBlockManager
-from core.kv_cache import KVCache
+from llama3_paged import KVCache
 from features.sampling import Sampler
 
 MAX_SEQ_LEN = 160
@@ -18,14 +19,14 @@ MAX_SEQ_LEN = 160
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=21)
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=21)
 
 
 @pytest.fixture(scope="module")
 def model64():
     """Sampling turns any rounding difference into another token; float64 leaves none that
     matters, so runs that compute the same values in another order must draw the same tokens."""
-    return random_model("tiny", "cpu", torch.float64, MAX_SEQ_LEN, seed=22)
+    return random_model(Llama, "tiny", "cpu", torch.float64, MAX_SEQ_LEN, seed=22)
 
 
 def run(model, prompts, budgets, block_size=8, num_blocks=256, samples=1, share=False,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from block_manager import OutOfBlocks
 from conftest import tokens
-from core.request import Request
+from llama3_paged import Request
 from features.sharing import SharingBlockManager
 
 

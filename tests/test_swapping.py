@@ -7,19 +7,20 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from core.attention import TorchAttention
-from core.engine import EagerDecoder, Engine, greedy
-from core.kv_cache import KVCache
-from core.request import Request
+from llama3_paged import TorchAttention
+from llama3_paged import Decoder, Engine, greedy
+from llama3_paged import KVCache
+from llama3_paged import Request
 from features.swapping import HostBlocks, SwappingScheduler
-from plumbing.checkpoints import random_model
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 
 
 def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swaps_another():
     """One flush: A's K/V come back from host blocks that B's are then copied into. A's must
     arrive in its new blocks before B's overwrite the host blocks; B's are copied out intact."""
-    model_args = random_model("tiny", "cpu", torch.float32, max_positions=64).args
+    model_args = random_model(Llama, "tiny", "cpu", torch.float32, max_positions=64).args
     cache = KVCache(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
                     attention=TorchAttention())
     cache.k.normal_(), cache.v.normal_()
@@ -43,7 +44,7 @@ def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, d
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = SwappingScheduler(manager, requests, None, 8192, cache, swap_blocks)
-    engine = Engine(model, cache, manager, greedy, EagerDecoder(model, cache, manager.block_table))
+    engine = Engine(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     assert sorted(scheduler.host.free) == list(range(swap_blocks)), "every host block back"
@@ -53,7 +54,7 @@ def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
     # Short prompts that grow by 40 tokens each, in a pool too small for all of them at once.
-    model = random_model("tiny", "cpu", dtype, MAX_SEQ_LEN, seed=11)
+    model = random_model(Llama, "tiny", "cpu", dtype, MAX_SEQ_LEN, seed=11)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
     ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=dtype)
@@ -67,7 +68,7 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
 
 
 def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed():
-    model = random_model("tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
     needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))

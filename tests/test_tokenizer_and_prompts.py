@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from plumbing.prompts import PROMPTS_FILE, load_prompts
-from plumbing.prompts import load_tokenizer
+from plumbing.inputs import PROMPTS_FILE, load_prompts
+from plumbing.inputs import load_tokenizer
 
 
 @pytest.fixture(scope="module")

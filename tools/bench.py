@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from core.engine import PREFILL_CHUNK_TOKENS, EagerDecoder, greedy, record
-from core.kv_cache import DecodeBatch
-from core.request import Request
+from llama3_paged import Decoder, TOKENS_PER_PASS, append_tokens, greedy
+from llama3_paged import DecodeBatch
+from llama3_paged import Request
 from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
 from features.mapping_ahead import MappingAheadManager, mapping_seconds
@@ -55,11 +55,12 @@ from features.overlap import OverlappedEngine
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
-from plumbing.prompts import PROMPTS_FILE, REBUILD, read_records
+from plumbing.inputs import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB
-from plumbing.report import as_json_value, scheduling_report, sharing_report
-from plumbing.setup import (DTYPES, arrival_times, load, make_decoder, make_engine,
-                            make_scheduler)
+from plumbing.cli import as_json_value
+from features.report import scheduling_report, sharing_report
+from plumbing.inputs import DTYPES
+from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
 from tools.shared import (SCRIPTS, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
                           parse_script_arguments)
 
@@ -138,13 +139,13 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
                            max_requests=n, max_blocks_per_request=2048 // block_size)
     requests = [Request(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
-    scheduler = ContinuousScheduler(manager, requests, running, PREFILL_CHUNK_TOKENS)
+    scheduler = ContinuousScheduler(manager, requests, running, TOKENS_PER_PASS)
     times = []
     while scheduler.has_work() and len(times) < steps:
         start = time.perf_counter()
         step = scheduler.schedule()
         scheduling = time.perf_counter() - start
-        done = record(step.requests, np.zeros(len(step.requests), dtype=np.int64), stop_ids=())
+        done = append_tokens(step.requests, np.zeros(len(step.requests), dtype=np.int64), stop_ids=())
         start = time.perf_counter()
         scheduler.finish(done)
         if not step.is_prefill:  # admissions are a prefill's host work
@@ -355,7 +356,7 @@ def bench(a) -> dict:
         "device": torch.cuda.get_device_name(device),
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
-        "cuda_graphs": not isinstance(decoder, EagerDecoder),
+        "cuda_graphs": not isinstance(decoder, Decoder),
         "num_prompt_tokens": result.num_prompt_tokens,
         "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,

@@ -19,7 +19,7 @@ from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, firs
 
 exit_quietly_on_ctrl_c("build_prompts.py")
 
-from plumbing.prompts import PROMPTS_FILE, load_tokenizer
+from plumbing.inputs import PROMPTS_FILE, load_tokenizer
 
 NUM_RECORDS = 4000  # enough that a paged run on a 141 GB GPU runs out of memory first
 

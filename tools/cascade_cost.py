@@ -24,9 +24,9 @@ exit_quietly_on_ctrl_c("cascade_cost.py")  # before torch loads
 
 import torch
 
-from core.attention import FlashAttention
-from core.kv_cache import DecodeBatch
-from core.model import PRESETS
+from llama3_paged import FlashAttention
+from llama3_paged import DecodeBatch
+from plumbing.inputs import PRESETS
 from features.cascade import CascadeAttention
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
                           positive_int_list, writable_file, write_atomically)

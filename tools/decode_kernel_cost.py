@@ -28,7 +28,7 @@ import torch
 
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int_list,
                           writable_file)
-from plumbing.setup import importable
+from features.run import importable
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds, write_and_print
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B

@@ -25,14 +25,15 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from core.attention import FlashAttention
-from core.engine import EagerDecoder
-from core.kv_cache import KVCache
-from core.request import Request
-from plumbing.checkpoints import random_model
+from llama3_paged import FlashAttention
+from llama3_paged import Decoder
+from llama3_paged import KVCache
+from llama3_paged import Request
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
                           positive_int_list, writable_file)
-from plumbing.setup import importable
+from features.run import importable
 from tools.bench import decode_flops_per_token, step_floor_seconds, weight_bytes_read_per_step
 from tools.shared import (as_graph, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
                           write_and_print)
@@ -70,14 +71,14 @@ def measure(a) -> dict:
     device = torch.device("cuda")
     hardware = {"copy_bandwidth_bytes_per_second": copy_bandwidth(device),
                 "matmul_flops_per_second": matmul_flops_per_second(device, torch.bfloat16)}
-    model = random_model("8b", device, torch.bfloat16, a.context_tokens + 1, seed=0)
+    model = random_model(Llama, "8b", device, torch.bfloat16, a.context_tokens + 1, seed=0)
     per_token, weights = decode_flops_per_token(model.args), weight_bytes_read_per_step(model)
     kv_per_token = model.args.kv_bytes_per_token(torch.bfloat16)
     rows = []
     with torch.inference_mode():
         for batch in a.batches:
             step = one_batch(model, batch, a.context_tokens, device)
-            decoder = EagerDecoder(model, step["cache"], step["manager"].block_table)
+            decoder = Decoder(model, step["cache"], step["manager"].block_table)
             decode = lambda d=decoder, s=step: d.decode(*s["inputs"], a.context_tokens + 1)
             eager = median_cuda_seconds(decode, repeats=10)
             graph = median_cuda_seconds(as_graph(decode), repeats=10)

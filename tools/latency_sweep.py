@@ -47,16 +47,16 @@ import torch
 from tqdm import tqdm
 
 import llama3_virtual
-from core.engine import greedy
-from core.request import Request
+from llama3_paged import greedy
+from llama3_paged import Request
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, image_file,
                           json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
                           seed, writable_file, write_atomically)
-from plumbing.prompts import PROMPTS_FILE, read_records
-from plumbing.report import as_json_value, format_seconds, scheduling_report
-from plumbing.setup import (choose_attention, load, make_decoder, make_engine, make_requests,
-                            make_scheduler)
+from plumbing.inputs import PROMPTS_FILE, read_records
+from plumbing.cli import as_json_value
+from features.report import format_seconds, scheduling_report
+from features.run import choose_attention, load, make_decoder, make_engine, make_requests, make_scheduler
 from tools.shared import SCRIPTS, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves

@@ -29,11 +29,11 @@ from plumbing.cli import UserError, exit_quietly_on_ctrl_c, writable_file
 
 exit_quietly_on_ctrl_c("nano_vllm_bench.py")  # before torch loads
 
-from core.model import PRESETS
+from plumbing.inputs import PRESETS
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, one_paragraph_errors,
                           positive_int, refuse_output_over_input, write_atomically)
-from plumbing.prompts import PROMPTS_FILE, load_prompts, load_tokenizer
-from plumbing.setup import system_prompt
+from plumbing.inputs import PROMPTS_FILE, load_prompts, load_tokenizer
+from features.run import system_prompt
 from tools.bench import WORKLOADS, workload_requests
 
 

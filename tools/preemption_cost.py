@@ -39,15 +39,17 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from core.engine import Engine
-from core.kv_cache import KVCache
-from core.request import Request, Step
+from llama3_paged import Engine
+from llama3_paged import KVCache
+from llama3_paged import Request, Step
 from features.swapping import HostBlocks
-from plumbing.checkpoints import random_model
+from plumbing.inputs import random_model
+from llama3_paged import Llama
 from plumbing.cli import (HelpFormatter, first_paragraph, format_bytes, one_paragraph_errors,
                           positive_int, positive_int_list, writable_file)
-from plumbing.report import format_seconds
-from plumbing.setup import DTYPES, choose_attention
+from features.report import format_seconds
+from plumbing.inputs import DTYPES
+from features.run import choose_attention
 from tools.shared import matmul_flops_per_second, median_cuda_seconds, write_and_print
 
 BLOCK_SIZES = [16, 32, 64, 128, 256]
@@ -169,7 +171,7 @@ def measure_block_size(model, attention, block_size: int, a, timer) -> dict:
 def measure(a) -> dict:
     device = torch.device(a.device)
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    model = random_model(a.model, device, dtype, a.tokens + 1)
+    model = random_model(Llama, a.model, device, dtype, a.tokens + 1)
     attention = choose_attention(a.attn, device)
     timer = Timer(device)
     kv_bytes = a.requests * a.tokens * model.args.kv_bytes_per_token(dtype)

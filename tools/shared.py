@@ -15,19 +15,19 @@ import torch
 import llama3_naive
 import llama3_paged
 import llama3_virtual
-from plumbing.cli import argument_parser, write_atomically
+from features import run
+from plumbing.cli import write_atomically
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 
 
 def parse_script_arguments(script: str, argv: list[str]):
     """argv parsed as `python llama3_<script>.py argv` would parse it."""
-    parser = argument_parser(f"llama3_{script}.py", SCRIPTS[script].__doc__)
-    if script == "paged":
-        llama3_paged.add_pool_arguments(parser)
-    if script == "virtual":
-        llama3_virtual.add_layout_arguments(parser)
-    return parser.parse_args(argv)
+    name = f"llama3_{script}.py"
+    add_pool_arguments = (llama3_virtual.add_layout_arguments if script == "virtual"
+                          else run.SCRIPTS[name][0])
+    return run.argument_parser_with_features(name, SCRIPTS[script].__doc__,
+                                             add_pool_arguments).parse_args(argv)
 
 
 def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:

@@ -7,38 +7,33 @@ the most tokens, in GB (10^9 bytes; MB under a GB) and as a percentage of the de
 memory, as the original experiment printed it.
 """
 
-import json
-import os
 import statistics
 
 import numpy as np
 import torch
 
-from plumbing.cli import format_bytes, write_atomically
+from features.mapping_ahead import MappingAheadManager
+from features.page_manager import PageManager
+from plumbing.cli import format_bytes, write_json
+from plumbing.inputs import device_total_bytes
 
 ANSWERS_SHOWN = 3
 
 
-def device_total_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the CPU's: host memory
-
-
-def report(setup, cache, manager, generation) -> None:
+def report(run, cache, manager, generation) -> None:
     """Write --json if asked, then print the first answers and the report: the file first, so
     that a reader who stops reading the output early (`| head`) still gets it."""
-    args = setup.args
-    memory = memory_report(setup, cache, manager, generation)
+    args = run.args
+    memory = memory_report(run, cache, manager, generation)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
-    sharing = sharing_report(setup, manager, generation)
+    sharing = sharing_report(run, manager, generation)
     latency = None
     if args.continuous:  # requests that wait in a queue: how long they waited for their tokens
         from features.arrivals import latency_report
         latency = latency_report(generation.requests)
     if args.json:
-        samples = [(p, k) for p in setup.prompts for k in range(args.samples)]  # one per sequence
+        samples = [(p, k) for p in run.prompts for k in range(args.samples)]  # one per sequence
         write_json(args, {
             "script": args.script,
             "requests": [{"id": p.id, "sample": k, "prompt_tokens": p.prompt_tokens,
@@ -51,22 +46,8 @@ def report(setup, cache, manager, generation) -> None:
             "sharing": sharing,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
-    print_answers(setup.prompts, generation, setup.tokenizer, args.show_all, args.samples)
+    print_answers(run.prompts, generation, run.tokenizer, args.show_all, args.samples)
     print_report(args.script, memory, throughput, scheduling, sharing, latency)
-
-
-def as_json_value(value):
-    """What json cannot write itself: numpy's numbers as numbers, paths and devices as text."""
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    return str(value)
-
-
-def write_json(args, record: dict) -> None:
-    text = json.dumps({"arguments": vars(args)} | record, default=as_json_value)
-    write_atomically(args.json, lambda path: path.write_text(text))
 
 
 def print_answers(prompts, generation, tokenizer, show_all: bool, samples: int) -> None:
@@ -91,23 +72,23 @@ def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
             "unfilled_percent_of_reserved": 100 * unfilled / reserved if reserved else 0.0}
 
 
-def memory_report(setup, cache, manager, generation) -> dict:
-    kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
-    total = device_total_bytes(setup.device)
+def memory_report(run, cache, manager, generation) -> dict:
+    kv_bytes_per_token = run.model.args.kv_bytes_per_token(run.dtype)
+    total = device_total_bytes(run.device)
     fullest = kv_snapshot_bytes(generation.fullest, kv_bytes_per_token) if generation.timeline else None
     last = kv_snapshot_bytes(generation.timeline[-1], kv_bytes_per_token) if generation.timeline else None
     fragmented = fullest["unfilled_bytes"] if fullest else 0
-    weights = sum(p.nbytes for p in setup.model.parameters())  # tied weights counted once
+    weights = sum(p.nbytes for p in run.model.parameters())  # tied weights counted once
     return {
         "device_total_bytes": total,
         "weights_bytes": weights,
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_pool_bytes": cache.nbytes,
         "kv_pool_blocks": manager.num_blocks,
-        "kv_pool_unit": manager.unit,
+        "kv_pool_unit": "pages" if isinstance(manager, (PageManager, MappingAheadManager)) else "blocks",
         "block_size_tokens": manager.block_size,
-        "peak_allocated_bytes": (torch.cuda.max_memory_allocated(setup.device)
-                                 if setup.device.type == "cuda" else None),
+        "peak_allocated_bytes": (torch.cuda.max_memory_allocated(run.device)
+                                 if run.device.type == "cuda" else None),
         "at_fullest_step": fullest,
         "at_last_step": last,
         "fragmented_bytes": fragmented,
@@ -149,12 +130,12 @@ def scheduling_report(generation, continuous: bool) -> dict:
     }
 
 
-def sharing_report(setup, manager, generation) -> dict:
+def sharing_report(run, manager, generation) -> dict:
     """What sharing blocks saved (features/sharing.py): the samples forked, the prompt tokens found
     in the prefix cache, and the KV memory at the fullest step against what the same requests
     would hold with no block shared (the PagedAttention paper's measure, section 6.3). Zeros for
     a manager that shares nothing."""
-    g, system = generation, setup.num_system_prompt_tokens
+    g, system = generation, run.num_system_prompt_tokens
     sharing = hasattr(manager, "ref_counts")
     n = len(g.requests)
     forked = manager.forked[:n].tolist() if sharing else [False] * n
@@ -165,12 +146,12 @@ def sharing_report(setup, manager, generation) -> dict:
     not_forked_tokens = sum(prompt_lens[r] for r in computed)
     system_from_cache = sum(min(first_cached[r], system) for r in computed)
     fullest = g.fullest if g.timeline else None
-    reserved = fullest.reserved_slots * setup.kv_bytes_per_token if fullest else 0
-    unshared = (manager.unshared_slots_at_step[fullest.step] * setup.kv_bytes_per_token
+    reserved = fullest.reserved_slots * run.kv_bytes_per_token if fullest else 0
+    unshared = (manager.unshared_slots_at_step[fullest.step] * run.kv_bytes_per_token
                 if fullest and sharing else reserved)
     return {
         "block_sharing": sharing,
-        "samples_per_prompt": setup.args.samples,
+        "samples_per_prompt": run.args.samples,
         "samples_forked": sum(forked),
         "prompt_tokens_shared_by_forks": sum(n for n, f in zip(prompt_lens, forked) if f),
         "prefix_caching": sharing and manager.prefix_cache is not None,

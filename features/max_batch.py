@@ -16,8 +16,8 @@ import torch
 
 from block_manager import OutOfBlocks
 from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes
-from plumbing.report import memory_report, write_json
-from plumbing.setup import generate
+from features.report import memory_report
+from plumbing.cli import write_json
 
 
 @dataclasses.dataclass
@@ -31,22 +31,24 @@ class Attempt:
     output_tokens_per_second: float | None = None
 
 
-def run_batch(setup, allocate_kv_cache):
+def run_batch(run, allocate_kv_cache, generate):
     """One run as the script's main() makes it. The cache lives in this frame only, so it is
     freed on return, or with the traceback when the run fails."""
-    cache, manager = allocate_kv_cache(setup)
-    generation = generate(setup, cache, manager, progress=True)
-    return generation, memory_report(setup, cache, manager, generation)
+    cache, manager = allocate_kv_cache(run)
+    generation = generate(run, cache, manager, progress=True)
+    return generation, memory_report(run, cache, manager, generation)
 
 
-def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
+def attempt(run, num_requests: int, allocate_kv_cache, generate) -> Attempt:
     """One run of the first `num_requests` prompts, in this process."""
-    args = argparse.Namespace(**vars(setup.args) | {"num_requests": num_requests})
-    batch = dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
+    args = argparse.Namespace(**vars(run.args) | {"num_requests": num_requests})
+    per_prompt = run.num_sequences // len(run.prompts)
+    batch = dataclasses.replace(run, args=args, prompts=run.prompts[:num_requests],
+                                num_sequences=num_requests * per_prompt)
     print(f"  N={num_requests:<6,} running ...", flush=True)  # a bar shows its decode steps
     start = time.perf_counter()
     try:
-        generation, memory = run_batch(batch, allocate_kv_cache)
+        generation, memory = run_batch(batch, allocate_kv_cache, generate)
         result = Attempt(num_requests, "completes", 0.0, memory["kv_pool_blocks"],
                          memory["fragmented_bytes"], memory["fragmented_percent_of_device"],
                          generation.num_generated_tokens
@@ -60,7 +62,7 @@ def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
             raise
         result = Attempt(num_requests, "out of memory", 0.0)
     gc.collect()  # the failed run's tensors, held by its traceback until now
-    if setup.device.type == "cuda":
+    if run.device.type == "cuda":
         torch.cuda.empty_cache()
     result.seconds = time.perf_counter() - start
     pool = f", pool of {result.kv_pool_blocks:,} blocks" if result.kv_pool_blocks else ""
@@ -72,22 +74,22 @@ def attempt(setup, num_requests: int, allocate_kv_cache) -> Attempt:
     return result
 
 
-def find_max_batch(setup, allocate_kv_cache) -> None:
+def find_max_batch(run, allocate_kv_cache, generate) -> None:
     """Print (and write to --json) the largest n <= N, the command line's, whose run completes;
     0 if not even one request fits. `allocate_kv_cache` is the script's."""
-    upper = setup.args.num_requests
+    upper = run.args.num_requests
     print(f"Bisecting for the largest batch of at most {upper:,} requests that completes:")
-    attempts = [attempt(setup, upper, allocate_kv_cache)]
+    attempts = [attempt(run, upper, allocate_kv_cache, generate)]
     fits, fails = (upper, upper + 1) if attempts[-1].outcome == "completes" else (0, upper)
     while fails - fits > 1:  # invariant: `fits` completes (0 trivially), `fails` does not
         middle = (fits + fails) // 2
-        attempts.append(attempt(setup, middle, allocate_kv_cache))
+        attempts.append(attempt(run, middle, allocate_kv_cache, generate))
         fits, fails = (middle, fails) if attempts[-1].outcome == "completes" else (fits, middle)
     runs = f"{len(attempts)} run{'s' if len(attempts) > 1 else ''}"
     print(f"Largest batch that completes: {fits:,} requests "
           f"({runs}, {sum(a.seconds for a in attempts):.0f} s)")
-    if setup.args.json:
-        write_json(setup.args, {"script": setup.args.script, "largest_batch_that_completes": fits,
+    if run.args.json:
+        write_json(run.args, {"script": run.args.script, "largest_batch_that_completes": fits,
                                 "attempts": [dataclasses.asdict(a) for a in attempts]})
     if fits == 0:
         raise UserError(f"Not even one request completes: the first alone ran {attempts[-1].outcome}. "

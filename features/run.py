@@ -1,0 +1,493 @@
+"""Runs with features: their flags, and the engine built from the lesson's parts and the
+features the flags ask for.
+
+llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel. Each feature is
+a file in features/ that extends the lesson's classes. This file is the one place that adds
+their flags and picks them, by flag: a script hands its command line here when it names a
+flag the lesson does not define, or on CUDA, where two features run by default: decode steps
+replayed as CUDA graphs (features/cuda_graphs.py; --eager turns them off) and steps scheduled
+while the GPU computes the one before (features/overlap.py; --no-overlap).
+"""
+
+import argparse
+import importlib
+from pathlib import Path
+import math
+import time
+
+import torch
+
+import llama3_paged as lesson
+from features.timed_engine import TimedEngine
+from plumbing.cli import (GB, write_json, OUT_OF_MEMORY, SYSTEM_PROMPT_FILE, UserError, argument_parser,
+                          check_host_memory, format_bytes, fraction, gigabytes, one_paragraph_errors,
+                          positive_int, refuse_output_over_input, request_rate, temperature,
+                          writable_file)
+from plumbing import inputs
+from plumbing.inputs import DTYPES, Run
+
+MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
+                     # softmax as one-hot as the argmax for any two logits 0.001 apart
+
+
+def add_feature_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of every feature, beside the lesson's (plumbing/cli.py's argument_parser)."""
+    p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
+                   help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
+                        "else the PyTorch reference")
+    p.add_argument("--samples", type=positive_int, default=1, metavar="K",
+                   help="completions per prompt (vLLM's n): N x K sequences in all; the paged "
+                        "script's share the prompt's blocks")
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="0: greedy, the most likely token (so is any temperature below 1e-5); "
+                        "above 0: sample from the softmax of logits / temperature")
+    p.add_argument("--top-p", type=fraction, default=1.0,
+                   help="with --temperature: sample only from the most likely tokens whose "
+                        "probabilities add up to this")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("--system-prompt", metavar="TEXT",
+                        help="a system turn that begins every request (default: none)")
+    system.add_argument("--system-prompt-file", type=Path, metavar="PATH",
+                        help=f"the system turn read from a file; {SYSTEM_PROMPT_FILE.name} has "
+                             f"one of about 1,000 tokens")
+    p.add_argument("--continuous", action="store_true",
+                   help="continuous batching: requests wait in a queue, join as blocks free up and "
+                        "are preempted (and later recomputed) when blocks run out, instead of one "
+                        "static batch admitted up front")
+    p.add_argument("--max-running", type=positive_int,
+                   help="with --continuous: most requests running at once (default: as many as "
+                        "the KV cache admits)")
+    p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
+                   help="with --continuous: requests arrive over time, R per second on average "
+                        "(a Poisson process drawn with --seed), and the report gives their "
+                        "latencies (features/arrivals.py); inf: all at the start")
+    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                   help="with --continuous: what a preempted request keeps: nothing (its tokens "
+                        "are prefilled again when it returns), or its K/V, copied to host memory "
+                        "and back (features/swapping.py)")
+    p.add_argument("--swap-space", type=gigabytes, default=4.0, metavar="GB",
+                   help="with --preemption swap: host memory for swapped K/V")
+    p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
+                   help="with --continuous: mixed steps, each one token for every running request "
+                        "plus prompt chunks up to this many tokens in all (features/"
+                        "mixed_steps.py) (default: each step prefills or decodes, never both)")
+    p.add_argument("--eager", action="store_true",
+                   help="decode kernel by kernel from Python instead of replaying CUDA graphs")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step while the GPU computes the one before "
+                        "(features/overlap.py); default: on CUDA, where mixed steps, swapping "
+                        "and --sync-mapping allow it. --no-overlap waits for each step's tokens")
+    p.add_argument("--compile", action="store_true",
+                   help="on CUDA: fuse each layer's small kernels (norms, RoPE, SiLU, adds) with "
+                        "torch.compile, around the attention call (features/compiled_layers.py)")
+    p.add_argument("--find-max-batch", action="store_true",
+                   help="find the largest batch (at most N) that completes with the other flags "
+                        "as given: bisection over real runs, one line per attempt")
+    p.add_argument("--json", type=writable_file, metavar="PATH",
+                   help="write arguments, token ids, memory and throughput here")
+
+
+def add_paged_feature_arguments(parser) -> None:
+    """Features of llama3_paged.py's pool alone."""
+    lesson.add_pool_arguments(parser)
+    parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
+                        help="with flash-attn: the kernel that reads the blocks in decode steps; "
+                             "triton: features/triton_attention.py's, faster on the H200")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt in full, even where its first blocks are in "
+                             "the pool already (prefix caching is on with a system prompt)")
+    parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
+                        help="with a system prompt: decode attention reads its shared blocks once "
+                             "per step (features/cascade.py); auto: where it pays")
+    parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
+                        help="beam search: K beams per prompt sharing blocks "
+                             "(features/beam_search.py)")
+    parser.add_argument("--no-sharing", action="store_true",
+                        help="every sequence holds blocks of its own: no prefix caching, and "
+                             "--samples prefill a copy of the prompt each (the comparison run)")
+
+
+def load(args) -> Run:
+    """Check the features' flags, then load tokenizer, prompts and model: all before any KV
+    memory."""
+    if args.max_running and not args.continuous:
+        raise UserError("--max-running limits continuous batching; add --continuous (a static "
+                        "batch runs all N requests at once).")
+    if not math.isinf(args.request_rate) and not args.continuous:
+        raise UserError("--request-rate spreads requests over time, which only continuous "
+                        "batching can admit as they arrive; add --continuous.")
+    if args.preemption == "swap" and not args.continuous:
+        raise UserError("--preemption swap chooses how continuous batching preempts; a static "
+                        "batch never preempts. Add --continuous.")
+    if args.preemption == "swap" and args.max_batched_tokens:
+        raise UserError("--preemption swap does not combine with --max-batched-tokens yet: drop "
+                        "one of the two.")
+    if args.max_batched_tokens and not args.continuous:
+        raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
+                        "steps; add --continuous (a static batch prefills every prompt first).")
+    if args.compile and args.device.type != "cuda":
+        raise UserError("--compile fuses the model's small kernels into Triton kernels, which "
+                        "run on CUDA only: drop it on this device.")
+    if args.top_p < 1 and args.temperature == 0:
+        raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
+                        "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
+    if args.overlap:  # refused now, not after minutes of loading the model
+        from features.overlap import why_not_overlapped
+        refuse_overlap(why_not_overlapped(args))
+    if getattr(args, "beam_width", 1) > 1 and (args.continuous or args.samples > 1
+                                               or args.temperature > 0 or args.find_max_batch):
+        raise UserError("--beam-width runs its own static search, greedy by summed "
+                        "log-probabilities: it does not combine with --continuous, --samples, "
+                        "--temperature or --find-max-batch. Drop those flags.")
+    if args.find_max_batch and args.continuous:
+        raise UserError("--find-max-batch finds the largest static batch that fits the KV cache; "
+                        "with --continuous every batch completes, as requests wait and are "
+                        "preempted when blocks run out. Drop one of the two.")
+    if args.num_requests * args.samples > MAX_SEQUENCES:
+        raise UserError(f"N x --samples = {args.num_requests * args.samples:,} sequences; this "
+                        f"project runs at most {MAX_SEQUENCES:,} at once.")
+    refuse_output_over_input(args.json, [*inputs.inputs_of(args), args.system_prompt_file],
+                             "--json")
+    attention = choose_attention(args.attn, args.device, getattr(args, "decode_kernel", "flash"))
+    sequences = args.samples * getattr(args, "beam_width", 1)
+    return inputs.load_run(args, lesson.Llama, attention, system_prompt(args), sequences)
+
+
+def system_prompt(args) -> str | None:
+    if args.system_prompt_file is None:
+        return args.system_prompt
+    try:
+        return args.system_prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Could not read --system-prompt-file {args.system_prompt_file}: {e}") from e
+
+
+def importable(module: str) -> bool:
+    """Whether an optional package (flash_attn, triton) is installed and loads."""
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash"):
+    """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
+    PyTorch reference. decode_kernel "triton" (llama3_paged.py) decodes through the Triton
+    kernel beside flash-attn's prefill."""
+    if name == "auto":
+        name = ("torch" if device.type != "cuda" else "flash" if importable("flash_attn")
+                else "triton" if importable("triton") else "torch")
+    if decode_kernel == "triton" and name != "flash":
+        raise UserError(f"--decode-kernel triton pairs the Triton decode kernel with flash-attn's "
+                        f"prefill, and this run attends with --attn {name}: use --attn flash "
+                        f"(with flash-attn installed), or drop --decode-kernel.")
+    if name == "torch":
+        return lesson.TorchAttention()
+    if device.type != "cuda":
+        raise UserError(f"--attn {name} needs a CUDA device; use --attn torch on the CPU.")
+    if name == "triton":
+        if not importable("triton"):
+            raise UserError("--attn triton: Triton is not installed (it comes with PyTorch's CUDA "
+                            "builds); use --attn torch.")
+        from features.triton_attention import TritonAttention
+        return TritonAttention()
+    if not importable("flash_attn"):
+        raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
+                        "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
+    if decode_kernel == "triton":
+        from features.triton_attention import TritonDecode
+        return TritonDecode()
+    return lesson.FlashAttention()
+
+
+def kv_budget_bytes(run: Run) -> float:
+    return inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
+
+
+def sampling_peak_bytes(run) -> int:
+    """Sampling's own memory (softmax, sort, sums), measured on one batch of rows."""
+    if run.args.temperature < GREEDY_BELOW:
+        return 0  # greedy: an argmax
+    sampler = make_sampler(run.args)
+    from features.sampling import ROWS_AT_ONCE
+    rows = min(run.num_sequences, ROWS_AT_ONCE)
+    logits = torch.zeros(rows, run.model.args.vocab_size, dtype=run.dtype, device=run.device)
+    ids = torch.arange(rows, device=run.device)
+    torch.cuda.reset_peak_memory_stats(run.device)
+    before = torch.cuda.memory_allocated(run.device)
+    sampler(logits, ids, ids)
+    return torch.cuda.max_memory_allocated(run.device) - before
+
+
+def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
+    return lesson.make_kv_cache(run, num_blocks, block_size)
+
+
+def make_requests(run: Run) -> list[lesson.Request]:
+    """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1.
+    With random weights text is nonsense: each stops where its ShareGPT reply stopped (after one
+    token at least: the prefill always makes one)."""
+    args, requests = run.args, []
+    arrivals = arrival_times(args, len(run.prompts))
+    for prompt, arrival in zip(run.prompts, arrivals):
+        reply = max(prompt.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens
+        new_tokens = min(reply, args.max_new_tokens, args.max_seq_len - len(prompt.prompt_tokens))
+        requests += [lesson.Request(len(requests) + k, prompt.prompt_tokens, new_tokens,
+                                    arrival_time=float(arrival)) for k in range(args.samples)]
+    return requests
+
+
+def arrival_times(args, n: int) -> list[float]:
+    """When each of n prompts arrives, in seconds from the start: all at once unless
+    --request-rate."""
+    if math.isinf(args.request_rate):
+        return [0.0] * n
+    from features.arrivals import poisson_arrival_times
+    return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
+
+
+def make_sampler(args):
+    if args.temperature < GREEDY_BELOW:
+        return lesson.greedy
+    from features.sampling import Sampler
+    return Sampler(args.temperature, args.top_p, args.seed)
+
+
+def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
+    """Static batching, or with --continuous a stream with preemption, in mixed steps with
+    --max-batched-tokens, swapping with --preemption swap."""
+    scheduler = scheduler_for_flags(run, cache, manager, requests)
+    if hasattr(manager, "watch_queue"):  # features/mapping_ahead.py maps the next prompts' pages
+        manager.watch_queue(scheduler.waiting)
+    return scheduler
+
+
+def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
+    args = run.args
+    if not args.continuous:
+        return lesson.Scheduler(manager, requests)
+    from features.continuous import ContinuousScheduler, RequestTooLarge
+    try:
+        if args.preemption == "swap":
+            return swapping_scheduler(run, cache, manager, requests)
+        if args.max_batched_tokens:
+            if hasattr(manager, "cached_tokens"):
+                raise UserError("--max-batched-tokens does not combine with shared blocks yet "
+                                "(--samples above 1, or a system prompt's prefix cache): add "
+                                "--no-sharing, or drop --max-batched-tokens.")
+            from features.mixed_steps import MixedScheduler
+            return MixedScheduler(manager, requests, args.max_running, args.max_batched_tokens)
+        return ContinuousScheduler(manager, requests, args.max_running, lesson.Engine.tokens_per_pass)
+    except RequestTooLarge as e:
+        prompt = len(e.request.prompt_tokens)
+        raise UserError(
+            f"Request {e.request.row} can grow to {e.largest_tokens:,} tokens ({prompt:,} prompt + "
+            f"{e.request.max_new_tokens:,} new), {e.blocks:,} blocks of {e.block_size:,}: more "
+            f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
+            f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
+            f"--max-new-tokens.", OUT_OF_MEMORY) from e
+
+
+def swapping_scheduler(run, cache, manager, requests: list[lesson.Request]):
+    """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
+    if not isinstance(cache, lesson.KVCache) or hasattr(manager, "cached_tokens"):
+        raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
+                        "cache; it does not combine with shared blocks (--samples, a system "
+                        "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
+    block_bytes = cache.block_size * run.kv_bytes_per_token
+    swap_blocks = int(run.args.swap_space * GB // block_bytes)
+    if swap_blocks == 0:
+        raise UserError(f"--swap-space {run.args.swap_space:g} GB holds no block of "
+                        f"{format_bytes(block_bytes)}: raise it.")
+    check_host_memory(swap_blocks * block_bytes, "--swap-space", "Lower --swap-space.")
+    from features.swapping import SwappingScheduler
+    return SwappingScheduler(manager, requests, run.args.max_running, lesson.Engine.tokens_per_pass, cache,
+                             swap_blocks)
+
+
+def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: bool):
+    """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
+    unless --eager; else the eager decoder. With a shared system prompt, attention may be a
+    cascade (--cascade, the paged script's)."""
+    if run.args.compile:
+        from features.compiled_layers import compile_layers
+        compile_layers(run.model, cache)
+    cascade = None
+    shared_prefix = getattr(manager, "prefix_cache", None) is not None  # a system prompt, cached
+    if shared_prefix and getattr(run.args, "cascade", "off") != "off":
+        from features.cascade import cascade_for
+        cascade = cascade_for(run, cache, manager)  # before the graphs record attention
+    eager = decoder = lesson.Decoder(run.model, cache, manager.block_table, sampler)
+    if not (run.args.eager or run.device.type != "cuda" or run.attention.name == "torch"):
+        from features.cuda_graphs import GraphDecoder
+        start = time.perf_counter()
+        decoder = GraphDecoder(eager, largest_batch)
+        if progress:
+            print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
+                  f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    if cascade:
+        from features.cascade import CascadeDecoder
+        return CascadeDecoder(decoder, eager, cascade, manager.table)
+    return decoder
+
+
+def generate(run, cache, manager, progress: bool = True):
+    """Every request of the run through `cache`, with the parts the flags choose: what the
+    scripts call."""
+    args, requests = run.args, make_requests(run)
+    sampler = make_sampler(args)
+    scheduler = make_scheduler(run, cache, manager, requests)
+    largest_batch = min(len(requests), args.max_running or len(requests))
+    decoder = make_decoder(run, cache, manager, sampler, largest_batch, progress)
+    stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
+    engine = make_engine(run, cache, manager, sampler, decoder)
+    return engine.generate(scheduler, stop_ids, progress)
+
+
+def make_engine(run, cache, manager, sampler, decoder) -> TimedEngine:
+    """The core loop, or with --overlap (the default on CUDA) steps scheduled while the GPU runs
+    the one before, where the run allows it."""
+    overlap = run.args.overlap
+    if overlap is None:
+        overlap = run.device.type == "cuda"
+    engine_class = TimedEngine
+    if run.args.continuous and run.args.max_batched_tokens:
+        from features.mixed_steps import MixedEngine as engine_class
+    if not overlap:
+        return engine_class(run.model, cache, manager, sampler, decoder)
+    from features.overlap import OverlappedEngine, why_not_overlapped
+    why_not = why_not_overlapped(run.args, manager)  # the manager too: --find-max-batch's
+    if run.args.overlap:
+        refuse_overlap(why_not)
+    engine_class = engine_class if why_not else OverlappedEngine
+    return engine_class(run.model, cache, manager, sampler, decoder)
+
+
+def refuse_overlap(why_not: str | None) -> None:
+    """An explicit --overlap that the run cannot have ends here, with the reason."""
+    if why_not:
+        raise UserError(f"--overlap does not combine with this run: {why_not}. Drop --overlap.")
+
+
+def find_max_batch(run: Run, allocate_kv_cache) -> None:
+    """--find-max-batch (features/max_batch.py), loaded only when asked for."""
+    from features import max_batch
+    max_batch.find_max_batch(run, allocate_kv_cache, generate)
+
+
+# --- The scripts' caches, with the features that change them ---------------------------------
+
+def allocate_paged(run: Run):
+    """llama3_paged.py's pool. Blocks are shared where requests begin with the same tokens:
+    samples of one prompt, beams, or prompts after one system prompt (the prefix cache).
+    Elsewhere the prefix cache would find next to nothing (1% of W2's prompt tokens), and the
+    lesson's block manager runs."""
+    args = run.args
+    cache, manager = lesson.allocate_pool(run, kv_budget_bytes(run))
+    prefix_caching = run.system_prompt is not None and not args.no_prefix_cache
+    if args.no_sharing or not (args.samples > 1 or args.beam_width > 1 or prefix_caching):
+        return cache, manager
+    from features.sharing import SharingBlockManager
+    return cache, SharingBlockManager(cache, run.num_sequences, manager.table.shape[1],
+                                      prefix_caching)
+
+
+def allocate_naive(run: Run):
+    """llama3_naive.py's rows: N for a static batch; with --continuous as many as the budget
+    holds, and a request waits for a free one."""
+    import llama3_naive
+    budget = kv_budget_bytes(run)
+    rows = run.num_sequences
+    if run.args.continuous:
+        rows = min(llama3_naive.requests_that_fit(run, budget), rows)
+    return llama3_naive.reserve_rows(run, rows, budget)
+
+
+SCRIPTS = {  # script -> (its pool's flags, its allocation with features)
+    "llama3_paged.py": (add_paged_feature_arguments, allocate_paged),
+    "llama3_naive.py": (lambda parser: None, allocate_naive),
+}
+
+
+def argument_parser_with_features(script: str, doc: str, add_pool_arguments):
+    parser = argument_parser(script, doc)
+    add_feature_arguments(parser)
+    add_pool_arguments(parser)
+    return parser
+
+
+def main(script: str, argv=None) -> None:
+    """A script's run with the features its flags ask for: parse, load, allocate the cache,
+    generate, report."""
+    doc = importlib.import_module(script.removesuffix(".py")).__doc__
+    add_pool_arguments, allocate = SCRIPTS[script]
+    with one_paragraph_errors(script):
+        run = load(argument_parser_with_features(script, doc, add_pool_arguments).parse_args(argv))
+        if getattr(run.args, "beam_width", 1) > 1:
+            return run_beam_search(run, *allocate(run))
+        if run.args.find_max_batch:
+            return find_max_batch(run, allocate)
+        cache, manager = allocate(run)
+        from features.report import report
+        report(run, cache, manager, generate(run, cache, manager))
+
+
+PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"
+
+
+def check_arguments(args) -> None:
+    if args.continuous or args.samples > 1 or args.temperature > 0 or args.find_max_batch:
+        raise UserError("--beam-width runs its own static search, greedy by summed "
+                        "log-probabilities: it does not combine with --continuous, --samples, "
+                        "--temperature or --find-max-batch. Drop those flags.")
+
+
+def run_beam_search(run, cache, manager) -> None:
+    """--beam-width K: features/beam_search.py over the first N prompts, and the KV memory
+    that sharing saved."""
+    from features.beam_search import BeamSampler, beam_search
+    args, width = run.args, run.args.beam_width
+    sampler = BeamSampler(width)
+    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * width, True)
+    engine = lesson.Engine(run.model, cache, manager, sampler, decoder)
+    budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
+    stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
+    result = beam_search(engine, [p.prompt_tokens for p in run.prompts], width, budgets,
+                         stop_ids)
+    first = result.prompts[0]
+    print(f"\n--- request {run.prompts[0].id}, its {width} beams, best first ---\n"
+          f"> {run.prompts[0].prompt.strip()[:300]}")
+    for score, tokens in first.finished:
+        print(f"[{score:.2f}] {run.tokenizer.decode(tokens)[:300]}")
+    token_bytes = run.kv_bytes_per_token
+    held = result.fullest_reserved_slots * token_bytes
+    unshared = result.fullest_unshared_slots * token_bytes
+    print(f"\nBeam search: {len(result.prompts):,} prompts x {width} beams, "
+          f"{result.decode_steps:,} decode steps.")
+    if args.no_sharing:
+        print(f"KV memory at the fullest step: {format_bytes(held)}, every beam holding blocks "
+              f"of its own (--no-sharing).")
+    else:
+        print(f"KV memory at the fullest step: {format_bytes(held)} with beams sharing blocks, "
+              f"against {format_bytes(unshared)} if each held its own (--no-sharing): "
+              f"{100 * (1 - held / unshared):.1f}% saved ({PAPER}); "
+              f"{result.num_copied_blocks:,} blocks copied on write.")
+    if args.json:
+        write_json(args, {"script": "llama3_paged.py --beam-width", "beams": [
+            [{"score": s, "output_tokens": t} for s, t in p.finished] for p in result.prompts],
+            "memory": {"fullest_reserved_bytes": held, "fullest_unshared_bytes": unshared,
+                       "copied_blocks": result.num_copied_blocks},
+            "decode_steps": result.decode_steps})
+
+
+def command_line(script: str, argv: list[str]) -> None:
+    """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
+    lesson's main, or with features this file's."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    add_pool_arguments = {"llama3_paged.py": lesson.add_pool_arguments,
+                          "llama3_naive.py": lambda parser: None}.get(script)
+    if add_pool_arguments is None or lesson.needs_features(argv, add_pool_arguments):
+        return main(script, argv) if script in SCRIPTS else module.main(argv)
+    return module.main(argv)

@@ -1,0 +1,135 @@
+"""Steps queued on the device, timed with CUDA events: the loop every feature run takes.
+
+The lesson's loop (llama3_paged.py's Engine) copies each request's last token to the device at
+every decode step and waits for the step's tokens before anything else. Here:
+
+- each request's last token stays on the device (`last_tokens`, by row), where the next step
+  reads it, so a step's inputs never wait for the host (features/overlap.py needs that);
+- a step is *launched* (its forward pass, its tokens stored as last tokens and copied to pinned
+  host memory, a CUDA event after them) and later *waited for*: overlap.py puts the next step's
+  launch in between;
+- each step's GPU time is read from CUDA events once at the end, so timing adds no sync, and the
+  time between steps is time the GPU waited for the host.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from block_manager import to_device
+from llama3_paged import Engine, Generation, Step, append_tokens
+
+
+class StepTimer:
+    """Each step's GPU time from CUDA events, read once at the end so that timing adds no sync;
+    wall time on the CPU. The time between one step's end and the next one's start is time the
+    GPU had nothing to do: it waited for the host."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.starts, self.stops, self.decodes = [], [], []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, decodes: bool) -> None:
+        self.starts.append(self._now())
+        self.decodes.append(decodes)
+
+    def stop(self) -> None:
+        self.stops.append(self._now())
+
+    def _between(self, starts, stops) -> list[float]:
+        if not self.cuda:
+            return [stop - start for start, stop in zip(starts, stops)]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(stop) / 1000 for start, stop in zip(starts, stops)]
+
+    def seconds(self) -> list[float]:
+        """Each step's GPU time, in order; `decodes` says which decoded."""
+        return self._between(self.starts, self.stops)
+
+    def idle_seconds(self) -> float:
+        """The GPU's time between steps, in all (on the CPU, the host's: nothing runs ahead)."""
+        return sum(self._between(self.stops[:-1], self.starts[1:]))
+
+
+@dataclass
+class StepInFlight:
+    """A step queued on the device. Its tokens reach `tokens` on the host once `done` has passed
+    (a CUDA event; on the CPU they are there already)."""
+
+    step: Step
+    requests: list  # the requests that take a new token: all but a mixed step's partial prompts
+    tokens: torch.Tensor  # [len(requests)]
+    done: object = None
+
+
+@dataclass
+class TimedGeneration(Generation):
+    gpu_idle_seconds: float = 0.0  # the GPU's time between one step's end and the next's start
+    num_steps: int = 0  # prefill, decode and mixed
+    prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU
+
+
+class TimedEngine(Engine):
+    def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> TimedGeneration:
+        # Each request's last token, by row, on the device: its next decode step's input.
+        self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,
+                                       device=self.device)
+        rows = np.array([r.row for r in scheduler.waiting], dtype=np.int64)
+        last = np.array([r.tokens[-1] for r in scheduler.waiting], dtype=np.int64)
+        self.last_tokens[to_device(rows, self.device)] = to_device(last, self.device)
+        self.timer = StepTimer(self.device)
+        g = super().generate(scheduler, stop_ids, progress)
+        gpu_seconds = self.timer.seconds()
+        decoding = [s for s, decodes in zip(gpu_seconds, self.timer.decodes) if decodes]
+        for snapshot, step_seconds in zip(self.timeline, decoding):
+            snapshot.seconds = step_seconds
+        return TimedGeneration(**vars(g), gpu_idle_seconds=self.timer.idle_seconds(),
+                               num_steps=len(gpu_seconds),
+                               prefill_gpu_seconds=sum(gpu_seconds) - sum(decoding))
+
+    def steps(self, scheduler, stop_ids):
+        """One step after the other: launch it, wait for its tokens, append them."""
+        while scheduler.has_work():
+            in_flight = self.launch(scheduler.schedule(), scheduler)
+            scheduler.finish(append_tokens(in_flight.requests, self.wait_for_tokens(in_flight),
+                                           stop_ids, scheduler.now()))
+            yield in_flight.step
+
+    def launch(self, step, scheduler) -> StepInFlight:
+        """Queue one step on the device: its forward pass, its tokens stored as the requests'
+        last tokens, and their copy to the host."""
+        if step.decodes:
+            self.note_the_cache(scheduler)
+        self.timer.start(step.decodes)
+        rows = to_device(step.rows, self.device)  # [B]
+        next_tokens = self.prefill(step) if step.is_prefill else self.decode(step, self.last_tokens[rows])
+        requests, rows, next_tokens = self.taking_tokens(step, rows, next_tokens)
+        self.last_tokens[rows] = next_tokens  # where the next step reads them
+        on_gpu = self.device.type == "cuda"
+        tokens = torch.empty(len(requests), dtype=torch.long, pin_memory=on_gpu)
+        tokens.copy_(next_tokens, non_blocking=True)  # [B] to the host, queued with the rest
+        self.timer.stop()
+        done = torch.cuda.Event() if on_gpu else None
+        if done:
+            done.record()
+        return StepInFlight(step, requests, tokens, done)
+
+    def taking_tokens(self, step, rows, next_tokens):
+        """The step's requests that take a new token, their rows and tokens: all of them here
+        (features/mixed_steps.py leaves out prompts it computes only in part)."""
+        return step.requests, rows, next_tokens
+
+    def wait_for_tokens(self, in_flight: StepInFlight) -> np.ndarray:
+        """The step's tokens on the host ([B]): the wait for the GPU, once per step."""
+        if in_flight.done:
+            in_flight.done.synchronize()
+        return in_flight.tokens.numpy()
