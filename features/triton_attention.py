@@ -120,13 +120,14 @@ class TritonAttention:
         written. The others take the reference's loop: the fused kernels' causal mask is aligned
         to the first key, right only where a prompt has nothing cached before its own tokens."""
         fresh = self._fresh_part(batch)
-        if fresh is None:
-            return TorchAttention.prefill_after_prefix(self, q, key_blocks, value_blocks, batch)
-        tokens, fresh_batch, cached_prompts = fresh
+        cached_prompts = range(len(batch.cu_seqlens_host) - 1) if fresh is None else fresh[2]
         out = torch.empty_like(q)  # the cached prompts' rows here, the fresh ones' below
         for r in cached_prompts:
             out[slice(*batch.cu_seqlens_host[r:r + 2])] = TorchAttention.attend_after_prefix(
                 self, r, q, key_blocks, value_blocks, batch)
+        if fresh is None:
+            return out
+        tokens, fresh_batch, _ = fresh
         k, v = (blocks.flatten(0, 1)[fresh_batch.slot_mapping] for blocks in (key_blocks, value_blocks))
         out[tokens] = self.prefill(q[tokens], k, v, fresh_batch)
         return out
