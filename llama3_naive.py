@@ -17,7 +17,7 @@ if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in on
 
 import llama3_paged as lesson
 from block_manager import BlockManager
-from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes
+from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, format_bytes, needs_features
 from plumbing.inputs import kv_budget_bytes
 
 
@@ -26,9 +26,7 @@ def requests_that_fit(run, budget_bytes: float) -> int:
     return int(budget_bytes // (run.args.max_seq_len * run.kv_bytes_per_token))
 
 
-def reserve_rows(run, num_rows: int, budget_bytes: float):
-    """`num_rows` blocks of max_seq_len tokens, each request's worst case, reserved before its
-    first token whether or not it will ever use it. Returns the cache and its block manager."""
+def check_rows_fit(run, num_rows: int, budget_bytes: float) -> None:
     block_size, fits = run.args.max_seq_len, requests_that_fit(run, budget_bytes)
     if not 0 < num_rows <= fits:
         asked = max(num_rows, 1)
@@ -39,14 +37,16 @@ def reserve_rows(run, num_rows: int, budget_bytes: float):
             f"up front, and the KV budget is {format_bytes(budget_bytes)}: {fits:,} requests fit. "
             f"Try fewer requests or a smaller --max-seq-len, or llama3_paged.py, which reserves "
             f"only the blocks requests fill.", OUT_OF_MEMORY)
-    cache = lesson.make_kv_cache(run, num_rows, block_size)
-    # The block table the kernel reads: [N, 1], one column: request r's row is its one block.
-    return cache, BlockManager(num_rows, block_size, run.num_sequences, 1, run.device)
 
 
 def allocate_kv_cache(run):
-    """A static batch: a row for each of its N requests."""
-    return reserve_rows(run, run.num_sequences, kv_budget_bytes(run))
+    """One block of max_seq_len tokens per request, its worst case, reserved before its first
+    token whether or not it will ever use it. The block table the kernel reads is [N, 1], one
+    column: request r's row is its one block."""
+    num_rows, block_size = run.num_sequences, run.args.max_seq_len
+    check_rows_fit(run, num_rows, kv_budget_bytes(run))
+    return lesson.make_kv_cache(run, num_rows, block_size), BlockManager(
+        num_rows, block_size, run.num_sequences, 1, run.device)
 
 
 def no_pool_arguments(parser) -> None:
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    if lesson.needs_features(sys.argv[1:], no_pool_arguments):
+    if needs_features(argument_parser("llama3_naive.py", "", exit_on_error=False), sys.argv[1:]):
         from features.run import main as main_with_features
         main_with_features("llama3_naive.py", sys.argv[1:])
     else:

@@ -2,16 +2,15 @@
 
     python llama3_paged.py 49 --random-weights
 
-A naive KV cache reserves every request's longest sequence before its first token
+A naive KV cache reserves each request's longest sequence before its first token
 (llama3_naive.py). Here requests share a pool of small blocks: a request claims a block only when
 its tokens reach it, so at most block_size - 1 of its slots sit empty, and its blocks return to
 the pool the moment it finishes. block_manager.py says who holds which block; the attention
 kernel follows its block table, so a request's blocks need not be contiguous. Sections: 1 the
 model, 2 the KV cache and attention, 3 requests and the static scheduler, 4 the loop, 5 the
-report, 6 main. Features (features/) extend these classes; features/run.py builds those runs.
+report, 6 main. Features (features/) extend these classes; features/run.py builds their runs.
 """
 
-import argparse
 import math
 import sys
 import time
@@ -30,10 +29,10 @@ from torch import nn
 from tqdm import tqdm
 
 from block_manager import BlockManager, to_device
-from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, check_host_memory,
-                          format_bytes, one_paragraph_errors, positive_int)
-from plumbing.inputs import (TOKENS_PER_PASS, device_total_bytes, kv_budget_bytes,
-                             load_run, rope_frequencies)
+from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes, needs_features,
+                          one_paragraph_errors, positive_int)
+from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, checked_kv_allocation,
+                             device_total_bytes, kv_budget_bytes, load_run, rope_frequencies)
 
 # --- 1. The model ------------------------------------------------------------------------------
 # Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
@@ -134,9 +133,6 @@ class Llama(nn.Module):
 # s % block_size. The naive cache is this pool with one max_seq_len block per request: only
 # num_blocks, block_size and who writes the block table differ.
 
-FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
-
-
 @dataclass
 class PrefillBatch:
     """Prompts packed into one sequence of T tokens. A prompt may begin with tokens cached
@@ -165,34 +161,33 @@ class DecodeBatch:
 class KVCache:
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
         self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
+        self.num_slots = num_blocks * block_size
         self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_dim)
-        # [n_layers, slots, n_kv_heads, head_dim]: allocated once, up front, zeroed so that slots
-        # no token has written stay finite. One spare slot sits past the last block, in no block:
-        # K/V that a step must write and no one will read go there.
-        self.spare_slot = num_blocks * block_size
-        slots_shape = (args.n_layers, self.spare_slot + 1, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(slots_shape, dtype=dtype, device=device)
-        self.v = torch.zeros(slots_shape, dtype=dtype, device=device)
+        # Allocated once, up front; zeroed, so that slots no token has written stay finite.
+        self.k, self.v = (torch.zeros(self.slots_shape(args), dtype=dtype, device=device)
+                          for _ in range(2))
+
+    def slots_shape(self, args) -> tuple[int, ...]:
+        return (args.n_layers, self.num_slots, args.n_kv_heads, args.head_dim)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V as blocks, [num_blocks, block_size, n_kv_heads, head_dim]: the
-        same memory as the slots, seen as the kernel reads it."""
-        return (self.k[layer, :self.spare_slot].view(self.block_shape),
-                self.v[layer, :self.spare_slot].view(self.block_shape))
+        """The layer's K and V as the kernel reads them: [num_blocks, block_size, n_kv_heads,
+        head_dim], the same memory as the slots."""
+        return self.k[layer].view(self.block_shape), self.v[layer].view(self.block_shape)
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         """Store this batch's k, v ([T, n_kv_heads, head_dim]) in their slots, then attend."""
         self.k[layer].index_copy_(0, batch.slot_mapping, k)
         self.v[layer].index_copy_(0, batch.slot_mapping, v)
-        if isinstance(batch, PrefillBatch) and batch.block_table is None:
-            return self.attention_backend.prefill(q, k, v, batch)  # nothing cached: k, v are all
-        if isinstance(batch, PrefillBatch):
-            return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
-        return self.attention_backend.decode(q, *self.blocks(layer), batch)
+        if isinstance(batch, DecodeBatch):
+            return self.attention_backend.decode(q, *self.blocks(layer), batch)
+        if batch.block_table is None:  # nothing cached: the fresh k, v are all there is
+            return self.attention_backend.prefill(q, k, v, batch)
+        return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
 
 
 class FlashAttention:
@@ -629,25 +624,12 @@ def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
 # --- 6. main -----------------------------------------------------------------------------------
 
 def make_kv_cache(run, num_blocks: int, block_size: int) -> KVCache:
-    """The pool, checked against what the kernel takes and what memory holds."""
-    if run.attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
-        raise UserError(f"KV blocks of {block_size} tokens (the paged script's --block-size; the "
-                        f"naive script's block is --max-seq-len long): flash-attn 2's paged kernel "
-                        f"needs a multiple of {FLASH_BLOCK_MULTIPLE}. Use one, or --attn torch.")
-    size = num_blocks * block_size * run.kv_bytes_per_token
-    if run.device.type == "cpu":
-        check_host_memory(size, "the KV cache", "Ask for a smaller cache (--kv-budget-gb).")
-    try:
+    with checked_kv_allocation(run, num_blocks, block_size):  # fits the kernel and the memory?
         return KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
-    except torch.OutOfMemoryError as e:
-        raise UserError(f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "
-                        f"{block_size:,} tokens = {format_bytes(size)} needed, "
-                        f"{format_bytes(torch.cuda.mem_get_info(run.device)[0])} free after the "
-                        f"weights. Try fewer requests or a smaller cache.", OUT_OF_MEMORY) from e
 
 
 def pool_size(run, budget_bytes: float) -> tuple[int, int]:
-    """Paged: (num_blocks, block_size): as many small blocks as the KV budget holds."""
+    """(num_blocks, block_size): as many small blocks as the KV budget holds."""
     block_size = run.args.block_size or (FLASH_BLOCK_MULTIPLE if run.attention.name == "flash" else 16)
     num_blocks = run.args.num_blocks or int(budget_bytes // (block_size * run.kv_bytes_per_token))
     if num_blocks == 0:
@@ -661,14 +643,10 @@ def pool_size(run, budget_bytes: float) -> tuple[int, int]:
 def allocate_kv_cache(run) -> tuple[KVCache, BlockManager]:
     """The pool, and the block manager that hands its blocks out. The block table the kernel
     reads is [N, max_blocks_per_request]: row r lists request r's blocks, in order."""
-    return allocate_pool(run, kv_budget_bytes(run))
-
-
-def allocate_pool(run, budget_bytes: float) -> tuple[KVCache, BlockManager]:
-    num_blocks, block_size = pool_size(run, budget_bytes)
-    max_blocks_per_request = math.ceil(run.args.max_seq_len / block_size)
+    num_blocks, block_size = pool_size(run, kv_budget_bytes(run))
     return make_kv_cache(run, num_blocks, block_size), BlockManager(
-        num_blocks, block_size, run.num_sequences, max_blocks_per_request, run.device)
+        num_blocks, block_size, run.num_sequences, math.ceil(run.args.max_seq_len / block_size),
+        run.device)
 
 
 def make_requests(run) -> list[Request]:
@@ -722,24 +700,13 @@ def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=add_poo
         report(run, cache, manager, generate(run, cache, manager))
 
 
-def needs_features(argv: list[str], add_arguments=add_pool_arguments) -> bool:
-    """Whether a command line asks for more than this file: --help (which lists every flag), a
-    flag it does not define (a feature's), or a CUDA device, where CUDA graphs and overlapped
-    steps run by default. features/run.py then builds the run."""
-    if {"-h", "--help"} & set(argv):
-        return True
-    parser = argument_parser("", "", exit_on_error=False)
-    add_arguments(parser)
-    try:
-        args, others = parser.parse_known_args(argv)
-    except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
-        return True
-    return bool(others) or args.device.type == "cuda"
-
-
 if __name__ == "__main__":
-    if needs_features(sys.argv[1:]):
-        from features.run import main  # noqa: the module llama3_paged, imported there, is this file
-        main("llama3_paged.py", sys.argv[1:])
+    # A flag this file does not define is a feature's, and CUDA runs two by default (CUDA graphs,
+    # overlapped steps): features/run.py builds those runs from this file's parts.
+    lesson_flags = argument_parser("llama3_paged.py", "", exit_on_error=False)
+    add_pool_arguments(lesson_flags)
+    if needs_features(lesson_flags, sys.argv[1:]):
+        from features.run import main as main_with_features
+        main_with_features("llama3_paged.py", sys.argv[1:])
     else:
         main()

@@ -92,7 +92,7 @@ def take_parents_blocks(manager, cache, rows: np.ndarray, parents: np.ndarray) -
     sources = [b for _, parent in moves for b in manager.owned_blocks[parent]]
     destinations = [b for row, _ in moves for b in manager.owned_blocks[row]]
     for pool in (cache.k, cache.v):  # gathered first: beams may swap places
-        blocks = pool[:, :cache.spare_slot].view(shape)
+        blocks = pool[:, :cache.num_slots].view(shape)
         blocks[:, destinations] = blocks[:, sources]
 
 

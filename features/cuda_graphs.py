@@ -19,8 +19,22 @@ import numpy as np
 import torch
 
 from block_manager import to_device
+from llama3_paged import KVCache
 
 BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
+
+
+class KVCacheWithSpareSlot(KVCache):
+    """The pool and one slot past its last block, in no block: where padding rows write the K/V
+    that no one reads."""
+
+    def slots_shape(self, args) -> tuple[int, ...]:
+        self.spare_slot = self.num_slots
+        return (args.n_layers, self.num_slots + 1, args.n_kv_heads, args.head_dim)
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.k[layer, :self.num_slots].view(self.block_shape),
+                self.v[layer, :self.num_slots].view(self.block_shape))
 
 
 class GraphDecoder:

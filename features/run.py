@@ -19,7 +19,7 @@ import torch
 
 import llama3_paged as lesson
 from features.timed_engine import TimedEngine
-from plumbing.cli import (GB, write_json, OUT_OF_MEMORY, SYSTEM_PROMPT_FILE, UserError, argument_parser,
+from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, SYSTEM_PROMPT_FILE, UserError, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, one_paragraph_errors,
                           positive_int, refuse_output_over_input, request_rate, temperature,
                           writable_file)
@@ -222,7 +222,18 @@ def sampling_peak_bytes(run) -> int:
 
 
 def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
-    return lesson.make_kv_cache(run, num_blocks, block_size)
+    """The lesson's pool; with CUDA graphs, one spare slot more, for the graphs' padding rows."""
+    from features.cuda_graphs import KVCacheWithSpareSlot
+    cache_class = KVCacheWithSpareSlot if decodes_with_graphs(run) else lesson.KVCache
+    with inputs.checked_kv_allocation(run, num_blocks, block_size):
+        return cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
+                           run.attention)
+
+
+def decodes_with_graphs(run: Run) -> bool:
+    """CUDA graphs where they can run: on CUDA, with an attention that reads its lengths on the
+    GPU, unless --eager."""
+    return not run.args.eager and run.device.type == "cuda" and run.attention.name != "torch"
 
 
 def make_requests(run: Run) -> list[lesson.Request]:
@@ -320,7 +331,7 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
         from features.cascade import cascade_for
         cascade = cascade_for(run, cache, manager)  # before the graphs record attention
     eager = decoder = lesson.Decoder(run.model, cache, manager.block_table, sampler)
-    if not (run.args.eager or run.device.type != "cuda" or run.attention.name == "torch"):
+    if decodes_with_graphs(run):
         from features.cuda_graphs import GraphDecoder
         start = time.perf_counter()
         decoder = GraphDecoder(eager, largest_batch)
@@ -385,24 +396,26 @@ def allocate_paged(run: Run):
     Elsewhere the prefix cache would find next to nothing (1% of W2's prompt tokens), and the
     lesson's block manager runs."""
     args = run.args
-    cache, manager = lesson.allocate_pool(run, kv_budget_bytes(run))
+    num_blocks, block_size = lesson.pool_size(run, kv_budget_bytes(run))
+    cache, max_blocks = kv_cache(run, num_blocks, block_size), math.ceil(args.max_seq_len / block_size)
     prefix_caching = run.system_prompt is not None and not args.no_prefix_cache
     if args.no_sharing or not (args.samples > 1 or args.beam_width > 1 or prefix_caching):
-        return cache, manager
+        return cache, lesson.BlockManager(num_blocks, block_size, run.num_sequences, max_blocks,
+                                          run.device)
     from features.sharing import SharingBlockManager
-    return cache, SharingBlockManager(cache, run.num_sequences, manager.table.shape[1],
-                                      prefix_caching)
+    return cache, SharingBlockManager(cache, run.num_sequences, max_blocks, prefix_caching)
 
 
 def allocate_naive(run: Run):
     """llama3_naive.py's rows: N for a static batch; with --continuous as many as the budget
     holds, and a request waits for a free one."""
     import llama3_naive
-    budget = kv_budget_bytes(run)
-    rows = run.num_sequences
+    budget, rows = kv_budget_bytes(run), run.num_sequences
     if run.args.continuous:
         rows = min(llama3_naive.requests_that_fit(run, budget), rows)
-    return llama3_naive.reserve_rows(run, rows, budget)
+    llama3_naive.check_rows_fit(run, rows, budget)
+    return kv_cache(run, rows, run.args.max_seq_len), lesson.BlockManager(
+        rows, run.args.max_seq_len, run.num_sequences, 1, run.device)
 
 
 SCRIPTS = {  # script -> (its pool's flags, its allocation with features)
@@ -486,8 +499,9 @@ def command_line(script: str, argv: list[str]) -> None:
     """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
     lesson's main, or with features this file's."""
     module = importlib.import_module(script.removesuffix(".py"))
-    add_pool_arguments = {"llama3_paged.py": lesson.add_pool_arguments,
-                          "llama3_naive.py": lambda parser: None}.get(script)
-    if add_pool_arguments is None or lesson.needs_features(argv, add_pool_arguments):
-        return main(script, argv) if script in SCRIPTS else module.main(argv)
+    lesson_flags = argument_parser(script, "", exit_on_error=False)
+    if script == "llama3_paged.py":
+        lesson.add_pool_arguments(lesson_flags)
+    if needs_features(lesson_flags, argv):
+        return main(script, argv)
     return module.main(argv)

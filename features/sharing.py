@@ -31,7 +31,7 @@ def copy_blocks(cache, sources: list[int], destinations: list[int]) -> None:
         return
     shape = (cache.k.shape[0], *cache.block_shape)  # [n_layers, num_blocks, block_size, H, D]
     for pool in (cache.k, cache.v):
-        blocks = pool[:, :cache.spare_slot].view(shape)
+        blocks = pool[:, :cache.num_slots].view(shape)
         for source, destination in zip(sources, destinations):
             blocks[:, destination].copy_(blocks[:, source])
 

@@ -37,7 +37,7 @@ class HostBlocks:
         self.k = torch.zeros(shape, dtype=cache.k.dtype, pin_memory=pin)
         self.v = torch.zeros(shape, dtype=cache.v.dtype, pin_memory=pin)
         self.free = list(range(num_blocks))
-        self.cache_k, self.cache_v = (t[:, :cache.spare_slot].view(n_layers, -1, *shape[2:])
+        self.cache_k, self.cache_v = (t[:, :cache.num_slots].view(n_layers, -1, *shape[2:])
                                       for t in (cache.k, cache.v))  # the cache as blocks
         self.queued: list[tuple[str, list[int], list[int]]] = []  # (direction, cache, host)
 

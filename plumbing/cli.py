@@ -324,6 +324,19 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     return p
 
 
+def needs_features(lesson_flags: argparse.ArgumentParser, argv: list[str]) -> bool:
+    """Whether a command line asks for more than the lesson's flags: --help (which lists every
+    flag), a flag they do not define (a feature's), or a CUDA device, where CUDA graphs and
+    overlapped steps run by default. features/run.py then builds the run."""
+    if {"-h", "--help"} & set(argv):
+        return True
+    try:
+        args, others = lesson_flags.parse_known_args(argv)
+    except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
+        return True
+    return bool(others) or args.device.type == "cuda"
+
+
 @contextlib.contextmanager
 def one_paragraph_errors(script: str):
     """Turn the failures a run can end in into one paragraph on stderr and an exit code."""

