@@ -130,19 +130,19 @@ class Llama(nn.Module):
 
 # --- 2. The KV cache and the attention that reads it through the block table -------------------
 # A slot is one token's K and V in one layer; slot s lives in block s // block_size, at offset
-# s % block_size. The naive cache is this pool with one max_seq_len block per request: only
-# num_blocks, block_size and who writes the block table differ.
+# s % block_size. The naive cache is this pool with one max_seq_len block per request.
 
 @dataclass
 class PrefillBatch:
-    """Prompts packed into one sequence of T tokens. A prompt may begin with tokens cached
-    already: then only the rest is packed here, and attention reads all of them from the pool."""
+    """Prompts packed into one sequence of T tokens. Where a prompt's first tokens are cached
+    already (shared or computed before), only the rest is packed, and attention reads all of
+    them from the pool through the block table."""
 
     slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
     cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
     cu_seqlens_host: list[int]
     max_seqlen: int
-    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, when tokens are cached
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, where tokens are cached
     cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: prompt r's tokens, cached and new
     cu_seqlens_k_host: list[int] | None = None
     max_seqlen_k: int = 0
@@ -175,8 +175,8 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V as the kernel reads them: [num_blocks, block_size, n_kv_heads,
-        head_dim], the same memory as the slots."""
+        """The layer's K and V as the kernel reads them, [num_blocks, block_size, n_kv_heads,
+        head_dim]: the same memory as its slots."""
         return self.k[layer].view(self.block_shape), self.v[layer].view(self.block_shape)
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
@@ -191,8 +191,8 @@ class KVCache:
 
 
 class FlashAttention:
-    """flash-attn 2: varlen prefill over the packed prompts; paged decode that follows
-    block_table inside the kernel, reading each block once, never gathering."""
+    """flash-attn 2: varlen prefill over the packed prompts; a paged decode kernel that follows
+    the block table itself, reading each block once, never gathering."""
 
     name = "flash"
 
@@ -201,12 +201,11 @@ class FlashAttention:
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def prefill(self, q, k, v, batch):
-        return self.varlen(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
-                           batch.max_seqlen, batch.max_seqlen, causal=True)
+        return self.varlen(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
+                           batch.max_seqlen, causal=True)
 
     def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
-        """The cached tokens are read through the block table; the causal mask is aligned to the
-        end of each prompt, so the new tokens see everything before them."""
+        # The causal mask is aligned to each prompt's end: new tokens see all before them.
         return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
                            batch.max_seqlen, batch.max_seqlen_k, causal=True,
                            block_table=batch.block_table)
@@ -219,13 +218,13 @@ class FlashAttention:
 
 
 class TorchAttention:
-    """The same three calls in PyTorch, readable and slow: each request's blocks are gathered
-    into a dense tensor for SDPA. It runs anywhere; the tests hold flash-attn to it."""
+    """The same calls in PyTorch, readable and slow: a request's blocks are gathered into a dense
+    tensor for SDPA. It runs anywhere; the tests hold flash-attn to it."""
 
     name = "torch"
 
     def prefill(self, q, k, v, batch):
-        """q: [T, n_heads, d]; k, v: [T, n_kv_heads, d], the packed prompts' own: all there is."""
+        """q: [T, n_heads, d]; k, v: [T, n_kv_heads, d]."""
         out = torch.empty_like(q)
         for start, end in zip(batch.cu_seqlens_host[:-1], batch.cu_seqlens_host[1:]):
             out[start:end] = attend(q[start:end], k[start:end], v[start:end])
@@ -239,15 +238,15 @@ class TorchAttention:
         return out
 
     def attend_after_prefix(self, r: int, q, key_blocks, value_blocks, batch) -> torch.Tensor:
-        """Prompt r's new tokens after its cached ones, every key read from the pool."""
+        """Prompt r's new tokens, its every key and value read from its blocks."""
         start, end = batch.cu_seqlens_host[r:r + 2]
         n_k = batch.cu_seqlens_k_host[r + 1] - batch.cu_seqlens_k_host[r]
-        table = batch.block_table[r, :math.ceil(n_k / key_blocks.shape[1])]  # its blocks
+        table = batch.block_table[r, :math.ceil(n_k / key_blocks.shape[1])]
         k, v = (blocks[table].flatten(0, 1)[:n_k] for blocks in (key_blocks, value_blocks))
         return attend(q[start:end], k, v)
 
     def decode(self, q, key_blocks, value_blocks, batch):
-        """One new token per request. q: [B, n_heads, d] -> [B, n_heads, d]."""
+        """q: [B, n_heads, d] -> [B, n_heads, d]."""
         max_len = batch.max_cache_seqlen  # known on the host: gather only blocks someone uses
         table = batch.block_table[:, :math.ceil(max_len / key_blocks.shape[1])]
         k = key_blocks[table].flatten(1, 2)[:, :max_len]  # [B, max_len, n_kv_heads, d]
@@ -260,10 +259,10 @@ class TorchAttention:
 
 
 def attend(q, k, v) -> torch.Tensor:
-    """Causal attention of one prompt's n_q newest tokens over its n_k tokens: query i sits at
-    position n_k - n_q + i and sees keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
+    """A prompt's n_q newest tokens over all its n_k: query i, at position n_k - n_q + i, sees the
+    keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
     n_q, n_k = len(q), len(k)
-    sees = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+    sees = torch.arange(n_k, device=q.device) <= torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
     return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                           attn_mask=sees, enable_gqa=True).transpose(0, 1)
 
@@ -271,9 +270,7 @@ def attend(q, k, v) -> torch.Tensor:
 # --- 3. Requests and the static scheduler ------------------------------------------------------
 
 class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 @dataclass(eq=False)
@@ -283,34 +280,29 @@ class Request:
     max_new_tokens: int  # it stops after this many, or at a stop token
     output_tokens: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    arrival_time: float = 0.0  # seconds from the start: when it asked
-    admitted_at: float | None = None  # seconds from the start: when it first got blocks
-    token_times: list[float] = field(default_factory=list)  # when each token reached the host
+    arrival_time: float = 0.0  # seconds from the start: when it asked to run
+    admitted_at: float | None = None  # when it first got blocks
+    token_times: list[float] = field(default_factory=list)  # when each new token reached the host
 
     @property
     def tokens(self) -> list[int]:
-        """Everything the cache must hold for it to go on: its prompt and what it generated."""
+        """What the cache must hold for it to go on: its prompt and what it generated."""
         return self.prompt_tokens + self.output_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_tokens) + len(self.output_tokens)
 
-    def tokens_between(self, start: int, end: int) -> list[int]:
-        """tokens[start:end], without copying the rest."""
-        past_prompt = lambda i: max(i - len(self.prompt_tokens), 0)
-        return self.prompt_tokens[start:end] + self.output_tokens[past_prompt(start):past_prompt(end)]
-
 
 @dataclass
 class Step:
-    """A prefill of requests just admitted, or a decode of one token for each running request."""
+    """A prefill of requests just admitted, or a decode of one new token for each running one."""
 
     is_prefill: bool
     requests: list[Request]  # in admission order
     rows: np.ndarray  # [B] their rows
-    num_cached: np.ndarray | None = None  # prefill: [B] tokens already in the cache, skipped
-    positions: np.ndarray | None = None  # decode: [B] the position each one's new token takes
+    num_cached: np.ndarray | None = None  # prefill: [B] tokens in the cache already, skipped
+    positions: np.ndarray | None = None  # decode: [B] the position each new token takes
 
     @property
     def decodes(self) -> bool:
@@ -318,16 +310,14 @@ class Step:
 
 
 class Scheduler:
-    """Static batching, the original experiment's: every request is admitted at the first step,
-    and a batch that does not fit ends the run (block_manager.OutOfBlocks)."""
+    """Static batching, the original experiment's: every request is admitted at the first step;
+    a batch that does not fit ends the run (OutOfBlocks)."""
 
     def __init__(self, manager: BlockManager, requests: list[Request]):
-        self.manager = manager
-        self.waiting = deque(requests)
+        self.manager, self.waiting = manager, deque(requests)
         self.running: list[Request] = []  # admission order: the newest is last
         self.rows = np.zeros(0, dtype=np.int64)  # [len(running)] their rows, for the manager
-        self.most_running, self.start = 0, time.perf_counter()
-        self.clock = time.perf_counter  # tests give a fake one
+        self.most_running, self.start, self.clock = 0, time.perf_counter(), time.perf_counter
 
     def now(self) -> float:
         return self.clock() - self.start
@@ -337,9 +327,8 @@ class Scheduler:
 
     def schedule(self) -> Step:
         if self.waiting:
-            admitted = list(self.waiting)
+            step = self._admit(list(self.waiting))
             self.waiting.clear()
-            step = self._admit(admitted)
             if len(step.requests):
                 return step
         return self._decode()
@@ -354,7 +343,7 @@ class Scheduler:
             self.rows = np.delete(self.rows, i)
 
     def _admit(self, requests: list[Request]) -> Step:
-        """Give each request its blocks, and a prefill step for those with slots to fill."""
+        """Each request's blocks, and a prefill step of those with slots to fill."""
         prefill, num_cached = [], []
         for request in requests:
             cached = self._allocate(request)
@@ -370,12 +359,12 @@ class Scheduler:
         return Step(True, prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
 
     def _allocate(self, request: Request) -> int:
-        """The request's blocks; returns how many of its tokens they hold already."""
+        """The request's blocks; how many of its tokens they hold already."""
         return self.manager.allocate(request)
 
     def _decode(self) -> Step:
         positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the last
-        self.manager.append_token(self.rows)  # one more slot each: a new block per boundary
+        self.manager.append_token(self.rows)  # a slot each: a new block at a block's end
         return Step(False, self.running, self.rows, positions=positions)
 
     def _set_running(self, running: list[Request]) -> None:
@@ -385,10 +374,8 @@ class Scheduler:
 
 # --- 4. The loop -------------------------------------------------------------------------------
 # Each step the scheduler says who runs; the block manager's `slots` says where each new token's
-# K and V go, for prefill and decode alike. The host waits for the GPU once per step, for the
-# new tokens; block bookkeeping touches only requests that cross a block boundary.
-
-
+# K and V go, for prefill and decode alike. The host waits for the GPU once a step, for the new
+# tokens; block bookkeeping touches only requests that cross a block boundary.
 
 @dataclass
 class KVSnapshot:
@@ -439,13 +426,13 @@ class Generation:
 
 
 def greedy(logits, rows, positions) -> torch.Tensor:
-    """The most likely next token of each row: [B, vocab] -> [B]. A sampler is told which
-    request (`rows`) draws at which position; greedy needs neither."""
+    """The likeliest next token: [B, vocab] -> [B]. (A sampler is told which request draws at
+    which position; greedy needs neither.)"""
     return logits.argmax(-1)
 
 
 def packed_passes(sizes: list[int], tokens_per_pass: int):
-    """Consecutive ranges of prompts whose sizes add up to at most tokens_per_pass (one at least)."""
+    """Consecutive ranges of prompts of at most tokens_per_pass tokens in all (one at least)."""
     start = 0
     while start < len(sizes):
         end, total = start + 1, sizes[start]
@@ -463,8 +450,7 @@ class Decoder:
 
     def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
         """One token for each of B requests: tokens, positions, rows, slots are [B] on device."""
-        batch = DecodeBatch(slot_mapping=slots,
-                            block_table=self.block_table[rows],  # [B, max_blocks]: their rows
+        batch = DecodeBatch(slot_mapping=slots, block_table=self.block_table[rows],  # their rows
                             cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
         logits = self.model(tokens, positions, self.cache, batch)  # [B, vocab]
         return self.sampler(logits, rows, positions + 1)  # [B]
@@ -486,8 +472,8 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, scheduler: Scheduler, stop_ids=frozenset(), progress=True) -> Generation:
-        """Run every request waiting in `scheduler` to the end. A request stops at a token in
-        `stop_ids` (not kept) or after its max_new_tokens, and gives its blocks back."""
+        """Run every request in `scheduler` to the end: a stop token (not kept) or its
+        max_new_tokens. Each gives its blocks back as it finishes."""
         requests, prefilled_before = list(scheduler.waiting), self.num_prefilled
         self.timeline, seconds = [], {"prefill": 0.0, "decode": 0.0}
         # A context, so that the bar is gone before an error message (out of blocks) is printed.
@@ -514,11 +500,10 @@ class Engine:
             step = scheduler.schedule()
             if step.decodes:
                 self.note_the_cache(scheduler)
-            if step.is_prefill:
-                tokens = self.prefill(step)
-            else:
                 last = np.array([r.tokens[-1] for r in step.requests], dtype=np.int64)
                 tokens = self.decode(step, to_device(last, self.device))
+            else:
+                tokens = self.prefill(step)
             tokens = tokens.cpu().numpy()  # [B]: the host waits for the GPU here, once a step
             scheduler.finish(append_tokens(step.requests, tokens, stop_ids, scheduler.now()))
             yield step
@@ -536,11 +521,10 @@ class Engine:
         return self.decoder.step(last_tokens, step.positions, step.rows, slots)
 
     def prefill(self, step: Step) -> torch.Tensor:
-        """Compute the uncached tokens of every request in a prefill step, packed into passes of
-        about tokens_per_pass, writing each token's K/V into its slot. Returns [B] on device."""
-        new = [r.tokens_between(int(start), r.num_tokens)
-               for r, start in zip(step.requests, step.num_cached)]
-        return self.prefill_passes(step, new)
+        """Each request's uncached tokens, packed into passes of about tokens_per_pass, each
+        token's K/V written into its slot. Returns each request's next token, [B] on device."""
+        return self.prefill_passes(step, [r.tokens[int(start):]
+                                          for r, start in zip(step.requests, step.num_cached)])
 
     def prefill_passes(self, step: Step, new: list[list[int]]) -> torch.Tensor:
         self.num_prefilled += sum(map(len, new))
@@ -548,8 +532,7 @@ class Engine:
                           for p in packed_passes(list(map(len, new)), self.tokens_per_pass)])
 
     def _prefill_pass(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
-        """One forward pass over new_tokens[i], the tokens of request rows[i] from position
-        starts[i] on (those before are cached)."""
+        """One forward pass over new_tokens[i]: request rows[i]'s tokens from position starts[i]."""
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         new = np.array([len(t) for t in new_tokens])  # the tokens computed here
         lengths = starts + new  # each one's tokens, cached and new
@@ -557,29 +540,27 @@ class Engine:
         # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
         slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
-        batch = PrefillBatch(slot_mapping=on_device(slots),
-                             cu_seqlens=on_device(cu_seqlens, torch.int32),
-                             cu_seqlens_host=cu_seqlens.tolist(), max_seqlen=int(new.max()))
-        if starts.any():  # attention must read the cached tokens too, through the block table
+        batch = PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
+                             cu_seqlens.tolist(), int(new.max()))
+        if starts.any():  # attention reads the cached tokens too, through the block table
             cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
             batch.block_table = self.manager.block_table[on_device(rows)]
             batch.cu_seqlens_k = on_device(cu_seqlens_k, torch.int32)
             batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), int(lengths.max())
-        tokens = on_device(np.concatenate(new_tokens))  # [T]
-        last_token_rows, positions = on_device(cu_seqlens[1:] - 1), on_device(positions)
-        logits = self.model(tokens, positions, self.cache, batch, logits_at=last_token_rows)
+        logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions), self.cache,
+                            batch, logits_at=on_device(cu_seqlens[1:] - 1))  # each prompt's last
         return self.sampler(logits, on_device(rows), on_device(lengths))  # [B, vocab] -> [B]
 
 
 def steps_left(scheduler: Scheduler) -> int:
     """Decode steps until the longest request still to run could end, for the progress bar."""
-    pending = [*scheduler.running, *scheduler.waiting]
-    return max((r.max_new_tokens - len(r.output_tokens) for r in pending), default=0)
+    return max((r.max_new_tokens - len(r.output_tokens)
+                for r in [*scheduler.running, *scheduler.waiting]), default=0)
 
 
 def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids, now=0.0) -> list:
-    """Append each request's new token, which reached the host at `now`; return the requests
-    that are done: a stop token (not kept) or their last allowed token."""
+    """Append each request's new token (which reached the host at `now`); return those done: a
+    stop token (not kept) or their last allowed token."""
     done = []
     for request, token in zip(requests, new_tokens.tolist()):
         if token in stop_ids:
