@@ -134,18 +134,12 @@ class Llama(nn.Module):
 
 @dataclass
 class PrefillBatch:
-    """Prompts packed into one sequence of T tokens. Where a prompt's first tokens are cached
-    already (shared or computed before), only the rest is packed, and attention reads all of
-    them from the pool through the block table."""
+    """Prompts packed into one sequence of T tokens."""
 
     slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
     cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
     cu_seqlens_host: list[int]
     max_seqlen: int
-    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, where tokens are cached
-    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: prompt r's tokens, cached and new
-    cu_seqlens_k_host: list[int] | None = None
-    max_seqlen_k: int = 0
 
 
 @dataclass
@@ -183,11 +177,9 @@ class KVCache:
         """Store this batch's k, v ([T, n_kv_heads, head_dim]) in their slots, then attend."""
         self.k[layer].index_copy_(0, batch.slot_mapping, k)
         self.v[layer].index_copy_(0, batch.slot_mapping, v)
-        if isinstance(batch, DecodeBatch):
-            return self.attention_backend.decode(q, *self.blocks(layer), batch)
-        if batch.block_table is None:  # nothing cached: the fresh k, v are all there is
+        if isinstance(batch, PrefillBatch):  # a prompt's own k, v are all it attends to
             return self.attention_backend.prefill(q, k, v, batch)
-        return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
+        return self.attention_backend.decode(q, *self.blocks(layer), batch)
 
 
 class FlashAttention:
@@ -203,12 +195,6 @@ class FlashAttention:
     def prefill(self, q, k, v, batch):
         return self.varlen(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
                            batch.max_seqlen, causal=True)
-
-    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
-        # The causal mask is aligned to each prompt's end: new tokens see all before them.
-        return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
-                           batch.max_seqlen, batch.max_seqlen_k, causal=True,
-                           block_table=batch.block_table)
 
     def decode(self, q, key_blocks, value_blocks, batch):
         out = self.with_kvcache(q[:, None], key_blocks, value_blocks,  # q: [B, 1, n_heads, d]
@@ -229,21 +215,6 @@ class TorchAttention:
         for start, end in zip(batch.cu_seqlens_host[:-1], batch.cu_seqlens_host[1:]):
             out[start:end] = attend(q[start:end], k[start:end], v[start:end])
         return out
-
-    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
-        out = torch.empty_like(q)
-        for r in range(len(batch.cu_seqlens_host) - 1):
-            out[slice(*batch.cu_seqlens_host[r:r + 2])] = self.attend_after_prefix(
-                r, q, key_blocks, value_blocks, batch)
-        return out
-
-    def attend_after_prefix(self, r: int, q, key_blocks, value_blocks, batch) -> torch.Tensor:
-        """Prompt r's new tokens, its every key and value read from its blocks."""
-        start, end = batch.cu_seqlens_host[r:r + 2]
-        n_k = batch.cu_seqlens_k_host[r + 1] - batch.cu_seqlens_k_host[r]
-        table = batch.block_table[r, :math.ceil(n_k / key_blocks.shape[1])]
-        k, v = (blocks[table].flatten(0, 1)[:n_k] for blocks in (key_blocks, value_blocks))
-        return attend(q[start:end], k, v)
 
     def decode(self, q, key_blocks, value_blocks, batch):
         """q: [B, n_heads, d] -> [B, n_heads, d]."""
@@ -301,7 +272,6 @@ class Step:
     is_prefill: bool
     requests: list[Request]  # in admission order
     rows: np.ndarray  # [B] their rows
-    num_cached: np.ndarray | None = None  # prefill: [B] tokens in the cache already, skipped
     positions: np.ndarray | None = None  # decode: [B] the position each new token takes
 
     @property
@@ -343,24 +313,13 @@ class Scheduler:
             self.rows = np.delete(self.rows, i)
 
     def _admit(self, requests: list[Request]) -> Step:
-        """Each request's blocks, and a prefill step of those with slots to fill."""
-        prefill, num_cached = [], []
+        """Each request's blocks, for its whole prompt, and a prefill step of them all."""
         for request in requests:
-            cached = self._allocate(request)
-            request.status = Status.RUNNING
-            if request.admitted_at is None:
-                request.admitted_at = self.now()
-            if self.manager.num_tokens[request.row] > cached:
-                prefill.append(request)
-                num_cached.append(cached)
+            self.manager.allocate(request)
+            request.status, request.admitted_at = Status.RUNNING, self.now()
         self._set_running(self.running + requests)
         self.most_running = max(self.most_running, len(self.running))
-        rows = np.array([r.row for r in prefill], dtype=np.int64)
-        return Step(True, prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
-
-    def _allocate(self, request: Request) -> int:
-        """The request's blocks; how many of its tokens they hold already."""
-        return self.manager.allocate(request)
+        return Step(True, requests, np.array([r.row for r in requests], dtype=np.int64))
 
     def _decode(self) -> Step:
         positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the last
@@ -521,33 +480,23 @@ class Engine:
         return self.decoder.step(last_tokens, step.positions, step.rows, slots)
 
     def prefill(self, step: Step) -> torch.Tensor:
-        """Each request's uncached tokens, packed into passes of about tokens_per_pass, each
+        """Each request's prompt, packed into passes of about tokens_per_pass tokens, each
         token's K/V written into its slot. Returns each request's next token, [B] on device."""
-        return self.prefill_passes(step, [r.tokens[int(start):]
-                                          for r, start in zip(step.requests, step.num_cached)])
+        prompts = [r.tokens for r in step.requests]
+        self.num_prefilled += sum(map(len, prompts))
+        return torch.cat([self._prefill_pass(step.rows[p], [prompts[i] for i in p])
+                          for p in packed_passes(list(map(len, prompts)), self.tokens_per_pass)])
 
-    def prefill_passes(self, step: Step, new: list[list[int]]) -> torch.Tensor:
-        self.num_prefilled += sum(map(len, new))
-        return torch.cat([self._prefill_pass(step.rows[p], [new[i] for i in p], step.num_cached[p])
-                          for p in packed_passes(list(map(len, new)), self.tokens_per_pass)])
-
-    def _prefill_pass(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
-        """One forward pass over new_tokens[i]: request rows[i]'s tokens from position starts[i]."""
+    def _prefill_pass(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
+        """One forward pass over the prompts of requests `rows`, packed."""
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
-        new = np.array([len(t) for t in new_tokens])  # the tokens computed here
-        lengths = starts + new  # each one's tokens, cached and new
-        cu_seqlens = np.concatenate([[0], np.cumsum(new)])
-        # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
-        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
-        slots = self.manager.slots(np.repeat(rows, new), positions)  # as decode finds them
+        lengths = np.array([len(p) for p in prompts])
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], lengths)  # [T]
+        slots = self.manager.slots(np.repeat(rows, lengths), positions)  # as decode finds them
         batch = PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
-                             cu_seqlens.tolist(), int(new.max()))
-        if starts.any():  # attention reads the cached tokens too, through the block table
-            cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
-            batch.block_table = self.manager.block_table[on_device(rows)]
-            batch.cu_seqlens_k = on_device(cu_seqlens_k, torch.int32)
-            batch.cu_seqlens_k_host, batch.max_seqlen_k = cu_seqlens_k.tolist(), int(lengths.max())
-        logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions), self.cache,
+                             cu_seqlens.tolist(), int(lengths.max()))
+        logits = self.model(on_device(np.concatenate(prompts)), on_device(positions), self.cache,
                             batch, logits_at=on_device(cu_seqlens[1:] - 1))  # each prompt's last
         return self.sampler(logits, on_device(rows), on_device(lengths))  # [B, vocab] -> [B]
 

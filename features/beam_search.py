@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from block_manager import to_device
-from llama3_paged import Request, Step
+from features.cached_prefix import CachedPrefillStep
+from llama3_paged import Request
 from features.sharing import SharingBlockManager
 
 
@@ -126,7 +127,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
         for s in searches:
             for row in s.rows[1:]:
                 manager.allocate(Request(int(row), s.prompt_tokens, s.max_new_tokens))
-    step = Step(True, firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
+    step = CachedPrefillStep(True, firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
     newest = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
     for s, c in zip(searches, candidates):

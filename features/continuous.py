@@ -21,7 +21,8 @@ decodes one token for every running request, never both:
 
 import time
 
-from llama3_paged import Scheduler, Status, Step
+from features.cached_prefix import CachingScheduler
+from llama3_paged import Status, Step
 
 # Share of the pool that admission leaves free for the running requests to grow into (vLLM's
 # default is 1%; README, "Serving a stream", measures both).
@@ -38,7 +39,7 @@ class RequestTooLarge(Exception):
                          f"{blocks} blocks, more than the pool's {manager.num_blocks}")
 
 
-class ContinuousScheduler(Scheduler):
+class ContinuousScheduler(CachingScheduler):
     def __init__(self, manager, requests: list, max_running: int | None, chunk_tokens: int):
         super().__init__(manager, requests)
         self.max_running, self.chunk_tokens = max_running or len(requests), chunk_tokens

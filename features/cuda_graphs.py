@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from llama3_paged import KVCache
+from features.cached_prefix import KVCacheAfterPrefix
 
 BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
 
 
-class KVCacheWithSpareSlot(KVCache):
+class KVCacheWithSpareSlot(KVCacheAfterPrefix):
     """The pool and one slot past its last block, in no block: where padding rows write the K/V
     that no one reads."""
 

@@ -31,11 +31,12 @@ import torch
 from block_manager import to_device
 from features.continuous import ContinuousScheduler
 from features.timed_engine import TimedEngine
+from features.cached_prefix import CachedPrefillStep
 from llama3_paged import Request, Step
 
 
 @dataclass
-class MixedStep(Step):
+class MixedStep(CachedPrefillStep):
     """A prefill pass whose first num_decoding requests compute just their last token (a decode,
     read through the block table as a one-token chunk after a cached prefix), and which computes
     each request's tokens up to ends[i] only ([B]). A request whose chunk stops short of its
@@ -53,12 +54,19 @@ class MixedStep(Step):
         return self.ends == np.array([r.num_tokens for r in self.requests])
 
 
+def tokens_between(request: Request, start: int, end: int) -> list[int]:
+    """request.tokens[start:end], without copying the rest (a step computes a few of many)."""
+    past_prompt = lambda i: max(i - len(request.prompt_tokens), 0)
+    return (request.prompt_tokens[start:end]
+            + request.output_tokens[past_prompt(start):past_prompt(end)])
+
+
 class MixedEngine(TimedEngine):
     def prefill(self, step: MixedStep) -> torch.Tensor:
         """Each request's tokens from num_cached to its end in this step."""
-        new = [r.tokens_between(int(start), int(end))
+        new = [tokens_between(r, int(start), int(end))
                for r, start, end in zip(step.requests, step.num_cached, step.ends)]
-        tokens = self.prefill_passes(step, new)
+        tokens = self.prefill_from(step, new)
         self.num_prefilled -= step.num_decoding  # a decode row is no prompt token
         return tokens
 

@@ -18,6 +18,8 @@ import time
 import torch
 
 import llama3_paged as lesson
+from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
+                                    KVCacheAfterPrefix, TorchAttentionAfterPrefix)
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, SYSTEM_PROMPT_FILE, UserError, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, one_paragraph_errors,
@@ -184,7 +186,7 @@ def choose_attention(name: str, device: torch.device, decode_kernel: str = "flas
                         f"prefill, and this run attends with --attn {name}: use --attn flash "
                         f"(with flash-attn installed), or drop --decode-kernel.")
     if name == "torch":
-        return lesson.TorchAttention()
+        return TorchAttentionAfterPrefix()
     if device.type != "cuda":
         raise UserError(f"--attn {name} needs a CUDA device; use --attn torch on the CPU.")
     if name == "triton":
@@ -199,7 +201,7 @@ def choose_attention(name: str, device: torch.device, decode_kernel: str = "flas
     if decode_kernel == "triton":
         from features.triton_attention import TritonDecode
         return TritonDecode()
-    return lesson.FlashAttention()
+    return FlashAttentionAfterPrefix()
 
 
 def kv_budget_bytes(run: Run) -> float:
@@ -224,7 +226,7 @@ def sampling_peak_bytes(run) -> int:
 def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     """The lesson's pool; with CUDA graphs, one spare slot more, for the graphs' padding rows."""
     from features.cuda_graphs import KVCacheWithSpareSlot
-    cache_class = KVCacheWithSpareSlot if decodes_with_graphs(run) else lesson.KVCache
+    cache_class = KVCacheWithSpareSlot if decodes_with_graphs(run) else KVCacheAfterPrefix
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         return cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
                            run.attention)
@@ -278,7 +280,7 @@ def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> lesso
 def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
     args = run.args
     if not args.continuous:
-        return lesson.Scheduler(manager, requests)
+        return CachingScheduler(manager, requests)
     from features.continuous import ContinuousScheduler, RequestTooLarge
     try:
         if args.preemption == "swap":
@@ -464,7 +466,7 @@ def run_beam_search(run, cache, manager) -> None:
     args, width = run.args, run.args.beam_width
     sampler = BeamSampler(width)
     decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * width, True)
-    engine = lesson.Engine(run.model, cache, manager, sampler, decoder)
+    engine = CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
     budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
     result = beam_search(engine, [p.prompt_tokens for p in run.prompts], width, budgets,

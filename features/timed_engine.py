@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from llama3_paged import Engine, Generation, Step, append_tokens
+from features.cached_prefix import CachedPrefixEngine
+from llama3_paged import Generation, Step, append_tokens
 
 
 class StepTimer:
@@ -78,7 +79,7 @@ class TimedGeneration(Generation):
     prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU
 
 
-class TimedEngine(Engine):
+class TimedEngine(CachedPrefixEngine):
     def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> TimedGeneration:
         # Each request's last token, by row, on the device: its next decode step's input.
         self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,

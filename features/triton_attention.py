@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from llama3_paged import FlashAttention, TorchAttention
+from features.cached_prefix import FlashAttentionAfterPrefix, attend_after_prefix
 from llama3_paged import PrefillBatch
 from block_manager import to_device
 
@@ -123,8 +123,8 @@ class TritonAttention:
         cached_prompts = range(len(batch.cu_seqlens_host) - 1) if fresh is None else fresh[2]
         out = torch.empty_like(q)  # the cached prompts' rows here, the fresh ones' below
         for r in cached_prompts:
-            out[slice(*batch.cu_seqlens_host[r:r + 2])] = TorchAttention.attend_after_prefix(
-                self, r, q, key_blocks, value_blocks, batch)
+            out[slice(*batch.cu_seqlens_host[r:r + 2])] = attend_after_prefix(
+                r, q, key_blocks, value_blocks, batch)
         if fresh is None:
             return out
         tokens, fresh_batch, _ = fresh
@@ -155,7 +155,7 @@ class TritonAttention:
         return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)
 
 
-class TritonDecode(FlashAttention):
+class TritonDecode(FlashAttentionAfterPrefix):
     """flash-attn for prefill, `paged_decode` for decode steps (--decode-kernel triton). At W's
     few hundred tokens per request, flash-attn's decode kernel reads the cache at 2.9 TB/s on the
     H200 and this one at 3.5 TB/s; at W2's longer requests the lead shrinks to 1.08x

@@ -86,12 +86,13 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     scheduled before the last one's tokens are recorded (features/overlap.py)."""
     from features.timed_engine import TimedEngine
     from llama3_paged import Decoder, Engine, greedy
+    from features.cached_prefix import CachingScheduler, CachedPrefixEngine
     from llama3_paged import Request, Scheduler
     from features.continuous import ContinuousScheduler
     requests = [Request(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = (ContinuousScheduler(manager, requests, max_running, chunk_tokens) if continuous
-                 else Scheduler(manager, requests))
+                 else CachingScheduler(manager, requests))
     if continuous and max_batched_tokens:
         from features.mixed_steps import MixedScheduler
         scheduler = MixedScheduler(manager, requests, max_running, max_batched_tokens)
@@ -106,7 +107,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine_class = Engine  # the lesson's loop
+    engine_class = CachedPrefixEngine  # the lesson's loop
     if continuous or graphs:  # as features/run.py runs every feature
         engine_class = TimedEngine
     if continuous and max_batched_tokens:

@@ -9,6 +9,7 @@ import torch
 
 from block_manager import BlockManager
 from conftest import tokens
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
 from llama3_paged import TorchAttention
 from llama3_paged import Decoder, Engine, greedy
 from llama3_paged import KVCache
@@ -98,13 +99,13 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
     budgets = [12, 20, 7, 15, 9, 11]
     static, _ = run(model, prompts, budgets, num_blocks=64, block_size=16)
     arrivals = poisson_arrival_times(len(prompts), rate=50.0, seed=0)  # about 0.1 s in all
-    cache = KVCache(model.args, 64, 16, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, 64, 16, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(64, 16, len(prompts), math.ceil(MAX_SEQ_LEN / 16))
     requests = [Request(r, p, b, arrival_time=float(t))
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
     scheduler = (MixedScheduler(manager, requests, None, 24) if mixed
                  else ContinuousScheduler(manager, requests, None, 8192))
-    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else Engine
+    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else CachedPrefixEngine
     engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert result.output_tokens == static.output_tokens

@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_hf_model
 
 from block_manager import BlockManager
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
 from llama3_paged import TorchAttention
 from llama3_paged import Decoder, Engine
 from llama3_paged import KVCache
@@ -23,12 +24,12 @@ PROMPT_LENGTHS = [5, 17, 30, 2]
 def our_beams(model, prompts, width, new_tokens, stop_ids, sharing=True, block_size=4):
     n = len(prompts) * width
     num_blocks = n * math.ceil(MAX_SEQ_LEN / block_size)
-    cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=False) if sharing
                else BlockManager(num_blocks, block_size, n, max_blocks))
     sampler = BeamSampler(width)
-    engine = Engine(model, cache, manager, sampler,
+    engine = CachedPrefixEngine(model, cache, manager, sampler,
                     Decoder(model, cache, manager.block_table, sampler))
     result = beam_search(engine, prompts, width, [new_tokens] * len(prompts), stop_ids,
                          progress=False)

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from llama3_paged import TorchAttention
+
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
 from llama3_paged import Decoder, Engine, greedy
 from llama3_paged import DecodeBatch, KVCache
 from llama3_paged import Request
@@ -51,9 +53,9 @@ def test_the_cascade_equals_attention_over_all_the_keys():
     prefix_blocks, block_size = 3, 4
     q, (k, v), batch, prefix = shared_prefix_batch(prefix_blocks, [1, 5, 8, 13, 2], block_size,
                                                    "cpu", torch.float32)
-    cascade = CascadeAttention(TorchAttention(), prefix_blocks, block_size, "cpu", min_batch=1)
+    cascade = CascadeAttention(TorchAttentionAfterPrefix(), prefix_blocks, block_size, "cpu", min_batch=1)
     cascade.prefix_table[0] = prefix
-    expected = TorchAttention().decode(q, k, v, batch)
+    expected = TorchAttentionAfterPrefix().decode(q, k, v, batch)
     torch.testing.assert_close(cascade.decode(q, k, v, batch), expected, atol=1e-5, rtol=1e-5)
     cascade.prefix_table[0, 0] = batch.block_table[0, prefix_blocks]  # a wrong block: it can fail
     assert not torch.allclose(cascade.decode(q, k, v, batch), expected, atol=1e-3)
@@ -61,7 +63,7 @@ def test_the_cascade_equals_attention_over_all_the_keys():
 
 def test_a_step_whose_rows_do_not_share_the_prefix_runs_without_the_cascade():
     calls = []
-    cascade = CascadeAttention(TorchAttention(), 2, 4, "cpu", min_batch=1)
+    cascade = CascadeAttention(TorchAttentionAfterPrefix(), 2, 4, "cpu", min_batch=1)
     record = lambda name: SimpleNamespace(step=lambda *a: calls.append((name, cascade.active)))
     decoder = CascadeDecoder(record("graphs"), record("eager"), cascade,
                              table=np.array([[7, 3, 9], [7, 3, 4], [7, 5, 1]]))
@@ -73,7 +75,7 @@ def test_a_step_whose_rows_do_not_share_the_prefix_runs_without_the_cascade():
 
 
 def run(model, prompts, budgets, block_size, cascade_on: bool):
-    cache = KVCache(model.args, 128, block_size, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, 128, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = SharingBlockManager(cache, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
                                   prefix_caching=True)
     decoder = eager = Decoder(model, cache, manager.block_table)
@@ -85,7 +87,7 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
         decoder = CascadeDecoder(eager, eager, cascade, manager.table)
     requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = ContinuousScheduler(manager, requests, max_running=4, chunk_tokens=64)
-    result = Engine(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
+    result = CachedPrefixEngine(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
     return result, decoder
 
 
@@ -112,7 +114,7 @@ def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths)
                                                    "cuda", torch.bfloat16)
     cascade = CascadeAttention(FlashAttention(), prefix_blocks, block_size, "cuda", min_batch=1)
     cascade.prefix_table[0] = prefix
-    expected = TorchAttention().decode(q.double(), k.double(), v.double(), batch)  # float64
+    expected = TorchAttentionAfterPrefix().decode(q.double(), k.double(), v.double(), batch)  # float64
     got = cascade.decode(q, k, v, batch).double()
     plain = FlashAttention().decode(q, k, v, batch).double()
     error, plain_error = (got - expected).abs().max(), (plain - expected).abs().max()

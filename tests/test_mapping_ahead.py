@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager, OutOfBlocks
 from conftest import generate, request
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from llama3_paged import TorchAttention
 from llama3_paged import KVCache
 from features.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
@@ -262,8 +263,8 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, star
     v * pages_per_row + p // tokens_per_page, so the pages of row v are blocks as well."""
     pages_per_row = math.ceil(MAX_SEQ_LEN / tokens_per_page)
     virtual_blocks = (len(prompts) + 1) * pages_per_row  # every row's every page, as address space
-    cache = KVCache(model.args, virtual_blocks, tokens_per_page, torch.float32, "cpu",
-                    TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, virtual_blocks, tokens_per_page, torch.float32, "cpu",
+                    TorchAttentionAfterPrefix())
     if mapping_ahead:
         m = manager(num_pages, tokens_per_page, len(prompts), pages_per_row,
                     FakePageTable(max_sleep_seconds=2e-4))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from conftest import tokens
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
 from llama3_paged import Decoder, Engine, greedy
 from llama3_paged import Request
 from features.mixed_steps import MixedEngine, MixedScheduler, MixedStep
@@ -29,12 +30,12 @@ def model():
 
 def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_tokens, max_running=None):
     """Like test_scheduler.run, through the mixed scheduler; also returns every step."""
-    cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [Request(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = StepRecorder(manager, requests, max_running, max_batched_tokens)
-    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else Engine
+    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else CachedPrefixEngine
     engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     return engine.generate(scheduler, progress=False), manager, scheduler.steps
 

@@ -12,6 +12,7 @@ from features.run import command_line
 
 from block_manager import BlockManager
 from conftest import generate
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from llama3_paged import TorchAttention
 from features.timed_engine import StepTimer
 from llama3_paged import KVCache
@@ -49,8 +50,8 @@ def run(model, prompts, num_blocks, kind="paged", **scheduling):
     # Mapping ahead's slots are in virtual rows: the cache holds every row's every page as blocks
     # (tests/test_mapping_ahead.py's run), of which num_blocks are mapped at a time.
     rows = len(prompts) + 1 if kind == "mapping ahead" else 0
-    cache = KVCache(model.args, max(num_blocks, rows * math.ceil(MAX_SEQ_LEN / BLOCK_SIZE)),
-                    BLOCK_SIZE, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, max(num_blocks, rows * math.ceil(MAX_SEQ_LEN / BLOCK_SIZE)),
+                    BLOCK_SIZE, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = make_manager(kind, cache, num_blocks, len(prompts))
     result = generate(model, cache, manager, prompts, BUDGETS[:len(prompts)], MAX_SEQ_LEN,
                       chunk_tokens=8192, **scheduling)
@@ -162,7 +163,7 @@ def test_the_flag_chooses_the_loop(model, overlap, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {
         "overlap": overlap, "continuous": False, "max_batched_tokens": None,
         "preemption": "recompute"}), "device": torch.device(device), "model": model})
-    cache = KVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
     assert type(engine).__name__ == expected
 
@@ -172,6 +173,6 @@ def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
     setup = type("Run", (), {"args": type("Args", (), {
         "overlap": True, "continuous": True, "max_batched_tokens": 64,
         "preemption": "recompute"}), "device": torch.device("cpu"), "model": model})
-    cache = KVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     with pytest.raises(UserError, match="mixed steps"):
         make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)

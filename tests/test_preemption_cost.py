@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import preemption_cost
 from block_manager import BlockManager
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from llama3_paged import TorchAttention
 from llama3_paged import KVCache
 from features.swapping import HostBlocks
@@ -27,7 +28,7 @@ def held_kv(cache, manager, requests):
 
 def test_a_timed_swap_returns_every_request_its_kv_in_other_blocks():
     args, tokens, block_size = PRESETS["tiny"], 40, 16
-    cache = KVCache(args, 24, block_size, torch.float32, torch.device("cpu"), TorchAttention())
+    cache = KVCacheAfterPrefix(args, 24, block_size, torch.float32, torch.device("cpu"), TorchAttentionAfterPrefix())
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(24, block_size, 3, 3)
     requests = preemption_cost.grown_requests(manager, 3, tokens)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
 from llama3_paged import TorchAttention
 from llama3_paged import Decoder, Engine, greedy
 from llama3_paged import KVCache
@@ -21,8 +22,8 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
     """One flush: A's K/V come back from host blocks that B's are then copied into. A's must
     arrive in its new blocks before B's overwrite the host blocks; B's are copied out intact."""
     model_args = random_model(Llama, "tiny", "cpu", torch.float32, max_positions=64).args
-    cache = KVCache(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
-                    attention=TorchAttention())
+    cache = KVCacheAfterPrefix(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
+                    attention=TorchAttentionAfterPrefix())
     cache.k.normal_(), cache.v.normal_()
     host = HostBlocks(cache, num_blocks=2)
     a_k, b_k = cache.k[:, :8].clone(), cache.k[:, 8:16].clone()  # blocks 0-1 and 2-3
@@ -40,11 +41,11 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
 
 
 def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype):
-    cache = KVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttention())
+    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = SwappingScheduler(manager, requests, None, 8192, cache, swap_blocks)
-    engine = Engine(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    engine = CachedPrefixEngine(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     assert sorted(scheduler.host.free) == list(range(swap_blocks)), "every host block back"

@@ -61,7 +61,7 @@ from plumbing.cli import as_json_value
 from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
-from tools.shared import (SCRIPTS, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
+from tools.shared import (SCRIPTS, allocate_kv_cache, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
                           parse_script_arguments)
 
 WORKLOADS = {  # what each flag left unset takes
@@ -294,7 +294,7 @@ def bench(a) -> dict:
     bandwidth = copy_bandwidth(device)
     matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
     setup = load(script_arguments(a))
-    cache, manager = SCRIPTS[a.script].allocate_kv_cache(setup)
+    cache, manager = allocate_kv_cache(a.script, setup)
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
     engine = make_engine(setup, cache, manager, greedy, decoder)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
+from features.cuda_graphs import KVCacheWithSpareSlot
 from llama3_paged import FlashAttention
 from llama3_paged import Decoder
 from llama3_paged import KVCache
@@ -54,7 +55,7 @@ def parse_arguments(argv=None):
 def one_batch(model, batch: int, context: int, device) -> dict:
     """A pool holding `batch` requests of `context` random tokens; the step's inputs on device."""
     blocks_each = -(-(context + 1) // BLOCK_SIZE)
-    cache = KVCache(model.args, batch * blocks_each, BLOCK_SIZE, torch.bfloat16, device,
+    cache = KVCacheWithSpareSlot(model.args, batch * blocks_each, BLOCK_SIZE, torch.bfloat16, device,
                     FlashAttention())
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(batch * blocks_each, BLOCK_SIZE, batch, blocks_each, device)

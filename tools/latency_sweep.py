@@ -57,7 +57,7 @@ from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import as_json_value
 from features.report import format_seconds, scheduling_report
 from features.run import choose_attention, load, make_decoder, make_engine, make_requests, make_scheduler
-from tools.shared import SCRIPTS, parse_script_arguments
+from tools.shared import SCRIPTS, allocate_kv_cache, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
 # the longest a request may grow, Oracle exactly what each will use. Every request of
@@ -192,7 +192,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
     setup = dataclasses.replace(base, args=args, attention=choose_attention(args.attn, base.device))
     if script == "virtual":
         llama3_virtual.require_cuda_and_flash_attn(setup)
-    cache, manager = SCRIPTS[script].allocate_kv_cache(setup)
+    cache, manager = allocate_kv_cache(script, setup)
     try:
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
+from features.cached_prefix import CachedPrefillStep, CachedPrefixEngine, KVCacheAfterPrefix
 from llama3_paged import Engine
 from llama3_paged import KVCache
 from llama3_paged import Request, Step
@@ -134,7 +135,7 @@ def recompute_seconds(engine, manager, requests, tokens: int, timer) -> float:
         for request in again:
             manager.allocate(request)
         rows = np.array([r.row for r in again])
-        engine.prefill(Step(True, again, rows, num_cached=np.zeros(len(again), dtype=np.int64)))
+        engine.prefill(CachedPrefillStep(True, again, rows, num_cached=np.zeros(len(again), dtype=np.int64)))
     return timer(preempt_and_recompute)
 
 
@@ -152,10 +153,10 @@ def measure_block_size(model, attention, block_size: int, a, timer) -> dict:
     blocks_per_request = -(-a.tokens // block_size)
     num_blocks = 2 * a.requests * blocks_per_request  # room to take new blocks while holding
     dtype, device = model.tok_embeddings.weight.dtype, model.tok_embeddings.weight.device
-    cache = KVCache(model.args, num_blocks, block_size, dtype, device, attention)
+    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, device, attention)
     cache.k.normal_(), cache.v.normal_()  # K/V as a run holds them, never zeros
     manager = BlockManager(num_blocks, block_size, a.requests, blocks_per_request, device)
-    engine = Engine(model, cache, manager)
+    engine = CachedPrefixEngine(model, cache, manager)
     host = HostBlocks(cache, num_blocks=a.requests * blocks_per_request)
     figures = {}
     grown = lambda: grown_requests(manager, a.requests, a.tokens)  # again before each timing
