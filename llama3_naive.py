@@ -17,7 +17,7 @@ if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in on
 
 import llama3_paged as lesson
 from block_manager import BlockManager
-from plumbing.cli import OUT_OF_MEMORY, UserError, argument_parser, format_bytes, needs_features
+from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, needs_features
 from plumbing.inputs import kv_budget_bytes
 
 
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    if needs_features(argument_parser("llama3_naive.py", "", exit_on_error=False), sys.argv[1:]):
+    if needs_features("llama3_naive.py", sys.argv[1:]):
         from features.run import main as main_with_features
         main_with_features("llama3_naive.py", sys.argv[1:])
     else:

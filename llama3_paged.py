@@ -29,10 +29,11 @@ from torch import nn
 from tqdm import tqdm
 
 from block_manager import BlockManager, to_device
-from plumbing.cli import (OUT_OF_MEMORY, UserError, argument_parser, format_bytes, needs_features,
-                          one_paragraph_errors, positive_int)
+from plumbing.cli import (OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
+                          format_bytes, needs_features, one_paragraph_errors)
 from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, checked_kv_allocation,
-                             device_total_bytes, kv_budget_bytes, load_run, rope_frequencies)
+                             device_total_bytes, kv_budget_bytes, load_run, new_token_budgets,
+                             rope_frequencies)
 
 # --- 1. The model ------------------------------------------------------------------------------
 # Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
@@ -367,16 +368,8 @@ class Generation:
         return [r.output_tokens for r in self.requests]
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(r.prompt_tokens) for r in self.requests)
-
-    @property
     def num_generated_tokens(self) -> int:
         return sum(len(r.output_tokens) for r in self.requests)
-
-    @property
-    def decode_steps(self) -> int:
-        return len(self.timeline)
 
     @property
     def fullest(self) -> KVSnapshot:
@@ -431,8 +424,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, scheduler: Scheduler, stop_ids=frozenset(), progress=True) -> Generation:
-        """Run every request in `scheduler` to the end: a stop token (not kept) or its
-        max_new_tokens. Each gives its blocks back as it finishes."""
+        """Run every request to its end: a stop token (not kept) or its max_new_tokens."""
         requests, prefilled_before = list(scheduler.waiting), self.num_prefilled
         self.timeline, seconds = [], {"prefill": 0.0, "decode": 0.0}
         # A context, so that the bar is gone before an error message (out of blocks) is printed.
@@ -474,8 +466,7 @@ class Engine:
                                         self.manager.num_unfilled_slots))
 
     def decode(self, step: Step, last_tokens: torch.Tensor) -> torch.Tensor:
-        """One token for every running request: its last token ([B] on device) at
-        step.positions, its K/V written where the block manager's slots say."""
+        """One token for every running request, after its last one ([B] on device)."""
         slots = self.manager.slots(step.rows, step.positions)  # [B]: as prefill finds them
         return self.decoder.step(last_tokens, step.positions, step.rows, slots)
 
@@ -488,7 +479,6 @@ class Engine:
                           for p in packed_passes(list(map(len, prompts)), self.tokens_per_pass)])
 
     def _prefill_pass(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
-        """One forward pass over the prompts of requests `rows`, packed."""
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         lengths = np.array([len(p) for p in prompts])
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
@@ -537,9 +527,9 @@ def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
     if len(shown) < len(run.prompts):
         print(f"\n({len(run.prompts) - len(shown)} more answers; --show-all prints them)")
     per_token, gb = run.kv_bytes_per_token, format_bytes
-    print(f"\n=== {run.args.script} ===\nTokens: {g.num_prompt_tokens:,} "
-          f"prompt, {g.num_generated_tokens:,} generated in {g.prefill_seconds:.2f} s of prefill "
-          f"and {g.decode_steps:,} decode steps in {g.decode_seconds:.2f} s")
+    print(f"\n=== {run.args.script} ===\nTokens: {g.num_generated_tokens:,} generated in "
+          f"{g.prefill_seconds:.2f} s of prefill and {len(g.timeline):,} decode steps in "
+          f"{g.decode_seconds:.2f} s")
     print(f"KV cache: {gb(cache.nbytes)} allocated up front = {manager.num_blocks:,} blocks x "
           f"{manager.block_size:,} tokens x {per_token // 1024} KiB per token")
     fullest = g.fullest if g.timeline else KVSnapshot(0, 0, 0, 0, 0)
@@ -579,33 +569,8 @@ def allocate_kv_cache(run) -> tuple[KVCache, BlockManager]:
         run.device)
 
 
-def make_requests(run) -> list[Request]:
-    """One request per prompt. With random weights text is nonsense: each stops where its
-    ShareGPT reply stopped (after one token at least: the prefill always makes one)."""
-    args = run.args
-    replies = [max(p.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens
-               for p in run.prompts]
-    return [Request(i, p.prompt_tokens, min(reply, args.max_new_tokens,
-                                            args.max_seq_len - len(p.prompt_tokens)))
-            for i, (p, reply) in enumerate(zip(run.prompts, replies))]
-
-
-def generate(run, cache: KVCache, manager: BlockManager, progress=True) -> Generation:
-    stop_ids = set() if run.args.random_weights else run.tokenizer.stop_ids
-    scheduler = Scheduler(manager, make_requests(run))
-    return Engine(run.model, cache, manager).generate(scheduler, stop_ids, progress)
-
-
-def add_pool_arguments(parser) -> None:
-    parser.add_argument("--block-size", type=positive_int,
-                        help=f"tokens per KV block (default: {FLASH_BLOCK_MULTIPLE} with "
-                             f"flash-attn, which needs a multiple of that; 16 with --attn torch)")
-    parser.add_argument("--num-blocks", type=positive_int,
-                        help="blocks in the pool (default: as many as the KV budget holds)")
-
-
 def choose_attention(args):
-    """flash-attn on CUDA, the PyTorch reference on the CPU (or with --attn torch)."""
+    """flash-attn on CUDA, the PyTorch reference on the CPU or with --attn torch."""
     if args.attn == "torch" or (args.attn == "auto" and args.device.type != "cuda"):
         return TorchAttention()
     if args.device.type != "cuda":
@@ -615,6 +580,13 @@ def choose_attention(args):
     except ImportError as e:
         raise UserError("flash-attn is not installed. Install it after torch with `pip install "
                         "flash-attn --no-build-isolation`, or use --attn torch.") from e
+
+
+def generate(run, cache: KVCache, manager: BlockManager, progress=True) -> Generation:
+    requests = [Request(i, p.prompt_tokens, budget)
+                for i, (p, budget) in enumerate(zip(run.prompts, new_token_budgets(run)))]
+    stop_ids = set() if run.args.random_weights else run.tokenizer.stop_ids
+    return Engine(run.model, cache, manager).generate(Scheduler(manager, requests), stop_ids, progress)
 
 
 def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=add_pool_arguments,
@@ -633,9 +605,7 @@ def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=add_poo
 if __name__ == "__main__":
     # A flag this file does not define is a feature's, and CUDA runs two by default (CUDA graphs,
     # overlapped steps): features/run.py builds those runs from this file's parts.
-    lesson_flags = argument_parser("llama3_paged.py", "", exit_on_error=False)
-    add_pool_arguments(lesson_flags)
-    if needs_features(lesson_flags, sys.argv[1:]):
+    if needs_features("llama3_paged.py", sys.argv[1:], add_pool_arguments):
         from features.run import main as main_with_features
         main_with_features("llama3_paged.py", sys.argv[1:])
     else:

@@ -113,7 +113,7 @@ def main(argv=None) -> None:
             cache, manager = allocate_kv_cache(run)  # where the three scripts differ
             generation = features.generate(run, cache, manager)
             report(run, cache, manager, generation)
-            print(mapping_report(cache, manager, generation.decode_steps))
+            print(mapping_report(cache, manager, len(generation.timeline)))
         except (DriverError, MappingFailed) as e:
             where = "on the background thread" if isinstance(e, MappingFailed) else "in the loop"
             raise UserError(f"A driver call mapping a KV page {where} failed ({e}), so the run "

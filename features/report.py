@@ -100,13 +100,13 @@ def throughput_report(generation) -> dict:
     g = generation
     decode_tokens = g.num_generated_tokens - len(g.output_tokens)  # the first came from prefill
     return {
-        "num_prompt_tokens": g.num_prompt_tokens,
+        "num_prompt_tokens": sum(len(r.prompt_tokens) for r in g.requests),
         "num_generated_tokens": g.num_generated_tokens,
         "num_prefilled_tokens": g.num_prefilled_tokens,
         "prefill_seconds": g.prefill_seconds,
         "prefill_tokens_per_second": g.num_prefilled_tokens / g.prefill_seconds,
         "decode_seconds": g.decode_seconds,
-        "decode_steps": g.decode_steps,
+        "decode_steps": len(g.timeline),
         "decode_step_median_seconds": statistics.median(s.seconds for s in g.timeline)
         if g.timeline else 0.0,
         "decode_tokens_per_second": decode_tokens / g.decode_seconds if g.decode_seconds else 0.0,

@@ -239,15 +239,12 @@ def decodes_with_graphs(run: Run) -> bool:
 
 
 def make_requests(run: Run) -> list[lesson.Request]:
-    """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1.
-    With random weights text is nonsense: each stops where its ShareGPT reply stopped (after one
-    token at least: the prefill always makes one)."""
+    """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
+    each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""
     args, requests = run.args, []
     arrivals = arrival_times(args, len(run.prompts))
-    for prompt, arrival in zip(run.prompts, arrivals):
-        reply = max(prompt.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens
-        new_tokens = min(reply, args.max_new_tokens, args.max_seq_len - len(prompt.prompt_tokens))
-        requests += [lesson.Request(len(requests) + k, prompt.prompt_tokens, new_tokens,
+    for prompt, arrival, budget in zip(run.prompts, arrivals, inputs.new_token_budgets(run)):
+        requests += [lesson.Request(len(requests) + k, prompt.prompt_tokens, budget,
                                     arrival_time=float(arrival)) for k in range(args.samples)]
     return requests
 
@@ -501,9 +498,7 @@ def command_line(script: str, argv: list[str]) -> None:
     """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
     lesson's main, or with features this file's."""
     module = importlib.import_module(script.removesuffix(".py"))
-    lesson_flags = argument_parser(script, "", exit_on_error=False)
-    if script == "llama3_paged.py":
-        lesson.add_pool_arguments(lesson_flags)
-    if needs_features(lesson_flags, argv):
+    add_pool_arguments = lesson.add_pool_arguments if script == "llama3_paged.py" else None
+    if needs_features(script, argv, add_pool_arguments):
         return main(script, argv)
     return module.main(argv)

@@ -324,12 +324,25 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     return p
 
 
-def needs_features(lesson_flags: argparse.ArgumentParser, argv: list[str]) -> bool:
-    """Whether a command line asks for more than the lesson's flags: --help (which lists every
-    flag), a flag they do not define (a feature's), or a CUDA device, where CUDA graphs and
-    overlapped steps run by default. features/run.py then builds the run."""
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """llama3_paged.py's pool (the naive cache has nothing to size: a block is --max-seq-len)."""
+    parser.add_argument("--block-size", type=positive_int,
+                        help="tokens per KV block (default: 256 with flash-attn, which needs a "
+                             "multiple of 256; 16 with --attn torch or triton)")
+    parser.add_argument("--num-blocks", type=positive_int,
+                        help="blocks in the pool (default: as many as the KV budget holds)")
+
+
+def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
+    """Whether a command line asks for more than the lesson's flags (argument_parser's, and
+    `add_arguments`'): --help (which lists every flag), a flag they do not define (a feature's),
+    or a CUDA device, where CUDA graphs and overlapped steps run by default. features/run.py then
+    builds the run."""
     if {"-h", "--help"} & set(argv):
         return True
+    lesson_flags = argument_parser(script, "", exit_on_error=False)
+    if add_arguments:
+        add_arguments(lesson_flags)
     try:
         args, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong

@@ -568,6 +568,15 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
                len(prompts) * sequences_per_prompt, system_prompt)
 
 
+def new_token_budgets(run: Run) -> list[int]:
+    """How many tokens each prompt may generate: --max-new-tokens, within --max-seq-len. With
+    random weights text is nonsense: each stops where its ShareGPT reply stopped (after one token
+    at least: the prefill always makes one)."""
+    args = run.args
+    return [min(max(p.num_reply_tokens, 1) if args.random_weights else args.max_new_tokens,
+                args.max_new_tokens, args.max_seq_len - len(p.prompt_tokens)) for p in run.prompts]
+
+
 def inputs_of(args) -> list:
     """Every file a run reads: the prompts, the tokenizer, the checkpoint."""
     ckpt = [] if args.random_weights or not args.ckpt_dir.is_dir() else list(args.ckpt_dir.iterdir())

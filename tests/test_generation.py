@@ -69,7 +69,7 @@ def test_every_request_finishing_on_the_same_step(model):
     # Cached at the end: 10, 17 and 13 tokens = 3 + 5 + 4 blocks of 4, exactly the pool.
     paged, manager = run(model, prompts, [6, 6, 6], num_blocks=12, block_size=4)
     assert [len(t) for t in paged.output_tokens] == [6, 6, 6]
-    assert paged.decode_steps == 5 and manager.num_free_blocks == 12
+    assert len(paged.timeline) == 5 and manager.num_free_blocks == 12
 
 
 def test_a_stop_token_ends_a_request_and_is_not_returned(model):

@@ -326,7 +326,7 @@ def bench(a) -> dict:
     mapping = None
     if a.script == "virtual":  # host seconds per decode step, on the critical path and off it
         after = mapping_seconds(cache, manager)
-        mapping = {key: (after[key] - mapping_before[key]) / result.decode_steps for key in after}
+        mapping = {key: (after[key] - mapping_before[key]) / len(result.timeline) for key in after}
         if isinstance(manager, MappingAheadManager):
             manager.close()
     kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
@@ -347,7 +347,7 @@ def bench(a) -> dict:
     # Recomputation prefills more than the prompts less what they found cached: then those FLOPs
     # are not the work done.
     # Mixed steps compute prompt chunks inside decode steps: prefill time is not their cost.
-    exact = (result.num_prefilled_tokens == result.num_prompt_tokens - sum(cached)
+    exact = (result.num_prefilled_tokens == sum(len(r.prompt_tokens) for r in result.requests) - sum(cached)
              and not mixed_steps(a))
     prefill_share = flops / result.prefill_seconds / matmul_rate if exact else None
     floor = {"prefill_seconds": flops / matmul_rate, "decode_seconds": sum(floors)}
@@ -357,7 +357,7 @@ def bench(a) -> dict:
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
         "cuda_graphs": not isinstance(decoder, Decoder),
-        "num_prompt_tokens": result.num_prompt_tokens,
+        "num_prompt_tokens": sum(len(r.prompt_tokens) for r in result.requests),
         "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,
         "output_tokens_per_second": result.num_generated_tokens / wall,
@@ -374,7 +374,7 @@ def bench(a) -> dict:
         "system_prompt_tokens": sharing["system_prompt_tokens"],
         "system_prompt_hit_percent": sharing["system_prompt_hit_percent"],
         "decode_seconds": result.decode_seconds,
-        "decode_steps": result.decode_steps,
+        "decode_steps": len(result.timeline),
         "gpu_wait_seconds_per_decode_step": gpu_wait_seconds_per_step(result),
         "gpu_idle_seconds_per_step": result.gpu_idle_seconds / max(result.num_steps, 1),
         "overlap": isinstance(engine, OverlappedEngine),
