@@ -32,13 +32,11 @@ from block_manager import BlockManager, to_device
 from plumbing.cli import (OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
                           format_bytes, needs_features, one_paragraph_errors)
 from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, checked_kv_allocation,
-                             device_total_bytes, kv_budget_bytes, load_run, new_token_budgets,
-                             rope_frequencies)
+                             device_total_bytes, kv_budget_bytes, load_run, new_token_budgets)
 
 # --- 1. The model ------------------------------------------------------------------------------
 # Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
 # prompt each in prefill, one token each in decode), never a padded [batch, seq].
-
 
 def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair (x[2i], x[2i+1]) by its position's angle (Meta's layout): seen as
@@ -97,7 +95,9 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     """Built on the `meta` device and materialised by plumbing/inputs.py: no weights are
-    initialised twice, and an 8B model never passes through host memory as float32."""
+    initialised twice, and an 8B model never passes through host memory as float32. It sets
+    rope_rotations too: e^(j*angle) of every position a request can reach, [max_positions,
+    head_dim / 2] complex."""
 
     def __init__(self, args, dtype: torch.dtype):
         super().__init__()
@@ -108,14 +108,6 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype)
         if args.tie_embeddings:  # Llama 3.2 1B/3B reuse the embedding as the output head
             self.output.weight = self.tok_embeddings.weight
-
-    def set_max_positions(self, max_positions: int) -> None:
-        """Precompute the rotation of every position a request can reach: [max_positions,
-        head_dim / 2] complex."""
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                             rope_frequencies(self.args))
-        device = self.tok_embeddings.weight.device
-        self.rope_rotations = torch.polar(torch.ones_like(angles), angles).to(device)
 
     def forward(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
         """tokens, positions: [T]. Returns logits [T, vocab], or only at rows `logits_at`:
@@ -416,9 +408,9 @@ class Decoder:
 class Engine:
     tokens_per_pass = TOKENS_PER_PASS
 
-    def __init__(self, model, cache, manager: BlockManager, sampler=greedy, decoder=None):
-        self.model, self.cache, self.manager, self.sampler = model, cache, manager, sampler
-        self.decoder = decoder or Decoder(model, cache, manager.block_table, sampler)
+    def __init__(self, model, cache, manager: BlockManager):
+        self.model, self.cache, self.manager, self.sampler = model, cache, manager, greedy
+        self.decoder = Decoder(model, cache, manager.block_table)
         self.device = manager.block_table.device
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from llama3_paged import (Engine, FlashAttention, KVCache, PrefillBatch, Request, Scheduler,
-                          Status, Step, TorchAttention, attend, packed_passes)
+from llama3_paged import (Decoder, Engine, FlashAttention, KVCache, PrefillBatch, Request,
+                          Scheduler, Status, Step, TorchAttention, attend, greedy, packed_passes)
 
 
 @dataclass
@@ -97,6 +97,15 @@ class CachingScheduler(Scheduler):
 
 
 class CachedPrefixEngine(Engine):
+    """The lesson's loop, and the parts features choose: how tokens are drawn (`sampler`,
+    features/sampling.py) and how a decode step runs (`decoder`: features/cuda_graphs.py's
+    graphs, features/cascade.py's two-part attention)."""
+
+    def __init__(self, model, cache, manager, sampler=greedy, decoder=None):
+        super().__init__(model, cache, manager)
+        self.sampler = sampler
+        self.decoder = decoder or Decoder(model, cache, manager.block_table, sampler)
+
     def prefill(self, step: CachedPrefillStep) -> torch.Tensor:
         """Each request's tokens from its first uncached one on."""
         return self.prefill_from(step, [r.tokens[int(start):]

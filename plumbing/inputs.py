@@ -99,6 +99,13 @@ PRESETS = {
 }
 
 
+def rope_rotations(args: ModelArgs, max_positions: int) -> torch.Tensor:
+    """The rotation of every position a request can reach, e^(j*angle): [max_positions,
+    head_dim / 2] complex."""
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_frequencies(args))
+    return torch.polar(torch.ones_like(angles), angles)
+
+
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """Rotation speed of each pair of head dimensions, in radians per position: [head_dim / 2]."""
     d = args.head_dim
@@ -146,7 +153,7 @@ def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int)
                         f"{free / 1e9:.1f} GB are free. {advice}", OUT_OF_MEMORY) from e
     if args.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
         model.output.weight = model.tok_embeddings.weight
-    model.set_max_positions(max_positions)
+    model.rope_rotations = rope_rotations(args, max_positions).to(device)
     return model.eval().requires_grad_(False)
 
 

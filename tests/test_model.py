@@ -5,7 +5,7 @@ import torch
 from conftest import hf_to_meta, tiny_hf_model
 
 from llama3_paged import TorchAttention
-from plumbing.inputs import load_model
+from plumbing.inputs import load_model, rope_rotations
 from llama3_paged import Llama
 from llama3_paged import KVCache, PrefillBatch
 
@@ -68,6 +68,6 @@ def test_rope_scaling_changes_the_model(tmp_path):
     prompts = [list(range(100, 140))]
     unscaled = model.args.__class__(**{**model.args.__dict__, "rope_scaling": None})
     model.args = unscaled
-    model.set_max_positions(128)
+    model.rope_rotations = rope_rotations(model.args, 128)
     rel = (our_logits(model, prompts)[0] - reference_logits(hf, prompts)[0]).norm()
     assert rel / reference_logits(hf, prompts)[0].norm() > 1e-3
