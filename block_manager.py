@@ -20,11 +20,9 @@ import numpy as np
 import torch
 
 
-
 def to_device(array: np.ndarray, device, dtype=None) -> torch.Tensor:
-    """A host array on the device, without making the host wait: a copy from pinned
-    (page-locked) memory is queued like a kernel, where one from ordinary memory would wait for
-    everything queued before it."""
+    """A host array on the device, without making the host wait: a copy from pinned memory is
+    queued like a kernel; one from ordinary memory waits for all that is queued before it."""
     tensor = torch.from_numpy(array)
     if torch.device(device).type == "cuda":
         tensor = tensor.pin_memory()
@@ -130,8 +128,6 @@ class BlockManager:
     def _check_free(self, needed: int) -> None:
         if needed > self.num_free_blocks:
             raise OutOfBlocks(needed, self.num_free_blocks, self.num_blocks, self.block_size)
-
-    # What the report counts.
 
     @property
     def num_free_blocks(self) -> int:

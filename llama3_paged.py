@@ -16,7 +16,6 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
 if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
     from plumbing.cli import exit_quietly_on_ctrl_c
@@ -233,20 +232,12 @@ def attend(q, k, v) -> torch.Tensor:
 
 # --- 3. Requests and the static scheduler ------------------------------------------------------
 
-class Status(Enum):
-    WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
 @dataclass(eq=False)
 class Request:
     row: int  # its row of the block table, and its number: requests are 0 .. N-1
     prompt_tokens: list[int]
     max_new_tokens: int  # it stops after this many, or at a stop token
     output_tokens: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    arrival_time: float = 0.0  # seconds from the start: when it asked to run
-    admitted_at: float | None = None  # when it first got blocks
-    token_times: list[float] = field(default_factory=list)  # when each new token reached the host
 
     @property
     def tokens(self) -> list[int]:
@@ -280,10 +271,6 @@ class Scheduler:
         self.manager, self.waiting = manager, deque(requests)
         self.running: list[Request] = []  # admission order: the newest is last
         self.rows = np.zeros(0, dtype=np.int64)  # [len(running)] their rows, for the manager
-        self.most_running, self.start, self.clock = 0, time.perf_counter(), time.perf_counter
-
-    def now(self) -> float:
-        return self.clock() - self.start
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.running)
@@ -299,7 +286,6 @@ class Scheduler:
     def finish(self, requests: list[Request]) -> None:
         """Requests that are done give every block back at once."""
         for request in requests:
-            request.status = Status.FINISHED
             self.manager.free(request)
             i = self.running.index(request)  # a search in C: no Python loop over the batch
             self.running = self.running[:i] + self.running[i + 1:]
@@ -309,9 +295,7 @@ class Scheduler:
         """Each request's blocks, for its whole prompt, and a prefill step of them all."""
         for request in requests:
             self.manager.allocate(request)
-            request.status, request.admitted_at = Status.RUNNING, self.now()
         self._set_running(self.running + requests)
-        self.most_running = max(self.most_running, len(self.running))
         return Step(True, requests, np.array([r.row for r in requests], dtype=np.int64))
 
     def _decode(self) -> Step:
@@ -352,8 +336,6 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     timeline: list[KVSnapshot]  # one per decode step
-    most_running: int  # the most requests running at once
-    scheduler: Scheduler
 
     @property
     def output_tokens(self) -> list[list[int]]:
@@ -435,7 +417,7 @@ class Engine:
                     bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
                                     blocks=self.manager.num_used_blocks, refresh=False)
         return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
-                          seconds["decode"], self.timeline, scheduler.most_running, scheduler)
+                          seconds["decode"], self.timeline)
 
     def steps(self, scheduler: Scheduler, stop_ids):
         """Schedule a step, compute it, append its tokens, let the finished requests go."""
@@ -448,7 +430,7 @@ class Engine:
             else:
                 tokens = self.prefill(step)
             tokens = tokens.cpu().numpy()  # [B]: the host waits for the GPU here, once a step
-            scheduler.finish(append_tokens(step.requests, tokens, stop_ids, scheduler.now()))
+            scheduler.finish(append_tokens(step.requests, tokens, stop_ids))
             yield step
 
     def note_the_cache(self, scheduler: Scheduler) -> None:
@@ -489,16 +471,15 @@ def steps_left(scheduler: Scheduler) -> int:
                 for r in [*scheduler.running, *scheduler.waiting]), default=0)
 
 
-def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids, now=0.0) -> list:
-    """Append each request's new token (which reached the host at `now`); return those done: a
-    stop token (not kept) or their last allowed token."""
+def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids) -> list:
+    """Append each request's new token; return those done: a stop token (not kept) or their
+    last allowed token."""
     done = []
     for request, token in zip(requests, new_tokens.tolist()):
         if token in stop_ids:
             done.append(request)
             continue
         request.output_tokens.append(token)
-        request.token_times.append(now)
         if len(request.output_tokens) >= request.max_new_tokens:
             done.append(request)
     return done

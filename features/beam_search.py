@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from block_manager import to_device
 from features.cached_prefix import CachedPrefillStep
-from llama3_paged import Request
+from features.request_state import ServedRequest
 from features.sharing import SharingBlockManager
 
 
@@ -116,7 +116,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
                 for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
     # Prefill each prompt once, in its first beam's row; without sharing the others get blocks of
     # their own now, which the first step fills with copies.
-    firsts = [Request(int(s.rows[0]), s.prompt_tokens, s.max_new_tokens) for s in searches]
+    firsts = [ServedRequest(int(s.rows[0]), s.prompt_tokens, s.max_new_tokens) for s in searches]
     cached = [manager.allocate(r) for r in firsts]
     # A prompt another prompt holds already is forked: it shares every token's blocks but the
     # newest. That one it computes itself, so it first takes a slot of its own (copy on write).
@@ -126,7 +126,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     if not isinstance(manager, SharingBlockManager):
         for s in searches:
             for row in s.rows[1:]:
-                manager.allocate(Request(int(row), s.prompt_tokens, s.max_new_tokens))
+                manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
     step = CachedPrefillStep(True, firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
     newest = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
@@ -160,7 +160,7 @@ def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty
     if search.done:
         for row in search.rows.tolist():
             if row in manager.owned_blocks:
-                manager.free(Request(row, search.prompt_tokens, 0))
+                manager.free(ServedRequest(row, search.prompt_tokens, 0))
         return
     if len(candidates) == 1:  # after the prefill: every beam descends from the first row
         parents = np.zeros(len(search.rows), dtype=np.int64)

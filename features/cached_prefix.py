@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from llama3_paged import (Decoder, Engine, FlashAttention, KVCache, PrefillBatch, Request,
-                          Scheduler, Status, Step, TorchAttention, attend, greedy, packed_passes)
+from features.request_state import ClockedScheduler, ServedRequest, Status
+from llama3_paged import (Decoder, Engine, FlashAttention, Generation, KVCache, PrefillBatch,
+                          Step, TorchAttention, attend, greedy, packed_passes)
 
 
 @dataclass
@@ -27,6 +28,12 @@ class CachedPrefillBatch(PrefillBatch):
     cu_seqlens_k: torch.Tensor = None  # [B + 1] int32: prompt r's tokens, cached and new
     cu_seqlens_k_host: list[int] = None
     max_seqlen_k: int = 0
+
+
+@dataclass
+class ServedGeneration(Generation):
+    most_running: int = 0  # the most requests running at once
+    scheduler: object = None  # who ran when: preemptions, swaps (the scheduler)
 
 
 @dataclass
@@ -69,10 +76,10 @@ def attend_after_prefix(r: int, q, key_blocks, value_blocks, batch) -> torch.Ten
     return attend(q[start:end], k, v)
 
 
-class CachingScheduler(Scheduler):
+class CachingScheduler(ClockedScheduler):
     """Admission that counts what the block manager found cached for each request."""
 
-    def _admit(self, requests: list[Request]) -> CachedPrefillStep:
+    def _admit(self, requests: list[ServedRequest]) -> CachedPrefillStep:
         """Each request's blocks, and a prefill of those with slots to fill. One whose slots are
         all cached but the newest token's (a fork, features/sharing.py) joins the decode batch
         directly, which computes that token."""
@@ -90,7 +97,7 @@ class CachingScheduler(Scheduler):
         rows = np.array([r.row for r in prefill], dtype=np.int64)
         return CachedPrefillStep(True, prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
 
-    def _allocate(self, request: Request) -> int:
+    def _allocate(self, request: ServedRequest) -> int:
         """The request's blocks; how many of its tokens they hold already (features/swapping.py
         brings back a preempted request's K/V here)."""
         return self.manager.allocate(request)
@@ -105,6 +112,10 @@ class CachedPrefixEngine(Engine):
         super().__init__(model, cache, manager)
         self.sampler = sampler
         self.decoder = decoder or Decoder(model, cache, manager.block_table, sampler)
+
+    def generate(self, scheduler, stop_ids=frozenset(), progress=True) -> ServedGeneration:
+        g = super().generate(scheduler, stop_ids, progress)
+        return ServedGeneration(**vars(g), most_running=scheduler.most_running, scheduler=scheduler)
 
     def prefill(self, step: CachedPrefillStep) -> torch.Tensor:
         """Each request's tokens from its first uncached one on."""

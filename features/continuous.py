@@ -22,7 +22,8 @@ decodes one token for every running request, never both:
 import time
 
 from features.cached_prefix import CachingScheduler
-from llama3_paged import Status, Step
+from features.request_state import Status
+from llama3_paged import Step
 
 # Share of the pool that admission leaves free for the running requests to grow into (vLLM's
 # default is 1%; README, "Serving a stream", measures both).

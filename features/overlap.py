@@ -23,7 +23,7 @@ ran in step t, whose token it has before it can be readmitted.
 """
 
 from features.timed_engine import StepInFlight, TimedEngine
-from llama3_paged import Status, append_tokens
+from features.request_state import Status, append_tokens_at
 
 
 def why_not_overlapped(args, manager=None) -> str | None:
@@ -69,7 +69,7 @@ class OverlappedEngine(TimedEngine):
         if self.stopped:
             kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
             tokens, drawing = tokens[kept], [drawing[i] for i in kept]
-        for request in append_tokens(drawing, tokens, stop_ids, scheduler.now()):
+        for request in append_tokens_at(drawing, tokens, stop_ids, scheduler.now()):
             if request.status is Status.FINISHED:
                 continue  # its last token: let go of already
             self.stopped.add(request)

@@ -18,6 +18,7 @@ import time
 import torch
 
 import llama3_paged as lesson
+from features.request_state import ServedRequest
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
                                     KVCacheAfterPrefix, TorchAttentionAfterPrefix)
 from features.timed_engine import TimedEngine
@@ -26,7 +27,7 @@ from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, SYSTEM_
                           positive_int, refuse_output_over_input, request_rate, temperature,
                           writable_file)
 from plumbing import inputs
-from plumbing.inputs import DTYPES, Run
+from plumbing.inputs import Run
 
 MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
@@ -244,7 +245,7 @@ def make_requests(run: Run) -> list[lesson.Request]:
     args, requests = run.args, []
     arrivals = arrival_times(args, len(run.prompts))
     for prompt, arrival, budget in zip(run.prompts, arrivals, inputs.new_token_budgets(run)):
-        requests += [lesson.Request(len(requests) + k, prompt.prompt_tokens, budget,
+        requests += [ServedRequest(len(requests) + k, prompt.prompt_tokens, budget,
                                     arrival_time=float(arrival)) for k in range(args.samples)]
     return requests
 

@@ -20,7 +20,9 @@ import torch
 
 from block_manager import to_device
 from features.cached_prefix import CachedPrefixEngine
-from llama3_paged import Generation, Step, append_tokens
+from features.cached_prefix import ServedGeneration
+from features.request_state import append_tokens_at
+from llama3_paged import Step
 
 
 class StepTimer:
@@ -73,7 +75,7 @@ class StepInFlight:
 
 
 @dataclass
-class TimedGeneration(Generation):
+class TimedGeneration(ServedGeneration):
     gpu_idle_seconds: float = 0.0  # the GPU's time between one step's end and the next's start
     num_steps: int = 0  # prefill, decode and mixed
     prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU
@@ -101,8 +103,8 @@ class TimedEngine(CachedPrefixEngine):
         """One step after the other: launch it, wait for its tokens, append them."""
         while scheduler.has_work():
             in_flight = self.launch(scheduler.schedule(), scheduler)
-            scheduler.finish(append_tokens(in_flight.requests, self.wait_for_tokens(in_flight),
-                                           stop_ids, scheduler.now()))
+            scheduler.finish(append_tokens_at(in_flight.requests, self.wait_for_tokens(in_flight),
+                                              stop_ids, scheduler.now()))
             yield in_flight.step
 
     def launch(self, step, scheduler) -> StepInFlight:

@@ -85,11 +85,11 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     preemption by swapping to that many host blocks (features/swapping.py); `overlap`: each step
     scheduled before the last one's tokens are recorded (features/overlap.py)."""
     from features.timed_engine import TimedEngine
-    from llama3_paged import Decoder, Engine, greedy
-    from features.cached_prefix import CachingScheduler, CachedPrefixEngine
-    from llama3_paged import Request, Scheduler
+    from features.request_state import ServedRequest
+    from llama3_paged import Decoder, greedy
+    from features.cached_prefix import CachingScheduler
     from features.continuous import ContinuousScheduler
-    requests = [Request(r, p, min(b, max_seq_len - len(p)))
+    requests = [ServedRequest(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = (ContinuousScheduler(manager, requests, max_running, chunk_tokens) if continuous
                  else CachingScheduler(manager, requests))
@@ -107,13 +107,11 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine_class = CachedPrefixEngine  # the lesson's loop
-    if continuous or graphs:  # as features/run.py runs every feature
-        engine_class = TimedEngine
-    if continuous and max_batched_tokens:
-        from features.mixed_steps import MixedEngine as engine_class
+    engine_class = TimedEngine  # as features/run.py runs every feature
     if overlap:
         from features.overlap import OverlappedEngine as engine_class
+    elif continuous and max_batched_tokens:
+        from features.mixed_steps import MixedEngine as engine_class
     engine = engine_class(model, cache, manager, sampler, decoder)
     engine.tokens_per_pass = chunk_tokens
     return engine.generate(scheduler, set(stop_ids), progress=False)
@@ -121,5 +119,5 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
 
 def request(row: int, n: int, first: int = 0):
     """A request of n distinct prompt tokens, for the block manager's tests."""
-    from llama3_paged import Request
-    return Request(row, tokens(n, first), max_new_tokens=1)
+    from features.request_state import ServedRequest
+    return ServedRequest(row, tokens(n, first), max_new_tokens=1)

@@ -9,14 +9,13 @@ import torch
 
 from block_manager import BlockManager
 from conftest import tokens
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import TorchAttention
-from llama3_paged import Decoder, Engine, greedy
-from llama3_paged import KVCache
-from llama3_paged import Request
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from features.request_state import ServedRequest
+from llama3_paged import Decoder, greedy
 from features.arrivals import latency_report, poisson_arrival_times
 from features.continuous import ContinuousScheduler
-from features.mixed_steps import MixedEngine, MixedScheduler, MixedStep
+from features.timed_engine import TimedEngine
+from features.mixed_steps import MixedEngine, MixedScheduler
 from test_mixed_steps import takes_a_token
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -34,9 +33,9 @@ def test_poisson_arrivals_have_the_rate_asked_for():
 
 
 def test_latency_arithmetic_by_hand():
-    a = Request(0, tokens(3), 3, arrival_time=1.0, token_times=[1.5, 1.7, 2.0])
-    b = Request(1, tokens(3), 1, arrival_time=0.0, token_times=[0.4])
-    never = Request(2, tokens(3), 1, arrival_time=3.0)  # no token: not counted
+    a = ServedRequest(0, tokens(3), 3, arrival_time=1.0, token_times=[1.5, 1.7, 2.0])
+    b = ServedRequest(1, tokens(3), 1, arrival_time=0.0, token_times=[0.4])
+    never = ServedRequest(2, tokens(3), 1, arrival_time=3.0)  # no token: not counted
     for r in (a, b):
         r.output_tokens = [7] * len(r.token_times)
     latency = latency_report([a, b, never])
@@ -66,7 +65,7 @@ class FakeClock:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_no_request_is_admitted_before_it_arrives(mixed):
     arrivals = [0.0, 0.0, 2.5, 2.5, 10.0, 30.0]
-    queue = [Request(r, tokens(5, 10 * r), 3, arrival_time=t) for r, t in enumerate(arrivals)]
+    queue = [ServedRequest(r, tokens(5, 10 * r), 3, arrival_time=t) for r, t in enumerate(arrivals)]
     manager = BlockManager(64, 4, len(queue), 8)
     scheduler = (MixedScheduler(manager, queue, None, 64) if mixed
                  else ContinuousScheduler(manager, queue, None, 64))
@@ -101,11 +100,11 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
     arrivals = poisson_arrival_times(len(prompts), rate=50.0, seed=0)  # about 0.1 s in all
     cache = KVCacheAfterPrefix(model.args, 64, 16, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(64, 16, len(prompts), math.ceil(MAX_SEQ_LEN / 16))
-    requests = [Request(r, p, b, arrival_time=float(t))
+    requests = [ServedRequest(r, p, b, arrival_time=float(t))
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
     scheduler = (MixedScheduler(manager, requests, None, 24) if mixed
                  else ContinuousScheduler(manager, requests, None, 8192))
-    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else CachedPrefixEngine
+    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else TimedEngine
     engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert result.output_tokens == static.output_tokens

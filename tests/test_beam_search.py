@@ -9,9 +9,7 @@ from conftest import tiny_hf_model
 
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import TorchAttention
-from llama3_paged import Decoder, Engine
-from llama3_paged import KVCache
+from llama3_paged import Decoder
 from features.beam_search import BeamSampler, beam_search
 from features.sharing import SharingBlockManager
 from plumbing.inputs import load_model

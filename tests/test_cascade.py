@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from llama3_paged import TorchAttention
+from features.request_state import ServedRequest
 
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import Decoder, Engine, greedy
-from llama3_paged import DecodeBatch, KVCache
-from llama3_paged import Request
+from llama3_paged import Decoder, greedy
+from llama3_paged import DecodeBatch
 from features.cascade import CascadeAttention, CascadeDecoder
 from features.continuous import ContinuousScheduler
 from features.sharing import SharingBlockManager
@@ -85,7 +84,7 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
                                    min_batch=2)
         cache.attention_backend = cascade
         decoder = CascadeDecoder(eager, eager, cascade, manager.table)
-    requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = ContinuousScheduler(manager, requests, max_running=4, chunk_tokens=64)
     result = CachedPrefixEngine(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
     return result, decoder

@@ -21,8 +21,6 @@ from conftest import ROOT, hf_to_meta, tiny_hf_model
 
 import plumbing.cli
 import plumbing.inputs
-import llama3_naive
-import llama3_paged
 from tools import bench, build_prompts, decode_kernel_cost, graph_cost, plot_memory
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from features.request_state import ServedRequest
 from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from conftest import generate, request
@@ -13,7 +14,7 @@ from block_manager import OutOfBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from llama3_paged import Decoder, Engine
-from llama3_paged import Request, Scheduler
+from llama3_paged import Scheduler
 from llama3_paged import KVCache
 
 MAX_SEQ_LEN = 96
@@ -108,7 +109,7 @@ def cached_keys_after_prefill_and_one_decode(model, prompts, num_blocks, block_s
     after a prefill and one decode step of the core engine."""
     cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
-    requests = [Request(r, p, 5) for r, p in enumerate(prompts)]
+    requests = [ServedRequest(r, p, 5) for r, p in enumerate(prompts)]
     scheduler, engine = Scheduler(manager, requests), Engine(model, cache, manager)
     with torch.inference_mode():
         first = engine.prefill(scheduler.schedule())

@@ -18,8 +18,6 @@ from hypothesis import strategies as st
 from block_manager import BlockManager, OutOfBlocks
 from conftest import generate, request
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from llama3_paged import TorchAttention
-from llama3_paged import KVCache
 from features.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
                                     MappingFailed)
 from plumbing.inputs import random_model

@@ -11,13 +11,12 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from conftest import tokens
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import Decoder, Engine, greedy
-from llama3_paged import Request
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from features.request_state import ServedRequest
+from llama3_paged import Decoder, greedy
+from features.timed_engine import TimedEngine
 from features.mixed_steps import MixedEngine, MixedScheduler, MixedStep
 from features.sharing import SharingBlockManager
-from llama3_paged import TorchAttention
-from llama3_paged import KVCache
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, FakeCache, preemption_workload
@@ -32,10 +31,10 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
     """Like test_scheduler.run, through the mixed scheduler; also returns every step."""
     cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
-    requests = [Request(r, p, min(b, MAX_SEQ_LEN - len(p)))
+    requests = [ServedRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = StepRecorder(manager, requests, max_running, max_batched_tokens)
-    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else CachedPrefixEngine
+    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else TimedEngine
     engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     return engine.generate(scheduler, progress=False), manager, scheduler.steps
 
@@ -76,7 +75,7 @@ def test_mixed_steps_give_the_static_batchs_tokens_with_chunks_and_preemption(mo
 def test_mixed_steps_refuse_a_block_manager_that_shares_blocks():
     manager = SharingBlockManager(FakeCache(8, 4), 2, 4, True)
     with pytest.raises(ValueError, match="do not share blocks"):
-        MixedScheduler(manager, [Request(0, tokens(3), 2)], None, 8)
+        MixedScheduler(manager, [ServedRequest(0, tokens(3), 2)], None, 8)
 
 
 def test_the_worked_example_of_the_readme(model):
@@ -122,7 +121,7 @@ def test_mixed_scheduler_invariants_hold_under_any_workload(requests, block_size
     largest = max(math.ceil((p + g - 1) / block_size) for p, g in requests)
     num_blocks = largest + spare_blocks
     manager = BlockManager(num_blocks, block_size, n, largest)
-    queue = [Request(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
+    queue = [ServedRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
     scheduler = MixedScheduler(manager, queue, max_running, budget)
     for _ in range(10_000):
         if not scheduler.has_work():

@@ -13,9 +13,7 @@ from features.run import command_line
 from block_manager import BlockManager
 from conftest import generate
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from llama3_paged import TorchAttention
 from features.timed_engine import StepTimer
-from llama3_paged import KVCache
 from features.mapping_ahead import BackgroundMapper
 from features import overlap
 from features.overlap import why_not_overlapped
@@ -145,7 +143,6 @@ def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
     (["--preemption", "swap"], "swapping"),
 ])
 def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags, reason, capsys):
-    import llama3_paged
     with pytest.raises(SystemExit) as exit:
         command_line("llama3_paged.py", ["2", "--random-weights", "--model", "tiny", "--device", "cpu",
                            "--continuous", "--overlap", *flags])

@@ -12,8 +12,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import preemption_cost
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from llama3_paged import TorchAttention
-from llama3_paged import KVCache
 from features.swapping import HostBlocks
 from plumbing.inputs import PRESETS
 

@@ -10,12 +10,10 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from llama3_paged import TorchAttention
+from features.request_state import ServedRequest
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from conftest import generate
-from llama3_paged import KVCache
-from llama3_paged import Request
 from features.continuous import ContinuousScheduler, RequestTooLarge
 from features.sharing import SharingBlockManager
 
@@ -80,7 +78,7 @@ def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
     # readmits the preempted one, which recomputes its prompt and its first token.
     prompts, budgets = random_prompts([4, 4], seed=5), [2, 5]  # 1 grows to 8 tokens: 2 blocks
     manager = BlockManager(2, 4, max_requests=2, max_blocks_per_request=8)
-    requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = ContinuousScheduler(manager, requests, max_running=None, chunk_tokens=64)
     steps = []
     while scheduler.has_work():
@@ -145,7 +143,7 @@ def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spar
     num_blocks, max_blocks = largest + spare_blocks, largest
     manager = (SharingBlockManager(FakeCache(num_blocks, block_size), n, max_blocks, True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks))
-    queue = [Request(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
+    queue = [ServedRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
     scheduler = ContinuousScheduler(manager, queue, max_running, chunk_tokens)
     finished: set[int] = set()
     for _ in range(10_000):

@@ -7,12 +7,10 @@ import torch
 
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from llama3_paged import TorchAttention
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from conftest import generate
 from features.sharing import SharingBlockManager
-from llama3_paged import KVCache
 from features.sampling import Sampler
 
 MAX_SEQ_LEN = 160

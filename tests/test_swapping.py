@@ -8,10 +8,8 @@ import torch
 
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import TorchAttention
-from llama3_paged import Decoder, Engine, greedy
-from llama3_paged import KVCache
-from llama3_paged import Request
+from features.request_state import ServedRequest
+from llama3_paged import Decoder, greedy
 from features.swapping import HostBlocks, SwappingScheduler
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -43,7 +41,7 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
 def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype):
     cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
-    requests = [Request(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = SwappingScheduler(manager, requests, None, 8192, cache, swap_blocks)
     engine = CachedPrefixEngine(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
+from features.request_state import ServedRequest
 from llama3_paged import Decoder, TOKENS_PER_PASS, append_tokens, greedy
 from llama3_paged import DecodeBatch
-from llama3_paged import Request
 from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
 from features.mapping_ahead import MappingAheadManager, mapping_seconds
@@ -138,7 +138,7 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     prompt_lens, limits = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
     manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
                            max_requests=n, max_blocks_per_request=2048 // block_size)
-    requests = [Request(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
+    requests = [ServedRequest(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
     scheduler = ContinuousScheduler(manager, requests, running, TOKENS_PER_PASS)
     times = []
     while scheduler.has_work() and len(times) < steps:
@@ -164,7 +164,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
     for r, n in enumerate(lengths):
         if manager.blocks_needed(n) > manager.num_free_blocks:
             break
-        manager.allocate(Request(r, [0] * n, 1))
+        manager.allocate(ServedRequest(r, [0] * n, 1))
         fitting.append(n)
     lengths = fitting
     args = setup.model.args
@@ -302,7 +302,7 @@ def bench(a) -> dict:
 
     def run(prompts, budgets, arrivals=None):
         arrivals = arrivals or [0.0] * len(prompts)
-        requests = [Request(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
+        requests = [ServedRequest(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
                     for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
         return engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds

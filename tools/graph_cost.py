@@ -26,10 +26,9 @@ import torch
 
 from block_manager import BlockManager
 from features.cuda_graphs import KVCacheWithSpareSlot
+from features.request_state import ServedRequest
 from llama3_paged import FlashAttention
 from llama3_paged import Decoder
-from llama3_paged import KVCache
-from llama3_paged import Request
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
@@ -60,7 +59,7 @@ def one_batch(model, batch: int, context: int, device) -> dict:
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(batch * blocks_each, BLOCK_SIZE, batch, blocks_each, device)
     for r in range(batch):
-        manager.allocate(Request(r, [0] * context, 1))
+        manager.allocate(ServedRequest(r, [0] * context, 1))
     rows, positions = np.arange(batch), np.full(batch, context)
     manager.append_token(rows)
     inputs = [torch.randint(model.args.vocab_size, (batch,), device=device)]

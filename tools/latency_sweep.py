@@ -47,8 +47,8 @@ import torch
 from tqdm import tqdm
 
 import llama3_virtual
+from features.request_state import ServedRequest
 from llama3_paged import greedy
-from llama3_paged import Request
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, image_file,
                           json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
@@ -57,7 +57,7 @@ from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import as_json_value
 from features.report import format_seconds, scheduling_report
 from features.run import choose_attention, load, make_decoder, make_engine, make_requests, make_scheduler
-from tools.shared import SCRIPTS, allocate_kv_cache, parse_script_arguments
+from tools.shared import allocate_kv_cache, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
 # the longest a request may grow, Oracle exactly what each will use. Every request of
@@ -220,7 +220,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
 
 def warm_up(engine, setup, cache, manager) -> None:
     """Kernels chosen and compiled before anything is timed, on prompts no point uses."""
-    requests = [Request(r, [1] * 32, 8) for r in range(4)]
+    requests = [ServedRequest(r, [1] * 32, 8) for r in range(4)]
     engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
 
 

@@ -40,9 +40,7 @@ import torch
 
 from block_manager import BlockManager
 from features.cached_prefix import CachedPrefillStep, CachedPrefixEngine, KVCacheAfterPrefix
-from llama3_paged import Engine
-from llama3_paged import KVCache
-from llama3_paged import Request, Step
+from features.request_state import ServedRequest
 from features.swapping import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -127,7 +125,7 @@ def swap_seconds(host, manager, requests, tokens: int, timer) -> float:
 def recompute_seconds(engine, manager, requests, tokens: int, timer) -> float:
     """Preempt every request by freeing its blocks, then prefill all its tokens again."""
     generator = np.random.default_rng(0)
-    again = [Request(r.row, generator.integers(0, 1000, tokens).tolist(), 1) for r in requests]
+    again = [ServedRequest(r.row, generator.integers(0, 1000, tokens).tolist(), 1) for r in requests]
 
     def preempt_and_recompute():
         for request in requests:
