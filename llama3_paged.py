@@ -6,9 +6,8 @@ A naive KV cache reserves each request's longest sequence before its first token
 (llama3_naive.py). Here requests share a pool of small blocks: a request claims a block only when
 its tokens reach it, so at most block_size - 1 of its slots sit empty, and its blocks return to
 the pool the moment it finishes. block_manager.py says who holds which block; the attention
-kernel follows its block table, so a request's blocks need not be contiguous. Sections: 1 the
-model, 2 the KV cache and attention, 3 requests and the static scheduler, 4 the loop, 5 the
-report, 6 main. Features (features/) extend these classes; features/run.py builds their runs.
+kernel follows its block table, so a request's blocks need not be contiguous. Features
+(features/) extend the classes here; features/run.py builds their runs.
 """
 
 import math
@@ -145,11 +144,13 @@ class DecodeBatch:
 
 
 class KVCache:
+    """The pool: every block of every layer, allocated once, up front."""
+
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
         self.num_blocks, self.block_size, self.attention_backend = num_blocks, block_size, attention
         self.num_slots = num_blocks * block_size
         self.block_shape = (num_blocks, block_size, args.n_kv_heads, args.head_dim)
-        # Allocated once, up front; zeroed, so that slots no token has written stay finite.
+        # Zeroed, so that slots no token has written stay finite.
         self.k, self.v = (torch.zeros(self.slots_shape(args), dtype=dtype, device=device)
                           for _ in range(2))
 
@@ -161,8 +162,7 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V as the kernel reads them, [num_blocks, block_size, n_kv_heads,
-        head_dim]: the same memory as its slots."""
+        """The layer's K and V as blocks: the same memory, as the kernel reads it."""
         return self.k[layer].view(self.block_shape), self.v[layer].view(self.block_shape)
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
@@ -196,7 +196,7 @@ class FlashAttention:
 
 
 class TorchAttention:
-    """The same calls in PyTorch, readable and slow: a request's blocks are gathered into a dense
+    """The same in PyTorch, readable and slow: a request's blocks are gathered into a dense
     tensor for SDPA. It runs anywhere; the tests hold flash-attn to it."""
 
     name = "torch"
@@ -264,7 +264,7 @@ class Step:
 
 
 class Scheduler:
-    """Static batching, the original experiment's: every request is admitted at the first step;
+    """Static batching, the original experiment's: all requests are admitted at the first step;
     a batch that does not fit ends the run (OutOfBlocks)."""
 
     def __init__(self, manager: BlockManager, requests: list[Request]):
@@ -352,8 +352,7 @@ class Generation:
 
 
 def greedy(logits, rows, positions) -> torch.Tensor:
-    """The likeliest next token: [B, vocab] -> [B]. (A sampler is told which request draws at
-    which position; greedy needs neither.)"""
+    """The likeliest next token, [B, vocab] -> [B] (a sampler also reads who draws where)."""
     return logits.argmax(-1)
 
 
@@ -382,7 +381,7 @@ class Decoder:
         return self.sampler(logits, rows, positions + 1)  # [B]
 
     def step(self, tokens, positions, rows, slots) -> torch.Tensor:
-        """The same with tokens on the device and the rest host arrays ([B] each)."""
+        """The same, but positions, rows and slots are host arrays."""
         inputs = to_device(np.stack([positions, rows, slots]), self.block_table.device)  # [3, B]
         return self.decode(tokens, *inputs, int(positions.max()) + 1)
 
@@ -445,8 +444,8 @@ class Engine:
         return self.decoder.step(last_tokens, step.positions, step.rows, slots)
 
     def prefill(self, step: Step) -> torch.Tensor:
-        """Each request's prompt, packed into passes of about tokens_per_pass tokens, each
-        token's K/V written into its slot. Returns each request's next token, [B] on device."""
+        """Each request's prompt, packed into passes of about tokens_per_pass tokens; returns
+        each request's next token, [B] on device."""
         prompts = [r.tokens for r in step.requests]
         self.num_prefilled += sum(map(len, prompts))
         return torch.cat([self._prefill_pass(step.rows[p], [prompts[i] for i in p])
@@ -517,7 +516,7 @@ def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
 # --- 6. main -----------------------------------------------------------------------------------
 
 def make_kv_cache(run, num_blocks: int, block_size: int) -> KVCache:
-    with checked_kv_allocation(run, num_blocks, block_size):  # fits the kernel and the memory?
+    with checked_kv_allocation(run, num_blocks, block_size):  # does it fit kernel and memory?
         return KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
 
 
