@@ -10,14 +10,16 @@ import torch
 
 from conftest import ROOT
 
-from llama3_paged import FlashAttention, TorchAttention
+from features.cached_prefix import (CachedPrefillBatch, FlashAttentionAfterPrefix,
+                                    TorchAttentionAfterPrefix)
+from features.cuda_graphs import KVCacheWithSpareSlot
 from conftest import generate
 from features.sharing import SharingBlockManager
 from features.run import importable
 from block_manager import BlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
-from llama3_paged import DecodeBatch, KVCache, PrefillBatch
+from llama3_paged import DecodeBatch, PrefillBatch
 from features.page_manager import PageManager
 from features.sampling import Sampler
 
@@ -43,8 +45,8 @@ def test_flash_paged_decode_matches_the_reference(gqa):
     values = torch.randn(num_blocks, block_size, n_kv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     q = torch.randn(batch, n_kv * gqa, d, device="cuda", dtype=torch.bfloat16, generator=g)
     info = DecodeBatch(None, table, lengths.int(), int(lengths.max()))
-    flash = FlashAttention().decode(q, keys, values, info)
-    reference = TorchAttention().decode(q.float(), keys.float(), values.float(), info)
+    flash = FlashAttentionAfterPrefix().decode(q, keys, values, info)
+    reference = TorchAttentionAfterPrefix().decode(q.float(), keys.float(), values.float(), info)
     assert relative_error(flash, reference) < 2e-2
 
 
@@ -58,9 +60,9 @@ def test_packed_prefill_matches_the_reference(attention):
     k = torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     info = PrefillBatch(None, torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths))
-    backend = FlashAttention() if attention == "flash" else TritonAttention()
+    backend = FlashAttentionAfterPrefix() if attention == "flash" else TritonAttention()
     packed = backend.prefill(q, k, v, info)
-    reference = TorchAttention().prefill(q.float(), k.float(), v.float(), info)
+    reference = TorchAttentionAfterPrefix().prefill(q.float(), k.float(), v.float(), info)
     assert relative_error(packed, reference) < 2e-2
 
 
@@ -68,14 +70,14 @@ MAX_SEQ_LEN = 2048
 
 
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
-                    attention=FlashAttention, continuous=False, samples=1, share=False,
+                    attention=FlashAttentionAfterPrefix, continuous=False, samples=1, share=False,
                     sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
                     compiled=False, overlap=False):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
     n = len(prompts)
-    cache = KVCache(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
+    cache = KVCacheWithSpareSlot(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
                     attention())
     if compiled:  # the model's layers, for good: compile a model of the test's own
         from features.compiled_layers import compile_layers
@@ -160,7 +162,7 @@ def test_triton_paged_decode_matches_float64_attention(gqa, block_size, dtype):
     q = torch.randn(batch, n_kv * gqa, d, device="cuda", generator=g).to(dtype)
     out = paged_decode(q, keys, values, table, lengths.int())
     assert not out.isnan().any()
-    reference = TorchAttention().decode(q.double(), keys.double(), values.double(),
+    reference = TorchAttentionAfterPrefix().decode(q.double(), keys.double(), values.double(),
                                         DecodeBatch(None, table, lengths.int(), longest))
     for r in range(batch):  # each request on its own: an unwritten row cannot hide in an average
         assert relative_error(out[r], reference[r]) < 2e-2, f"request {r}, {lengths[r]} tokens"
@@ -226,16 +228,16 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32(max_batched_tokens):
                for n in torch.randint(16, 48, (10,), generator=g)]
     budgets = [120] * 10
     static = generate_on_gpu(model, prompts, budgets, num_blocks=512, block_size=16,
-                             attention=TorchAttention)
+                             attention=TorchAttentionAfterPrefix)
     needed = max(math.ceil((len(p) + 119) / 16) for p in prompts)
     continuous = generate_on_gpu(model, prompts, budgets, num_blocks=2 * needed, block_size=16,
-                                 attention=TorchAttention, continuous=True,
+                                 attention=TorchAttentionAfterPrefix, continuous=True,
                                  max_batched_tokens=max_batched_tokens)
     assert continuous.num_preemptions > 0
     assert continuous.output_tokens == static.output_tokens
 
 
-@pytest.mark.parametrize("attention, block_size", [(FlashAttention, 256), ("triton", 16)])
+@pytest.mark.parametrize("attention, block_size", [(FlashAttentionAfterPrefix, 256), ("triton", 16)])
 def test_swapped_requests_give_the_tokens_of_a_run_without_preemption_in_bfloat16(attention,
                                                                                  block_size):
     # Unlike recompute (above: float32 only), a swapped request continues from the very K/V it
@@ -256,7 +258,7 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption_in_bfloat1
     assert swapped.output_tokens == static.output_tokens
 
 
-@pytest.mark.parametrize("attention, block_size", [(FlashAttention, 256), ("triton", 16)])
+@pytest.mark.parametrize("attention, block_size", [(FlashAttentionAfterPrefix, 256), ("triton", 16)])
 def test_overlapped_steps_give_the_core_loops_tokens_in_bfloat16(attention, block_size):
     # The same batches in the same order, each queued before the last one's tokens are back: even
     # in bf16 the same tokens. Prompts that outgrow their first block in a pool of twice the
@@ -305,7 +307,7 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
     budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
     paged = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True)
     naive = generate_on_gpu(model, prompts, budgets, num_blocks=8, block_size=MAX_SEQ_LEN)
-    cache = VirtualKVCache(model.args, 8, MAX_SEQ_LEN, torch.bfloat16, "cuda", FlashAttention(),
+    cache = VirtualKVCache(model.args, 8, MAX_SEQ_LEN, torch.bfloat16, "cuda", FlashAttentionAfterPrefix(),
                            layout)
     # Every row could fill up; with mapping ahead, a pool of 3 rows' pages makes requests wait,
     # reuse rows and take back pages mapped ahead.
@@ -386,11 +388,11 @@ def test_prefill_after_a_cached_prefix_matches_the_reference(attention, cached, 
     slots = torch.cat([table[r, torch.arange(s, n, device="cuda") // block_size] * block_size
                        + torch.arange(s, n, device="cuda") % block_size
                        for r, (s, n) in enumerate(zip(starts, lengths))]).long()  # the new tokens'
-    info = PrefillBatch(slots, to_cuda(q_bounds), q_bounds, max(new), table, to_cuda(k_bounds),
-                        k_bounds, max(lengths))
-    backend = FlashAttention() if attention == "flash" else TritonAttention()
+    info = CachedPrefillBatch(slots, to_cuda(q_bounds), q_bounds, max(new), table,
+                              to_cuda(k_bounds), k_bounds, max(lengths))
+    backend = FlashAttentionAfterPrefix() if attention == "flash" else TritonAttention()
     out = backend.prefill_after_prefix(q, keys, values, info)
-    reference = TorchAttention().prefill_after_prefix(q.double(), keys.double(), values.double(), info)
+    reference = TorchAttentionAfterPrefix().prefill_after_prefix(q.double(), keys.double(), values.double(), info)
     assert relative_error(out, reference) < 2e-2
 
 
@@ -405,7 +407,7 @@ def test_forks_and_a_cached_system_prompt_give_the_tokens_of_no_sharing(attentio
     g = torch.Generator().manual_seed(6)
     prompts = prompts_after_a_system_prompt(6, g)
     budgets = torch.randint(1, 30, (6,), generator=g).tolist()
-    backend = FlashAttention if attention == "flash" else TritonAttention
+    backend = FlashAttentionAfterPrefix if attention == "flash" else TritonAttention
     kw = dict(num_blocks=4096 // block_size * 16, block_size=block_size, attention=backend,
               graphs=True, samples=3, continuous=True, max_running=9)  # three prompts at a time
     unshared = generate_on_gpu(model, prompts, budgets, **kw)
@@ -425,7 +427,7 @@ def test_sampling_draws_the_same_tokens_with_and_without_sharing_on_the_gpu():
     g = torch.Generator().manual_seed(7)
     prompts = prompts_after_a_system_prompt(4, g, system_tokens=100)
     budgets = [20] * 4
-    kw = dict(num_blocks=1024, block_size=16, attention=TorchAttention, samples=3,
+    kw = dict(num_blocks=1024, block_size=16, attention=TorchAttentionAfterPrefix, samples=3,
               sampler=Sampler(temperature=1.0, top_p=0.95, seed=3))
     unshared = generate_on_gpu(model, prompts, budgets, **kw)
     shared = generate_on_gpu(model, prompts, budgets, share=True, continuous=True, max_running=6,
