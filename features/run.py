@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import llama3_naive
 import llama3_paged as lesson
 from features.request_state import ServedRequest
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
@@ -409,7 +410,6 @@ def allocate_paged(run: Run):
 def allocate_naive(run: Run):
     """llama3_naive.py's rows: N for a static batch; with --continuous as many as the budget
     holds, and a request waits for a free one."""
-    import llama3_naive
     budget, rows = kv_budget_bytes(run), run.num_sequences
     if run.args.continuous:
         rows = min(llama3_naive.requests_that_fit(run, budget), rows)
@@ -418,9 +418,9 @@ def allocate_naive(run: Run):
         rows, run.args.max_seq_len, run.num_sequences, 1, run.device)
 
 
-SCRIPTS = {  # script -> (its pool's flags, its allocation with features)
-    "llama3_paged.py": (add_paged_feature_arguments, allocate_paged),
-    "llama3_naive.py": (lambda parser: None, allocate_naive),
+SCRIPTS = {  # script -> (the module, its pool's flags, its allocation with features)
+    "llama3_paged.py": (lesson, add_paged_feature_arguments, allocate_paged),
+    "llama3_naive.py": (llama3_naive, lambda parser: None, allocate_naive),
 }
 
 
@@ -434,10 +434,10 @@ def argument_parser_with_features(script: str, doc: str, add_pool_arguments):
 def main(script: str, argv=None) -> None:
     """A script's run with the features its flags ask for: parse, load, allocate the cache,
     generate, report."""
-    doc = importlib.import_module(script.removesuffix(".py")).__doc__
-    add_pool_arguments, allocate = SCRIPTS[script]
+    module, add_pool_arguments, allocate = SCRIPTS[script]
     with one_paragraph_errors(script):
-        run = load(argument_parser_with_features(script, doc, add_pool_arguments).parse_args(argv))
+        parser = argument_parser_with_features(script, module.__doc__, add_pool_arguments)
+        run = load(parser.parse_args(argv))
         if getattr(run.args, "beam_width", 1) > 1:
             return run_beam_search(run, *allocate(run))
         if run.args.find_max_batch:
@@ -498,8 +498,7 @@ def run_beam_search(run, cache, manager) -> None:
 def command_line(script: str, argv: list[str]) -> None:
     """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
     lesson's main, or with features this file's."""
-    module = importlib.import_module(script.removesuffix(".py"))
     add_pool_arguments = lesson.add_pool_arguments if script == "llama3_paged.py" else None
     if needs_features(script, argv, add_pool_arguments):
         return main(script, argv)
-    return module.main(argv)
+    return SCRIPTS[script][0].main(argv)

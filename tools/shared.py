@@ -25,7 +25,7 @@ def parse_script_arguments(script: str, argv: list[str]):
     """argv parsed as `python llama3_<script>.py argv` would parse it."""
     name = f"llama3_{script}.py"
     add_pool_arguments = (llama3_virtual.add_layout_arguments if script == "virtual"
-                          else features.SCRIPTS[name][0])
+                          else features.SCRIPTS[name][1])
     return features.argument_parser_with_features(name, SCRIPTS[script].__doc__,
                                              add_pool_arguments).parse_args(argv)
 
@@ -34,7 +34,7 @@ def allocate_kv_cache(script: str, run):
     """The script's KV cache and block manager, as its command line with features makes them."""
     if script == "virtual":
         return llama3_virtual.allocate_kv_cache(run)
-    return features.SCRIPTS[f"llama3_{script}.py"][1](run)
+    return features.SCRIPTS[f"llama3_{script}.py"][2](run)
 
 
 def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:

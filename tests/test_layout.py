@@ -1,0 +1,99 @@
+"""The layout the README promises: the lesson reads on its own, and no module imports in a circle."""
+
+import ast
+import subprocess
+import sys
+
+from conftest import ROOT
+
+LESSON_IMPORTS = {"block_manager", "plumbing.cli", "plumbing.inputs"}
+
+
+def project_modules() -> dict:
+    files = [*ROOT.glob("*.py"), *ROOT.glob("features/*.py"), *ROOT.glob("plumbing/*.py"),
+             *ROOT.glob("tools/*.py")]
+    return {".".join(f.relative_to(ROOT).with_suffix("").parts): f for f in files}
+
+
+def is_main_block(node) -> bool:
+    """`if __name__ == "__main__":`: what the file runs as a program, not what the module is."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__")
+
+
+def imports_of(path, modules: dict) -> set:
+    """Every project module that `path` imports, at any depth of its code (a function's lazy
+    import too), but in its `__main__` block."""
+    found = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if is_main_block(child):
+                continue
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                names = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+            found.update(n for n in names if n in modules)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_no_module_imports_in_a_circle():
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    circles, done = [], set()
+
+    def walk(name, path):
+        if name in path:
+            circles.append(path[path.index(name):] + [name])
+            return
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            walk(imported, path + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        walk(name, [])
+    assert not circles, circles
+
+
+def test_the_lesson_imports_the_block_manager_and_two_support_modules_only():
+    modules = project_modules()
+    assert imports_of(modules["llama3_paged"], modules) == LESSON_IMPORTS
+    naive = imports_of(modules["llama3_naive"], modules)
+    assert naive - LESSON_IMPORTS == {"llama3_paged"}, "the naive script builds on the lesson alone"
+
+
+WALK = """
+import os, runpy, sys
+seen = []
+def hook(frame, event, arg):
+    name = os.path.abspath(frame.f_code.co_filename)
+    here = os.path.relpath(name) if name.startswith(os.getcwd()) else None
+    if event == "call" and here and not here.startswith(".") and here not in seen:
+        seen.append(here)  # the project's own files, not a virtual environment inside it
+sys.argv = ["llama3_paged.py", "3", "--random-weights", "--model", "tiny", "--device", "cpu",
+            "--max-new-tokens", "4"]
+sys.path.insert(0, os.getcwd())
+sys.setprofile(hook)
+try:
+    runpy.run_path("llama3_paged.py", run_name="__main__")
+finally:
+    sys.setprofile(None)
+    print("\\n".join(seen), file=sys.stderr)
+"""
+
+
+def test_a_plain_cpu_run_executes_the_lesson_and_three_files_beside_it():
+    result = subprocess.run([sys.executable, "-c", WALK], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    executed = {line for line in result.stderr.splitlines() if line.endswith(".py")}
+    assert executed == {"llama3_paged.py", "block_manager.py", "plumbing/cli.py",
+                        "plumbing/inputs.py"}, executed
