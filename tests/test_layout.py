@@ -75,7 +75,7 @@ import os, runpy, sys
 seen = []
 def hook(frame, event, arg):
     name = os.path.abspath(frame.f_code.co_filename)
-    here = os.path.relpath(name) if name.startswith(os.getcwd()) else None
+    here = os.path.relpath(name) if name.startswith(os.getcwd()) and os.path.isfile(name) else None
     if event == "call" and here and not here.startswith(".") and here not in seen:
         seen.append(here)  # the project's own files, not a virtual environment inside it
 sys.argv = ["llama3_paged.py", "3", "--random-weights", "--model", "tiny", "--device", "cpu",
