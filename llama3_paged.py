@@ -251,16 +251,13 @@ class Request:
 
 @dataclass
 class Step:
-    """A prefill of requests just admitted, or a decode of one new token for each running one."""
+    """What one forward pass computes: "prefill", the prompts of requests just admitted, or
+    "decode", one new token for each running request."""
 
-    is_prefill: bool
+    kind: str
     requests: list[Request]  # in admission order
     rows: np.ndarray  # [B] their rows
     positions: np.ndarray | None = None  # decode: [B] the position each new token takes
-
-    @property
-    def decodes(self) -> bool:
-        return not self.is_prefill
 
 
 class Scheduler:
@@ -296,12 +293,12 @@ class Scheduler:
         for request in requests:
             self.manager.allocate(request)
         self._set_running(self.running + requests)
-        return Step(True, requests, np.array([r.row for r in requests], dtype=np.int64))
+        return Step("prefill", requests, np.array([r.row for r in requests], dtype=np.int64))
 
     def _decode(self) -> Step:
         positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the last
         self.manager.append_token(self.rows)  # a slot each: a new block at a block's end
-        return Step(False, self.running, self.rows, positions=positions)
+        return Step("decode", self.running, self.rows, positions=positions)
 
     def _set_running(self, running: list[Request]) -> None:
         self.running = running
@@ -407,8 +404,8 @@ class Engine:
             for step in self.steps(scheduler, stop_ids):
                 now = time.perf_counter()
                 elapsed, start = now - start, now
-                seconds["decode" if step.decodes else "prefill"] += elapsed
-                if step.decodes:
+                seconds["prefill" if step.kind == "prefill" else "decode"] += elapsed
+                if step.kind != "prefill":
                     self.timeline[-1].seconds = elapsed
                     bar.update()
                     if bar.n >= bar.total:  # requests from a queue: more steps to come
@@ -422,7 +419,7 @@ class Engine:
         """Schedule a step, compute it, append its tokens, let the finished requests go."""
         while scheduler.has_work():
             step = scheduler.schedule()
-            if step.decodes:
+            if step.kind == "decode":
                 self.note_the_cache(scheduler)
                 last = np.array([r.tokens[-1] for r in step.requests], dtype=np.int64)
                 tokens = self.decode(step, to_device(last, self.device))

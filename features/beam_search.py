@@ -127,7 +127,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
         for s in searches:
             for row in s.rows[1:]:
                 manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
-    step = CachedPrefillStep(True, firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
+    step = CachedPrefillStep("prefill", firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
     newest = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
     for s, c in zip(searches, candidates):

@@ -45,10 +45,6 @@ class MixedStep(CachedPrefillStep):
     ends: np.ndarray | None = None
     num_decoding: int = 0
 
-    @property
-    def decodes(self) -> bool:
-        return not self.is_prefill or self.num_decoding > 0
-
     def takes_a_token(self) -> np.ndarray:
         """Which of the step's requests take their next token now: [B] booleans."""
         return self.ends == np.array([r.num_tokens for r in self.requests])
@@ -95,10 +91,10 @@ class MixedScheduler(ContinuousScheduler):
         self.manager.append_token(rows)
         chunks = self._prompt_chunks(self.budget - len(rows))  # [(request, start, end)]
         if not chunks:
-            return Step(False, requests, rows, positions=positions)
+            return Step("decode", requests, rows, positions=positions)
         starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
         ends = np.array([end for _, _, end in chunks], dtype=np.int64)
-        return MixedStep(True, requests + [r for r, _, _ in chunks],
+        return MixedStep("mixed", requests + [r for r, _, _ in chunks],
                          np.concatenate([rows, [r.row for r, _, _ in chunks]]).astype(np.int64),
                          num_cached=np.concatenate([positions, starts]),
                          ends=np.concatenate([positions + 1, ends]), num_decoding=len(rows))

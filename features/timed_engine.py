@@ -110,11 +110,12 @@ class TimedEngine(CachedPrefixEngine):
     def launch(self, step, scheduler) -> StepInFlight:
         """Queue one step on the device: its forward pass, its tokens stored as the requests'
         last tokens, and their copy to the host."""
-        if step.decodes:
+        if step.kind != "prefill":
             self.note_the_cache(scheduler)
-        self.timer.start(step.decodes)
+        self.timer.start(step.kind != "prefill")
         rows = to_device(step.rows, self.device)  # [B]
-        next_tokens = self.prefill(step) if step.is_prefill else self.decode(step, self.last_tokens[rows])
+        next_tokens = (self.decode(step, self.last_tokens[rows]) if step.kind == "decode"
+                       else self.prefill(step))  # a prefill, or a mixed step's pass
         requests, rows, next_tokens = self.taking_tokens(step, rows, next_tokens)
         self.last_tokens[rows] = next_tokens  # where the next step reads them
         on_gpu = self.device.type == "cuda"

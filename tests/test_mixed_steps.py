@@ -49,11 +49,11 @@ class StepRecorder(MixedScheduler):
     def schedule(self):
         step = super().schedule()
         chunks = []
-        if step.is_prefill:
+        if step.kind != "decode":
             chunks = [(r.row, int(s), int(e)) for r, s, e in zip(
                 step.requests[step.num_decoding:], step.num_cached[step.num_decoding:],
                 step.ends[step.num_decoding:])]
-        self.steps.append((step.num_decoding if step.is_prefill else len(step.requests), chunks))
+        self.steps.append((step.num_decoding if step.kind != "decode" else len(step.requests), chunks))
         return step
 
 
@@ -127,7 +127,7 @@ def test_mixed_scheduler_invariants_hold_under_any_workload(requests, block_size
         if not scheduler.has_work():
             break
         step = scheduler.schedule()
-        if step.is_prefill:
+        if step.kind != "decode":
             computed = (step.ends - step.num_cached).sum()
             assert computed <= max(budget, step.num_decoding), "over the token budget"
             assert (step.ends[:step.num_decoding] - step.num_cached[:step.num_decoding] == 1).all()

@@ -83,7 +83,7 @@ def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
     steps = []
     while scheduler.has_work():
         step = scheduler.schedule()
-        steps.append(("prefill" if step.is_prefill else "decode", step.rows.tolist()))
+        steps.append(("prefill" if step.kind != "decode" else "decode", step.rows.tolist()))
         scheduler.finish(feed_one_token(step))
     assert steps[:3] == [("prefill", [0, 1]), ("decode", [0]), ("prefill", [1])]
     assert scheduler.num_preemptions == 1 and scheduler.num_recomputed_tokens == 4

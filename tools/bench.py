@@ -148,7 +148,7 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
         done = append_tokens(step.requests, np.zeros(len(step.requests), dtype=np.int64), stop_ids=())
         start = time.perf_counter()
         scheduler.finish(done)
-        if not step.is_prefill:  # admissions are a prefill's host work
+        if step.kind == "decode":  # admissions are a prefill's host work
             times.append(scheduling + time.perf_counter() - start)
     return statistics.median(times)
 

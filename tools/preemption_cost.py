@@ -133,7 +133,7 @@ def recompute_seconds(engine, manager, requests, tokens: int, timer) -> float:
         for request in again:
             manager.allocate(request)
         rows = np.array([r.row for r in again])
-        engine.prefill(CachedPrefillStep(True, again, rows, num_cached=np.zeros(len(again), dtype=np.int64)))
+        engine.prefill(CachedPrefillStep("prefill", again, rows, num_cached=np.zeros(len(again), dtype=np.int64)))
     return timer(preempt_and_recompute)
 
 
