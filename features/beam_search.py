@@ -119,7 +119,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     firsts = [ServedRequest(int(s.rows[0]), s.prompt_tokens, s.max_new_tokens) for s in searches]
     cached = [manager.allocate(r) for r in firsts]
     # A prompt another prompt holds already is forked: it shares every token's blocks but the
-    # newest. That one it computes itself, so it first takes a slot of its own (copy on write).
+    # last. That one it computes itself, so it first takes a slot of its own (copy on write).
     forks = np.array([r.row for r in firsts if manager.num_tokens[r.row] < len(r.prompt_tokens)],
                      dtype=np.int64)
     manager.append_token(forks)
@@ -129,10 +129,10 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
                 manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
     step = CachedPrefillStep("prefill", firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
-    newest = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
+    last_tokens = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
     for s, c in zip(searches, candidates):
         s.running, s.scores = [[]], np.zeros(1, dtype=np.float32)  # one beam, all K to come
-        advance(manager, cache, s, c[None], stop_ids, length_penalty, newest)
+        advance(manager, cache, s, c[None], stop_ids, length_penalty, last_tokens)
     fullest, steps = (0, 0), 0
     with tqdm(desc="beam search", unit="step", total=max(max_new_tokens) - 1,
               disable=not progress, leave=False) as bar:
@@ -143,18 +143,18 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
             unshared = getattr(manager, "num_unshared_slots", manager.num_reserved_slots)
             fullest = (max(fullest[0], manager.num_reserved_slots), max(fullest[1], unshared))
             slots = manager.slots(rows, positions)
-            tokens = to_device(newest[rows], engine.device)
+            tokens = to_device(last_tokens[rows], engine.device)
             out = engine.decoder.step(tokens, positions, rows, slots).cpu().numpy()
             for i, s in enumerate(live):
                 advance(manager, cache, s, out[i * width:(i + 1) * width], stop_ids,
-                        length_penalty, newest)
+                        length_penalty, last_tokens)
             steps += 1
             bar.update()
     return BeamResult(searches, *fullest, steps, getattr(manager, "num_copied", 0))
 
 
-def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty, newest) -> None:
-    """Choose the prompt's next beams, give each its parent's cache and its newest token; free
+def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty, last_tokens) -> None:
+    """Choose the prompt's next beams, give each its parent's cache and its last token; free
     the prompt's rows when it is done."""
     parents = choose(search, candidates, stop_ids, length_penalty)
     if search.done:
@@ -165,4 +165,4 @@ def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty
     if len(candidates) == 1:  # after the prefill: every beam descends from the first row
         parents = np.zeros(len(search.rows), dtype=np.int64)
     take_parents_blocks(manager, cache, search.rows, parents)
-    newest[search.rows] = [beam[-1] for beam in search.running]
+    last_tokens[search.rows] = [beam[-1] for beam in search.running]

@@ -81,7 +81,7 @@ class CachingScheduler(ClockedScheduler):
 
     def _admit(self, requests: list[ServedRequest]) -> CachedPrefillStep:
         """Each request's blocks, and a prefill of those with slots to fill. One whose slots are
-        all cached but the newest token's (a fork, features/sharing.py) joins the decode batch
+        all cached but the last token's (a fork, features/sharing.py) joins the decode batch
         directly, which computes that token."""
         prefill, num_cached = [], []
         for request in requests:

@@ -117,7 +117,7 @@ class CascadeAttention:
         if not self.active or len(q) < self.min_batch:
             return self.backend.decode(q, key_blocks, value_blocks, batch)
         shared = self.parts.shared(q, key_blocks, value_blocks, self.prefix_table)
-        # Every request has tokens after the prefix (its own turn, its newest token); padding
+        # Every request has tokens after the prefix (its own turn, its last token); padding
         # rows of a CUDA graph (cache_seqlens 1) read one slot of the batch's first request.
         own = DecodeBatch(batch.slot_mapping, batch.block_table[:, self.prefix_blocks:],
                           (batch.cache_seqlens - self.prefix_tokens).clamp(min=1),

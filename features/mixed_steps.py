@@ -4,7 +4,7 @@ With features/continuous.py each step either prefills or decodes, so every prefi
 all running requests for the time of a forward pass over the new prompts. Sarathi-Serve
 (Agrawal et al., OSDI 2024) and vLLM V1's scheduler mix the two instead. Each step here:
 
-1. takes one token for every running request whose prompt is computed (its newest token, as a
+1. takes one token for every running request whose prompt is computed (its last token, as a
    decode step would), preempting the newest request while their new blocks do not fit;
 2. fills the rest of a budget of `max_batched_tokens` with prompt chunks: first of requests
    partly prefilled, then of requests admitted from the head of the queue (the watermark and
@@ -87,7 +87,7 @@ class MixedScheduler(ContinuousScheduler):
         decoding = self._make_room_to_decode()
         rows = self.rows[decoding]  # [D]
         requests = self.running if decoding.all() else [self.running[i] for i in np.flatnonzero(decoding)]
-        positions = self.manager.num_tokens[rows].copy()  # the cache holds all but the newest
+        positions = self.manager.num_tokens[rows].copy()  # the cache holds all but the last
         self.manager.append_token(rows)
         chunks = self._prompt_chunks(self.budget - len(rows))  # [(request, start, end)]
         if not chunks:

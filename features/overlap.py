@@ -6,7 +6,7 @@ requests go, schedules the next step and only then queues it: all that time the 
 do. Here the host queues step t+1 first and waits for step t's tokens after, so the GPU finds the
 next step queued when it finishes one. Two things make that possible:
 
-- A step's inputs never wait for the host. Each request's newest token stays on the device, where
+- A step's inputs never wait for the host. Each request's last token stays on the device, where
   the next step reads it (features/timed_engine.py), and every copy to the device is from pinned memory,
   queued like a kernel (block_manager.py's `to_device`).
 - The scheduler runs one step behind: when it schedules step t+1 it has not seen step t's tokens.
@@ -32,9 +32,9 @@ def why_not_overlapped(args, manager=None) -> str | None:
     manager, what the flags alone say (features/run.py asks before loading the model)."""
     from features.page_manager import PageManager
     if args.continuous and args.max_batched_tokens:
-        return "mixed steps read the running requests' newest tokens on the host"
+        return "mixed steps read the running requests' last tokens on the host"
     if args.continuous and args.preemption == "swap":
-        return "swapping checks on the host whether a victim has its newest token"
+        return "swapping checks on the host whether a victim has its last token"
     if isinstance(manager, PageManager) or getattr(args, "sync_mapping", False):
         return ("mapping in the loop (--sync-mapping; --find-max-batch's runs too) unmaps a "
                 "finished request's pages at once")

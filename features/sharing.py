@@ -7,7 +7,7 @@ does the same with KV blocks, on top of the plain block manager (block_manager.p
 - Each block has a reference count: the number of requests whose table row lists it. A block
   returns to the pool when its count falls to zero.
 - Fork. Samples of one prompt (--samples) hold the same prompt. A sample admitted while another
-  holds that prompt takes its blocks instead of computing its own: every token but the newest,
+  holds that prompt takes its blocks instead of computing its own: every token but the last,
   which its first decode step computes, as for any running request. So forks are never
   prefilled, and draw their first token from their own position in the decode step.
 - Copy on write. A request about to write into a shared block that is not full first gets its
@@ -63,7 +63,7 @@ class SharingBlockManager(BlockManager):
         return self.prompt_holders.get(tuple(request.prompt_tokens))
 
     def _cached_blocks(self, request) -> list[int]:
-        """The blocks of the request's longest cached prefix. Its newest token is left out: the
+        """The blocks of the request's longest cached prefix. Its last token is left out: the
         prefill that computes it needs a slot of the request's own to write. The scheduler asks
         twice per request (how many tokens, how many blocks) and allocate twice more: the last
         answer is kept while the cache and the request are unchanged."""
@@ -108,7 +108,7 @@ class SharingBlockManager(BlockManager):
         return len(cached) * self.block_size
 
     def _fork(self, parent: int, request) -> int:
-        """Share the parent's blocks for every token of the prompt but the newest."""
+        """Share the parent's blocks for every token of the prompt but the last."""
         num_tokens = len(request.prompt_tokens) - 1
         blocks = self.owned_blocks[parent][:self.blocks_needed(num_tokens)]
         self.ref_counts[blocks] += 1

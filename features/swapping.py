@@ -108,7 +108,7 @@ class SwappingScheduler(ContinuousScheduler):
         self.num_swapped += 1
 
     def _allocate(self, request) -> int:
-        """A swapped request takes blocks for all its tokens but the newest (whose K/V its next
+        """A swapped request takes blocks for all its tokens but the last (whose K/V its next
         decode step computes, as before it left) and gets its K/V back: nothing to prefill."""
         host = self.swapped.pop(request, None)
         if host is None:
