@@ -1,6 +1,6 @@
 """Continuous batching with preemption: a stream of requests on top of the block manager.
 
-The static scheduler (core/request.py) admits every request at the first step. This one keeps a
+The static scheduler (llama3_paged.py) admits every request at the first step. This one keeps a
 first-come-first-served queue, and each step either prefills requests it has just admitted or
 decodes one token for every running request, never both:
 

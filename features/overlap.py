@@ -35,7 +35,7 @@ def why_not_overlapped(args, manager=None) -> str | None:
         return "mixed steps read the running requests' last tokens on the host"
     if args.continuous and args.preemption == "swap":
         return "swapping checks on the host whether a victim has its last token"
-    if isinstance(manager, PageManager) or getattr(args, "sync_mapping", False):
+    if isinstance(manager, PageManager) or args.sync_mapping:
         return ("mapping in the loop (--sync-mapping; --find-max-batch's runs too) unmaps a "
                 "finished request's pages at once")
     return None

@@ -20,6 +20,7 @@ import torch
 import llama3_naive
 import llama3_paged as lesson
 from features.request_state import ServedRequest
+from features.sharing import SharingBlockManager
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
                                     KVCacheAfterPrefix, TorchAttentionAfterPrefix)
 from features.timed_engine import TimedEngine
@@ -139,7 +140,7 @@ def load(args) -> Run:
     if args.overlap:  # refused now, not after minutes of loading the model
         from features.overlap import why_not_overlapped
         refuse_overlap(why_not_overlapped(args))
-    if getattr(args, "beam_width", 1) > 1 and (args.continuous or args.samples > 1
+    if args.beam_width > 1 and (args.continuous or args.samples > 1
                                                or args.temperature > 0 or args.find_max_batch):
         raise UserError("--beam-width runs its own static search, greedy by summed "
                         "log-probabilities: it does not combine with --continuous, --samples, "
@@ -153,8 +154,8 @@ def load(args) -> Run:
                         f"project runs at most {MAX_SEQUENCES:,} at once.")
     refuse_output_over_input(args.json, [*inputs.inputs_of(args), args.system_prompt_file],
                              "--json")
-    attention = choose_attention(args.attn, args.device, getattr(args, "decode_kernel", "flash"))
-    sequences = args.samples * getattr(args, "beam_width", 1)
+    attention = choose_attention(args.attn, args.device, args.decode_kernel)
+    sequences = args.samples * args.beam_width
     return inputs.load_run(args, lesson.Llama, attention, system_prompt(args), sequences)
 
 
@@ -271,7 +272,8 @@ def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> lesso
     """Static batching, or with --continuous a stream with preemption, in mixed steps with
     --max-batched-tokens, swapping with --preemption swap."""
     scheduler = scheduler_for_flags(run, cache, manager, requests)
-    if hasattr(manager, "watch_queue"):  # features/mapping_ahead.py maps the next prompts' pages
+    from features.mapping_ahead import MappingAheadManager
+    if isinstance(manager, MappingAheadManager):  # it maps the next prompts' pages ahead
         manager.watch_queue(scheduler.waiting)
     return scheduler
 
@@ -285,7 +287,7 @@ def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> 
         if args.preemption == "swap":
             return swapping_scheduler(run, cache, manager, requests)
         if args.max_batched_tokens:
-            if hasattr(manager, "cached_tokens"):
+            if isinstance(manager, SharingBlockManager):
                 raise UserError("--max-batched-tokens does not combine with shared blocks yet "
                                 "(--samples above 1, or a system prompt's prefix cache): add "
                                 "--no-sharing, or drop --max-batched-tokens.")
@@ -304,7 +306,7 @@ def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> 
 
 def swapping_scheduler(run, cache, manager, requests: list[lesson.Request]):
     """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
-    if not isinstance(cache, lesson.KVCache) or hasattr(manager, "cached_tokens"):
+    if not isinstance(cache, lesson.KVCache) or isinstance(manager, SharingBlockManager):
         raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
                         "cache; it does not combine with shared blocks (--samples, a system "
                         "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
@@ -327,8 +329,8 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
         from features.compiled_layers import compile_layers
         compile_layers(run.model, cache)
     cascade = None
-    shared_prefix = getattr(manager, "prefix_cache", None) is not None  # a system prompt, cached
-    if shared_prefix and getattr(run.args, "cascade", "off") != "off":
+    shared_prefix = isinstance(manager, SharingBlockManager) and manager.prefix_cache is not None
+    if shared_prefix and run.args.cascade != "off":  # a system prompt, cached
         from features.cascade import cascade_for
         cascade = cascade_for(run, cache, manager)  # before the graphs record attention
     eager = decoder = lesson.Decoder(run.model, cache, manager.block_table, sampler)
@@ -427,6 +429,9 @@ SCRIPTS = {  # script -> (the module, its pool's flags, its allocation with feat
 def argument_parser_with_features(script: str, doc: str, add_pool_arguments):
     parser = argument_parser(script, doc)
     add_feature_arguments(parser)
+    # What the paged or the virtual script's own flags say elsewhere: nothing asked.
+    parser.set_defaults(beam_width=1, decode_kernel="flash", cascade="off", no_prefix_cache=False,
+                        no_sharing=False, sync_mapping=False)
     add_pool_arguments(parser)
     return parser
 
@@ -438,7 +443,7 @@ def main(script: str, argv=None) -> None:
     with one_paragraph_errors(script):
         parser = argument_parser_with_features(script, module.__doc__, add_pool_arguments)
         run = load(parser.parse_args(argv))
-        if getattr(run.args, "beam_width", 1) > 1:
+        if run.args.beam_width > 1:
             return run_beam_search(run, *allocate(run))
         if run.args.find_max_batch:
             return find_max_batch(run, allocate)

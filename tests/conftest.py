@@ -100,7 +100,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
         from features.swapping import SwappingScheduler
         scheduler = SwappingScheduler(manager, requests, max_running, chunk_tokens, cache,
                                       swap_blocks)
-    if hasattr(manager, "watch_queue"):  # as plumbing/setup.py's make_scheduler does
+    if hasattr(manager, "watch_queue"):  # as features/run.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
     decoder = Decoder(model, cache, manager.block_table, sampler)

@@ -130,7 +130,7 @@ def test_the_gpu_idle_time_is_the_time_between_steps():
 
 def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
     args = lambda **kw: type("Args", (), {"continuous": True, "max_batched_tokens": None,
-                                          "preemption": "recompute"} | kw)
+                                          "preemption": "recompute", "sync_mapping": False} | kw)
     manager = BlockManager(4, 4, 1, 4)
     assert why_not_overlapped(args(), manager) is None
     assert "mixed steps" in why_not_overlapped(args(max_batched_tokens=64), manager)
@@ -159,7 +159,7 @@ def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags,
 def test_the_flag_chooses_the_loop(model, overlap, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {
         "overlap": overlap, "continuous": False, "max_batched_tokens": None,
-        "preemption": "recompute"}), "device": torch.device(device), "model": model})
+        "preemption": "recompute", "sync_mapping": False}), "device": torch.device(device), "model": model})
     cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
     assert type(engine).__name__ == expected
@@ -169,7 +169,7 @@ def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
     from plumbing.cli import UserError
     setup = type("Run", (), {"args": type("Args", (), {
         "overlap": True, "continuous": True, "max_batched_tokens": 64,
-        "preemption": "recompute"}), "device": torch.device("cpu"), "model": model})
+        "preemption": "recompute", "sync_mapping": False}), "device": torch.device("cpu"), "model": model})
     cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     with pytest.raises(UserError, match="mixed steps"):
         make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)

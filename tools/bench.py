@@ -132,7 +132,7 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     for every running request (a new block only at a boundary), then the blocks of those that
     finish back to the pool. Requests wait in the queue to take their places, so that `running`
     stay running. On the CPU, as the scripts do it between two GPU steps. Recording each
-    request's new token (core.engine.record) happens between the two and is not counted."""
+    request's new token (llama3_paged.append_tokens) happens between the two and is not counted."""
     rng = np.random.default_rng(0)
     n = 4 * running
     prompt_lens, limits = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
@@ -276,7 +276,7 @@ def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[
 
 
 def workload_requests(prompts, tokenizer, a) -> tuple[list[list[int]], list[int]]:
-    """The workload's prompts (token ids) and new tokens per request, from plumbing/prompts.py's
+    """The workload's prompts (token ids) and new tokens per request, from plumbing/inputs.py's
     Prompts (or long_prompts with --prompt-tokens): exactly --new-tokens, or each ShareGPT
     reply's length (at most --new-tokens, and no further than --max-seq-len)."""
     if a.prompt_tokens:

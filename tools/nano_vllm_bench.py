@@ -51,7 +51,7 @@ def parse_arguments(argv=None):
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt, as tools/bench.py's (nano-vllm's "
                         "prefix cache then stores it once)")
-    p.set_defaults(system_prompt=None)  # the file is the only way in here, as plumbing/setup reads it
+    p.set_defaults(system_prompt=None)  # the file is the only way in here, as features/run.py reads it
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
     a = p.parse_args(argv)
     for name, value in WORKLOADS[a.workload].items():
