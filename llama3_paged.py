@@ -421,7 +421,7 @@ class Engine:
             step = scheduler.schedule()
             if step.kind == "decode":
                 self.note_the_cache(scheduler)
-                last = np.array([r.tokens[-1] for r in step.requests], dtype=np.int64)
+                last = np.array([r.output_tokens[-1] for r in step.requests])  # prefill's first
                 tokens = self.decode(step, to_device(last, self.device))
             else:
                 tokens = self.prefill(step)

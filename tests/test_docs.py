@@ -1,0 +1,73 @@
+"""The README stays a ten-minute read, its links lead somewhere, and its commands still parse."""
+
+import re
+import shlex
+
+import pytest
+from conftest import ROOT
+
+import llama3_virtual
+from features import run as features
+from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
+                   nano_vllm_bench, preemption_cost)
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target), web links left out below
+
+
+def test_the_readme_is_at_most_250_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    targets = [t for t in LINK.findall(page.read_text()) if "://" not in t]
+    missing = [t for t in targets if not (page.parent / t).exists()]
+    assert targets or page.name != "README.md"
+    assert not missing, missing
+
+
+def parse(command: str) -> None:
+    """Parse a quoted command line with the program's own flags, without running it."""
+    program, *argv = shlex.split(command.split("#")[0])[1:]
+    scripts = {"llama3_paged.py": "llama3_paged.py", "llama3_naive.py": "llama3_naive.py"}
+    tools = {"tools/bench.py": bench, "tools/cascade_cost.py": cascade_cost,
+             "tools/decode_kernel_cost.py": decode_kernel_cost, "tools/graph_cost.py": graph_cost,
+             "tools/latency_sweep.py": latency_sweep, "tools/nano_vllm_bench.py": nano_vllm_bench,
+             "tools/preemption_cost.py": preemption_cost}
+    if program in scripts:
+        module, add_pool_arguments, _ = features.SCRIPTS[scripts[program]]
+        features.argument_parser_with_features(program, module.__doc__,
+                                               add_pool_arguments).parse_args(argv)
+    elif program == "llama3_virtual.py":
+        features.argument_parser_with_features(program, llama3_virtual.__doc__,
+                                               llama3_virtual.add_layout_arguments).parse_args(argv)
+    elif program in tools:
+        tools[program].parse_arguments(argv)
+    else:
+        assert program in ("tools/plot_memory.py", "tools/build_prompts.py", "-m"), program
+
+
+def readme_commands() -> list:
+    """The `python ...` commands of README.md: its indented blocks and its inline code."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [line.strip() for line in text.splitlines() if line.startswith("    python")]
+    flat = text.replace("\n", " ")
+    inline = re.findall(r"`(python [^`]+)`", flat)
+    bare = ["python " + c for c in re.findall(r"`(llama3_\w+\.py \d[^`]*)`", flat)]
+    return blocks + inline + bare
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_every_command_in_the_readme_parses_with_the_current_flags(command, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device's default: cuda
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    parse(command)
+
+
+def test_a_command_with_a_flag_that_no_longer_exists_fails_to_parse(capsys):
+    with pytest.raises(SystemExit):
+        parse("python llama3_paged.py 7 --random-weights --no-such-flag")
+    with pytest.raises(SystemExit):
+        parse("python tools/bench.py paged --workload W9")
