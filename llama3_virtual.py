@@ -34,13 +34,9 @@ from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, format_bytes,
 
 def add_layout_arguments(parser):
     parser.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
-                        help="per-token: all layers of a token side by side, a 2 MB page holds 16 "
-                             "tokens; per-layer (vAttention's): a tensor per layer, a page holds "
-                             "1,024 tokens of one layer")
+                        help="per-token: a token's layers side by side; per-layer: vAttention's")
     parser.add_argument("--sync-mapping", action="store_true",
-                        help="map pages in the loop when a request needs them and unmap them when "
-                             "it finishes (vAttention's _sync backends), instead of ahead on a "
-                             "background thread, with finished requests' pages left mapped")
+                        help="map pages in the loop and unmap them at the end, not ahead on a thread")
     return parser
 
 

@@ -39,56 +39,38 @@ GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would over
 def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of every feature, beside the lesson's (plumbing/cli.py's argument_parser)."""
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
-                   help="auto: flash-attn on CUDA when installed, else the Triton kernel on CUDA, "
-                        "else the PyTorch reference")
+                   help="auto: flash-attn on CUDA if installed, else Triton; torch on the CPU")
     p.add_argument("--samples", type=positive_int, default=1, metavar="K",
-                   help="completions per prompt (vLLM's n): N x K sequences in all; the paged "
-                        "script's share the prompt's blocks")
+                   help="completions per prompt (vLLM's n); the paged ones share the prompt's blocks")
     p.add_argument("--temperature", type=temperature, default=0.0,
-                   help="0: greedy, the most likely token (so is any temperature below 1e-5); "
-                        "above 0: sample from the softmax of logits / temperature")
+                   help="0: greedy; above 0: sample from softmax(logits / temperature)")
     p.add_argument("--top-p", type=fraction, default=1.0,
-                   help="with --temperature: sample only from the most likely tokens whose "
-                        "probabilities add up to this")
+                   help="with --temperature: sample from the likeliest tokens of this much probability")
     system = p.add_mutually_exclusive_group()
     system.add_argument("--system-prompt", metavar="TEXT",
                         help="a system turn that begins every request (default: none)")
     system.add_argument("--system-prompt-file", type=Path, metavar="PATH",
-                        help=f"the system turn read from a file; {SYSTEM_PROMPT_FILE.name} has "
-                             f"one of about 1,000 tokens")
+                        help="the system turn, from a file (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--continuous", action="store_true",
-                   help="continuous batching: requests wait in a queue, join as blocks free up and "
-                        "are preempted (and later recomputed) when blocks run out, instead of one "
-                        "static batch admitted up front")
+                   help="a stream: requests queue, join as blocks free up, are preempted when out")
     p.add_argument("--max-running", type=positive_int,
-                   help="with --continuous: most requests running at once (default: as many as "
-                        "the KV cache admits)")
+                   help="with --continuous: most requests running at once")
     p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
-                   help="with --continuous: requests arrive over time, R per second on average "
-                        "(a Poisson process drawn with --seed), and the report gives their "
-                        "latencies (features/arrivals.py); inf: all at the start")
+                   help="with --continuous: Poisson arrivals, R requests/s (inf: all at the start)")
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
-                   help="with --continuous: what a preempted request keeps: nothing (its tokens "
-                        "are prefilled again when it returns), or its K/V, copied to host memory "
-                        "and back (features/swapping.py)")
+                   help="with --continuous: a preempted request is recomputed, or swapped to host")
     p.add_argument("--swap-space", type=gigabytes, default=4.0, metavar="GB",
                    help="with --preemption swap: host memory for swapped K/V")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
-                   help="with --continuous: mixed steps, each one token for every running request "
-                        "plus prompt chunks up to this many tokens in all (features/"
-                        "mixed_steps.py) (default: each step prefills or decodes, never both)")
+                   help="with --continuous: steps that decode and prefill, up to TOKENS tokens")
     p.add_argument("--eager", action="store_true",
-                   help="decode kernel by kernel from Python instead of replaying CUDA graphs")
+                   help="decode from Python, kernel by kernel, instead of replaying CUDA graphs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule each step while the GPU computes the one before "
-                        "(features/overlap.py); default: on CUDA, where mixed steps, swapping "
-                        "and --sync-mapping allow it. --no-overlap waits for each step's tokens")
+                   help="schedule a step while the GPU runs the one before (default: on CUDA)")
     p.add_argument("--compile", action="store_true",
-                   help="on CUDA: fuse each layer's small kernels (norms, RoPE, SiLU, adds) with "
-                        "torch.compile, around the attention call (features/compiled_layers.py)")
+                   help="on CUDA: fuse each layer's small kernels with torch.compile")
     p.add_argument("--find-max-batch", action="store_true",
-                   help="find the largest batch (at most N) that completes with the other flags "
-                        "as given: bisection over real runs, one line per attempt")
+                   help="bisect for the largest batch, at most N, that completes")
     p.add_argument("--json", type=writable_file, metavar="PATH",
                    help="write arguments, token ids, memory and throughput here")
 
@@ -97,20 +79,15 @@ def add_paged_feature_arguments(parser) -> None:
     """Features of llama3_paged.py's pool alone."""
     lesson.add_pool_arguments(parser)
     parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
-                        help="with flash-attn: the kernel that reads the blocks in decode steps; "
-                             "triton: features/triton_attention.py's, faster on the H200")
+                        help="with flash-attn: the decode kernel (triton: faster on the H200)")
     parser.add_argument("--no-prefix-cache", action="store_true",
-                        help="compute every prompt in full, even where its first blocks are in "
-                             "the pool already (prefix caching is on with a system prompt)")
+                        help="with a system prompt: compute every prompt in full, reuse no block")
     parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
-                        help="with a system prompt: decode attention reads its shared blocks once "
-                             "per step (features/cascade.py); auto: where it pays")
+                        help="with a cached system prompt: read it once per step (auto: where it pays)")
     parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
-                        help="beam search: K beams per prompt sharing blocks "
-                             "(features/beam_search.py)")
+                        help="beam search: K beams per prompt, sharing blocks")
     parser.add_argument("--no-sharing", action="store_true",
-                        help="every sequence holds blocks of its own: no prefix caching, and "
-                             "--samples prefill a copy of the prompt each (the comparison run)")
+                        help="every sequence holds its own blocks (the comparison run)")
 
 
 def load(args) -> Run:
@@ -429,8 +406,9 @@ SCRIPTS = {  # script -> (the module, its pool's flags, its allocation with feat
 def argument_parser_with_features(script: str, doc: str, add_pool_arguments):
     parser = argument_parser(script, doc)
     add_feature_arguments(parser)
-    # What the paged or the virtual script's own flags say elsewhere: nothing asked.
-    parser.set_defaults(beam_width=1, decode_kernel="flash", cascade="off", no_prefix_cache=False,
+    # The paged and the virtual script's own flags, as their defaults set them, for the other scripts
+    # (a parser's defaults win over its flags': these are the same).
+    parser.set_defaults(beam_width=1, decode_kernel="flash", cascade="auto", no_prefix_cache=False,
                         no_sharing=False, sync_mapping=False)
     add_pool_arguments(parser)
     return parser

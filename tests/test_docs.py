@@ -71,3 +71,44 @@ def test_a_command_with_a_flag_that_no_longer_exists_fails_to_parse(capsys):
         parse("python llama3_paged.py 7 --random-weights --no-such-flag")
     with pytest.raises(SystemExit):
         parse("python tools/bench.py paged --workload W9")
+
+
+def parsers() -> dict:
+    """Every program's argument parser, caught as it parses (a tool builds its own inside)."""
+    import argparse
+    caught = {}
+    for name, (module, add_pool_arguments, _) in features.SCRIPTS.items():
+        caught[name] = features.argument_parser_with_features(name, module.__doc__, add_pool_arguments)
+    caught["llama3_virtual.py"] = features.argument_parser_with_features(
+        "llama3_virtual.py", llama3_virtual.__doc__, llama3_virtual.add_layout_arguments)
+    real_parse, tool_name = argparse.ArgumentParser.parse_args, None
+
+    def catch(parser, args=None, namespace=None):
+        caught[tool_name] = parser
+        raise SystemExit(0)
+    argparse.ArgumentParser.parse_args = catch
+    try:
+        for tool in (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
+                     nano_vllm_bench, preemption_cost):
+            tool_name = tool.__name__
+            with pytest.raises(SystemExit):
+                tool.parse_arguments([])
+    finally:
+        argparse.ArgumentParser.parse_args = real_parse
+    return caught
+
+
+def test_every_flag_is_described_in_at_most_two_lines_at_100_columns(monkeypatch):
+    import argparse
+    monkeypatch.setenv("COLUMNS", "100")
+    too_long = []
+    for prog, parser in parsers().items():
+        sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for p in [parser, *(c for a in sub for c in a.choices.values())]:
+            formatter = p._get_formatter()
+            for action in p._actions:
+                if action.help:
+                    text = formatter._expand_help(action)
+                    if len(formatter._split_lines(text, 100 - 24)) > 2:
+                        too_long.append((prog, action.option_strings or action.dest))
+    assert not too_long, too_long

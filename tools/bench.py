@@ -182,16 +182,14 @@ def parse_arguments(argv=None):
     p.add_argument("script", choices=SCRIPTS,
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
-                   help="W: 256 requests x 256 new tokens, one static batch; W2: a stream of the "
-                        "first 2,000 requests with their ShareGPT reply lengths, --continuous; P: "
-                        "256 prompts of 4,096 tokens x 16 new tokens, --continuous")
+                   help="W: 256 x 256 new tokens, static; W2: 2,000 ShareGPT requests, "
+                        "continuous; P: 256 x 4,096-token prompts (docs/speed.md)")
     p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
     p.add_argument("--new-tokens", type=positive_int,
                    help="tokens generated per request (default: the workload's)")
     p.add_argument("--prompt-tokens", type=positive_int,
-                   help="every prompt exactly this many tokens: ShareGPT's turns one after another, "
-                        "cut to length (default: the workload's; W and W2 take the prompts as "
-                        "they are)")
+                   help="every prompt this many tokens, ShareGPT's turns cut to length "
+                        "(default: the workload's)")
     p.add_argument("--sharegpt-replies", action="store_true", default=None,
                    help="generate each request's ShareGPT reply length (at most --new-tokens), as "
                         "the scripts do with --random-weights, instead of exactly --new-tokens")

@@ -46,9 +46,8 @@ CASES = {
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                   help="which batches to time: " + "; ".join(
-                       f"{name}: {b} requests of {lo}-{hi} tokens, blocks of {s}"
-                       for name, (b, lo, hi, s) in CASES.items()))
+                   help="which batches to time, each the decode batch of a workload (default: "
+                        "all; -16: blocks of 16, else 256)")
     p.add_argument("--tiles", type=positive_int_list, default=[64, 128],
                    help="tokens the Triton kernel loads per loop step (powers of two, 16 or more)")
     p.add_argument("--warps", type=positive_int_list, default=[4, 8],
