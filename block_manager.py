@@ -36,7 +36,8 @@ class OutOfBlocks(Exception):
 
     def __init__(self, needed: int, free: int, total: int, block_size: int):
         self.needed, self.free, self.total, self.block_size = needed, free, total, block_size
-        super().__init__(f"needed {needed} {self.unit} of {block_size} tokens, {free} of {total} free")
+        super().__init__(f"needed {needed} {self.unit} of {block_size} tokens, {free} of {total} "
+                         f"free")
 
 
 class BlockManager:

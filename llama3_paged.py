@@ -225,7 +225,8 @@ def attend(q, k, v) -> torch.Tensor:
     """A prompt's n_q newest tokens over all its n_k: query i, at position n_k - n_q + i, sees the
     keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
     n_q, n_k = len(q), len(k)
-    sees = torch.arange(n_k, device=q.device) <= torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+    positions = torch.arange(n_k, device=q.device)
+    sees = positions <= positions[n_k - n_q:, None]  # [n_q, n_k]
     return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                           attn_mask=sees, enable_gqa=True).transpose(0, 1)
 
@@ -519,7 +520,8 @@ def make_kv_cache(run, num_blocks: int, block_size: int) -> KVCache:
 
 def pool_size(run, budget_bytes: float) -> tuple[int, int]:
     """(num_blocks, block_size): as many small blocks as the KV budget holds."""
-    block_size = run.args.block_size or (FLASH_BLOCK_MULTIPLE if run.attention.name == "flash" else 16)
+    flash = run.attention.name == "flash"
+    block_size = run.args.block_size or (FLASH_BLOCK_MULTIPLE if flash else 16)
     num_blocks = run.args.num_blocks or int(budget_bytes // (block_size * run.kv_bytes_per_token))
     if num_blocks == 0:
         raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
@@ -555,7 +557,8 @@ def generate(run, cache: KVCache, manager: BlockManager, progress=True) -> Gener
     requests = [Request(i, p.prompt_tokens, budget)
                 for i, (p, budget) in enumerate(zip(run.prompts, new_token_budgets(run)))]
     stop_ids = set() if run.args.random_weights else run.tokenizer.stop_ids
-    return Engine(run.model, cache, manager).generate(Scheduler(manager, requests), stop_ids, progress)
+    engine, scheduler = Engine(run.model, cache, manager), Scheduler(manager, requests)
+    return engine.generate(scheduler, stop_ids, progress)
 
 
 def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=add_pool_arguments,

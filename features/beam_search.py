@@ -127,7 +127,8 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
         for s in searches:
             for row in s.rows[1:]:
                 manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
-    step = CachedPrefillStep("prefill", firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
+    step = CachedPrefillStep("prefill", firsts, np.array([r.row for r in firsts]),
+                             num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
     last_tokens = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
     for s, c in zip(searches, candidates):
@@ -153,7 +154,8 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     return BeamResult(searches, *fullest, steps, getattr(manager, "num_copied", 0))
 
 
-def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty, last_tokens) -> None:
+def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty,
+            last_tokens) -> None:
     """Choose the prompt's next beams, give each its parent's cache and its last token; free
     the prompt's rows when it is done."""
     parents = choose(search, candidates, stop_ids, length_penalty)

@@ -95,7 +95,8 @@ class CachingScheduler(ClockedScheduler):
         self._set_running(self.running + requests)
         self.most_running = max(self.most_running, len(self.running))
         rows = np.array([r.row for r in prefill], dtype=np.int64)
-        return CachedPrefillStep("prefill", prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
+        return CachedPrefillStep("prefill", prefill, rows,
+                                 num_cached=np.array(num_cached, dtype=np.int64))
 
     def _allocate(self, request: ServedRequest) -> int:
         """The request's blocks; how many of its tokens they hold already (features/swapping.py

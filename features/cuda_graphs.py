@@ -38,7 +38,8 @@ class KVCacheWithSpareSlot(KVCacheAfterPrefix):
 
 
 class GraphDecoder:
-    """Records `eager.decode` (llama3_paged.py's Decoder) once per bucket; runs larger batches eagerly."""
+    """Records `eager.decode` (llama3_paged.py's Decoder) once per bucket; runs larger batches
+    eagerly."""
 
     def __init__(self, eager, max_batch: int):
         self.eager = eager

@@ -24,7 +24,7 @@ from features.sharing import SharingBlockManager
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
                                     KVCacheAfterPrefix, TorchAttentionAfterPrefix)
 from features.timed_engine import TimedEngine
-from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, SYSTEM_PROMPT_FILE, UserError, argument_parser,
+from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, UserError, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, one_paragraph_errors,
                           positive_int, refuse_output_over_input, request_rate, temperature,
                           writable_file)

@@ -57,12 +57,25 @@ def check_host_memory(needed_bytes: int, what: str, advice: str) -> None:
                         f"has {available / 1e9:,.2f} GB available. {advice}", OUT_OF_MEMORY)
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_CODE_SUFFIXES = (".py", ".md", ".ini", ".txt")  # the programs, their docs and settings
+
+
+def is_project_code(path: Path) -> bool:
+    """A file of the project itself: writing over it would break or lose the program."""
+    path = path.resolve()
+    return PROJECT_ROOT in path.parents and path.suffix in PROJECT_CODE_SUFFIXES
+
+
 def writable_file(text: str) -> Path:
     """Checked before the run, so that no result is computed only to be lost. (That it names no
     file the run reads is checked once every input is known: `refuse_output_over_input`.)"""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a file name, got an empty one")
     path = Path(text)
+    if is_project_code(path):
+        raise argparse.ArgumentTypeError(f"{text} is one of the project's own files; writing "
+                                         f"it would overwrite it. Name another file.")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
     if not path.parent.is_dir():
@@ -132,10 +145,27 @@ def as_json_value(value):
     return str(value)
 
 
+def standard_json(record) -> str:
+    """`record` as JSON that every parser reads: numpy's numbers as numbers, paths as text, and
+    infinity (a --request-rate of inf: all requests at the start) or NaN as null, which JSON has
+    and `Infinity` is not."""
+    import json
+
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+    plain = json.loads(json.dumps(record, default=as_json_value))  # numpy and paths, first
+    return json.dumps(finite(plain), allow_nan=False)
+
+
 def write_json(args, record: dict) -> None:
     """--json: the run's arguments and `record`, written atomically."""
-    import json
-    text = json.dumps({"arguments": vars(args)} | record, default=as_json_value)
+    text = standard_json({"arguments": vars(args)} | record)
     write_atomically(args.json, lambda path: path.write_text(text))
 
 

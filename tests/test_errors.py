@@ -122,7 +122,7 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--json", ""], 2, "an empty one"),
     (["2", *TINY, "--json", str(ROOT / "sharegpt_filtered.json")], 2, "is a file this run reads"),
     (["2", *TINY, "--system-prompt-file", str(ROOT / "system_prompt.txt"), "--json",
-      str(ROOT / "system_prompt.txt")], 2, "is a file this run reads"),
+      str(ROOT / "system_prompt.txt")], 2, "one of the project's own files"),
     (["2", *TINY, "--tokenizer", "{tmp}"], 2, "is a directory; name the tokenizer.model"),
     (["2", *TINY, "--seed", str(2**64)], 2, "whole number from 0"),
     (["2", *TINY, "--json", "{tmp}"], 2, "is a directory"),
@@ -416,3 +416,35 @@ def test_an_empty_prompt_or_reply_is_a_request_like_any_other(tmp_path, monkeypa
     assert code == 0 and "Traceback" not in err, err
     outputs = [r["output_tokens"] for r in json.loads((tmp_path / "run.json").read_text())["requests"]]
     assert len(outputs[0]) == 2 and len(outputs[1]) == 1  # "an answer"; one token at least
+
+
+@pytest.mark.parametrize("victim", ["llama3_paged.py", "block_manager.py", "plumbing/cli.py",
+                                    "README.md"])
+def test_an_output_path_that_is_the_programs_own_file_is_refused(victim, capsys):
+    before = (ROOT / victim).read_bytes()
+    assert_one_paragraph(*run_main(SCRIPTS["paged"], ["2", *TINY, "--json", ROOT / victim],
+                                   capsys)[::2], 2, "one of the project's own files")
+    assert (ROOT / victim).read_bytes() == before
+
+
+def test_a_picture_over_its_own_input_is_refused(one_run, capsys):
+    before = (one_run / "run.json").read_bytes()
+    disguised = one_run / "run.png"
+    disguised.write_bytes(before)  # a run's JSON under a picture's name
+    code, _, err = run_main(plot_memory.main, [disguised, "-o", disguised], capsys)
+    assert_one_paragraph(code, err, 2, "is a file this run reads")
+    assert disguised.read_bytes() == before
+
+
+def test_the_json_is_standard_json_with_null_for_infinity(tmp_path):
+    import json
+    record = {"rate": float("inf"), "nan": float("nan"), "nested": [float("-inf"), 1.5]}
+    text = plumbing.cli.standard_json(record)
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text) == {"rate": None, "nan": None, "nested": [None, 1.5]}
+    # A run's --json carries --request-rate, inf by default: null there, and Python's strict
+    # parser (no Infinity, as JavaScript's JSON.parse) reads the whole file.
+    out = tmp_path / "run.json"
+    command_line("llama3_paged.py", ["2", *TINY, "--max-new-tokens", "2", "--json", str(out)])
+    strict = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert strict["arguments"]["request_rate"] is None

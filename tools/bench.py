@@ -28,7 +28,6 @@ with 1,000 requests running: the host work a step needs before the GPU can start
 """
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -57,7 +56,7 @@ from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           request_rate, sequence_length, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB
-from plumbing.cli import as_json_value
+from plumbing.cli import standard_json
 from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
@@ -475,7 +474,7 @@ def main(argv=None) -> None:
             raise UserError("needs a CUDA GPU; the figures it reports are GPU limits.")
         result = bench(a)
         if a.json:  # before the table, which a closed pipe may cut short
-            text = json.dumps(result, default=as_json_value)
+            text = standard_json(result)
             write_atomically(a.json, lambda path: path.write_text(text))
         print_table(result)
 

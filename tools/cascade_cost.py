@@ -12,7 +12,6 @@ once per request, the cascade once per step; its merge adds a few microseconds n
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from llama3_paged import DecodeBatch
 from plumbing.inputs import PRESETS
 from features.cascade import CascadeAttention
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
-                          positive_int_list, writable_file, write_atomically)
+                          positive_int_list, standard_json, writable_file, write_atomically)
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds
 
 BLOCK_SIZE = 256  # flash-attn's paged kernel
@@ -112,7 +111,7 @@ def main(argv=None) -> None:
             raise UserError("needs a CUDA GPU with flash-attn: the cascade is timed on its kernel.")
         result = measure(a)
         if a.json:
-            write_atomically(a.json, lambda path: path.write_text(json.dumps(result)))
+            write_atomically(a.json, lambda path: path.write_text(standard_json(result)))
         print(f"One layer's decode attention, Llama 3 8B's heads, blocks of {BLOCK_SIZE}, bf16; "
               f"{result['device']}; copy {result['copy_bandwidth'] / 1e12:.2f} TB/s; own tokens "
               f"1 to {2 * a.own_tokens} per request")

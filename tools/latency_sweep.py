@@ -31,7 +31,6 @@ script would (`plot` reads what `run` wrote, so curves of several runs share one
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import sys
 import time
@@ -54,7 +53,7 @@ from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, i
                           json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
                           seed, writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, read_records
-from plumbing.cli import as_json_value
+from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.run import choose_attention, load, make_decoder, make_engine, make_requests, make_scheduler
 from tools.shared import allocate_kv_cache, parse_script_arguments
@@ -300,7 +299,7 @@ def run(a) -> dict:
             def save(curve, name=name):
                 sweep["curves"][name] = curve
                 write_atomically(a.json, lambda path: path.write_text(
-                    json.dumps(sweep, default=as_json_value)))
+                    standard_json(sweep)))
             run_curve(base, name, a, bar, save)
             gc.collect()  # the curve's cache is gone with its frame: give its memory back
             if base.device.type == "cuda":

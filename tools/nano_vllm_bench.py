@@ -31,7 +31,7 @@ exit_quietly_on_ctrl_c("nano_vllm_bench.py")  # before torch loads
 
 from plumbing.inputs import PRESETS
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, one_paragraph_errors,
-                          positive_int, refuse_output_over_input, write_atomically)
+                          positive_int, refuse_output_over_input, standard_json, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, load_prompts, load_tokenizer
 from features.run import system_prompt
 from tools.bench import WORKLOADS, workload_requests
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
                                              tokenizer, a)
         result = run(a, prompts, budgets)
         if a.json:
-            text = json.dumps(result)
+            text = standard_json(result)
             write_atomically(a.json, lambda path: path.write_text(text))
         print(f"nano-vllm, workload {a.workload}: {result['num_requests']:,} requests, "
               f"{result['num_prompt_tokens']:,} prompt tokens, {result['num_generated_tokens']:,} "

@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph, format_bytes,
-                          image_file, json_file, one_paragraph_errors, write_atomically)
+                          image_file, json_file, one_paragraph_errors, refuse_output_over_input,
+                          write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
@@ -52,7 +53,7 @@ def run_json(text: str) -> dict:
     if not run["timeline"] or not numbers(run["memory"].get("at_fullest_step"), FULLEST_FIELDS):
         raise argparse.ArgumentTypeError(f"{text}: that run made no decode step, so there is "
                                          f"nothing to draw")
-    return run
+    return run | {"source": Path(text)}  # where it came from, so that no output overwrites it
 
 
 def draw(ax, run: dict, scale: float) -> None:
@@ -125,6 +126,8 @@ def main(argv=None) -> None:
                    help="picture to write; its suffix names the format: .png, .pdf or .svg")
     args = p.parse_args(argv)
     runs = args.runs
+    with one_paragraph_errors("plot_memory.py"):
+        refuse_output_over_input(args.output, [run["source"] for run in runs], "-o")
     timelines = any(arrived_over_time(run) for run in runs)
     fig, axes = plt.subplots(1 + timelines, len(runs), figsize=(6 * len(runs), 4.5 * (1 + timelines)),
                              squeeze=False)

@@ -7,7 +7,6 @@ script's parser. The ceilings are what each tool sets its figures against: the c
 and the matmul rate, measured on this GPU, timed with CUDA events after a warm-up, as medians.
 """
 
-import json
 import statistics
 
 import torch
@@ -16,7 +15,7 @@ import llama3_naive
 import llama3_paged
 import llama3_virtual
 from features import run as features
-from plumbing.cli import write_atomically
+from plumbing.cli import write_atomically, standard_json
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
 
@@ -77,5 +76,5 @@ def as_graph(fn):
 def write_and_print(result: dict, json_path, print_table) -> None:
     """--json first, if asked for, so that a closed pipe cutting the table short loses nothing."""
     if json_path:
-        write_atomically(json_path, lambda path: path.write_text(json.dumps(result)))
+        write_atomically(json_path, lambda path: path.write_text(standard_json(result)))
     print_table(result)
