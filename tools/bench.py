@@ -181,17 +181,14 @@ def parse_arguments(argv=None):
     p.add_argument("script", choices=SCRIPTS,
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
-                   help="W: 256 x 256 new tokens, static; W2: 2,000 ShareGPT requests, "
-                        "continuous; P: 256 x 4,096-token prompts (docs/speed.md)")
+                   help="W: static, W2: streamed, P: long prompts (docs/speed.md)")
     p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
     p.add_argument("--new-tokens", type=positive_int,
                    help="tokens generated per request (default: the workload's)")
     p.add_argument("--prompt-tokens", type=positive_int,
-                   help="every prompt this many tokens, ShareGPT's turns cut to length "
-                        "(default: the workload's)")
+                   help="every prompt this long, ShareGPT cut to length (default: as is)")
     p.add_argument("--sharegpt-replies", action="store_true", default=None,
-                   help="generate each request's ShareGPT reply length (at most --new-tokens), as "
-                        "the scripts do with --random-weights, instead of exactly --new-tokens")
+                   help="each request generates its ShareGPT reply's length, at most --new-tokens")
     p.add_argument("--max-seq-len", type=sequence_length, help="default: the workload's")
     p.add_argument("--continuous", action="store_true", default=None,
                    help="continuous batching (W2 always has it)")
@@ -211,14 +208,13 @@ def parse_arguments(argv=None):
                    help="paged with --attn flash: the kernel of decode steps")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule each step while the GPU runs the one before (default: where "
-                        "the run allows it)")
+                   help="schedule a step while the GPU runs the one before (default: if it can)")
     p.add_argument("--compile", action="store_true", help="fused small kernels (torch.compile)")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--no-prefix-cache", action="store_true", help="paged only")
     p.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
-                   help="paged only, with a system prompt: its blocks read once per decode step")
+                   help="paged, with a system prompt: read its blocks once a step")
     p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")

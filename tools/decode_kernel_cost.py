@@ -46,10 +46,9 @@ CASES = {
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                   help="which batches to time, each the decode batch of a workload (default: "
-                        "all; -16: blocks of 16, else 256)")
+                   help="batches to time (default: all; -16: blocks of 16)")
     p.add_argument("--tiles", type=positive_int_list, default=[64, 128],
-                   help="tokens the Triton kernel loads per loop step (powers of two, 16 or more)")
+                   help="tokens the Triton kernel loads per step, powers of 2")
     p.add_argument("--warps", type=positive_int_list, default=[4, 8],
                    help="warps per Triton program (powers of two)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")

@@ -44,9 +44,9 @@ BLOCK_SIZE = 256  # flash-attn's paged kernel, as tools/bench.py runs it
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--batches", type=positive_int_list, default=[64, 256, 512, 1024, 2048],
-                   help="decode batch sizes (at 2,048 x 256 tokens the K/V take 69 GB)")
+                   help="decode batch sizes")
     p.add_argument("--context-tokens", type=positive_int, default=255,
-                   help="tokens each request has cached (255: with the new one, a block of 256)")
+                   help="tokens each request has cached, the new one not counted")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
     return p.parse_args(argv)
 

@@ -133,24 +133,21 @@ def parse_arguments(argv=None):
     commands = p.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="measure the curves", formatter_class=HelpFormatter)
     run.add_argument("--curves", type=curve_list, default=DEFAULT_CURVES,
-                     help=f"comma-separated, of: {', '.join(CURVES)} (default: all but "
-                          f"the mixed ones)")
+                     help="comma-separated curves (default: all but the mixed ones)")
     run.add_argument("--rates", type=rate_list, action="append", metavar="[CURVE=]R1,R2,...",
-                     help=f"requests per second, rising, for every curve or for CURVE; repeat "
-                          f"for several (default: {','.join(map(str, DEFAULT_RATES))})")
+                     help="requests per second, rising, for all curves or CURVE; repeatable")
     run.add_argument("--seconds", type=float, default=20.0, metavar="T",
                      help="arrivals last about T seconds at each rate: R x T requests")
     run.add_argument("--min-requests", type=positive_int, default=20,
                      help="at least this many requests per point (the low rates')")
     run.add_argument("--max-new-tokens", type=positive_int, default=2048,
-                     help="most tokens a request generates (each generates its ShareGPT reply's "
-                          "length)")
+                     help="most tokens a request generates")
     run.add_argument("--threshold", type=float, default=0.05, metavar="S",
                      help="mean normalized latency (s/token) that defines capacity")
     run.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
                      help="random weights of these shapes")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                     help="cpu (with --model tiny: a check that it runs, not a figure), cuda:N")
+                     help="cuda:N, or cpu (with --model tiny: runs, no figure)")
     run.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     run.add_argument("--kv-budget-gb", type=gigabytes, help="instead of --gpu-memory-utilization")
     run.add_argument("--seed", type=seed, default=0, help="of the weights and the arrivals")

@@ -49,8 +49,7 @@ def parse_arguments(argv=None):
                    help="nano-vllm's most tokens per step")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
-                   help="a system turn before every prompt, as tools/bench.py's (nano-vllm's "
-                        "prefix cache then stores it once)")
+                   help="a system turn before every prompt, as tools/bench.py's")
     p.set_defaults(system_prompt=None)  # the file is the only way in here, as features/run.py reads it
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
     a = p.parse_args(argv)

@@ -66,7 +66,7 @@ def parse_arguments(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
-                   help="the recomputing prefill's kernel (the same for every block size)")
+                   help="the recomputing prefill's kernel")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     return p.parse_args(argv)
 
