@@ -40,8 +40,10 @@ def add_layout_arguments(parser):
     return parser
 
 
-def require_cuda_and_flash_attn(run) -> None:
-    if run.device.type != "cuda" or run.attention.name != "flash":
+def require_cuda_and_flash_attn(args) -> None:
+    """Checked from the flags, before minutes of loading the model."""
+    if (args.device.type != "cuda" or args.attn not in ("auto", "flash")
+            or not features.importable("flash_attn")):
         raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn's non-paged "
                         "kernel: it needs --device cuda and flash-attn (--attn flash or auto).")
     if not features.importable("cuda.bindings"):
@@ -100,8 +102,9 @@ def mapping_report(cache, manager, decode_steps: int) -> str:
 def main(argv=None) -> None:
     with one_paragraph_errors(SCRIPT):
         parser = features.argument_parser_with_features(SCRIPT, __doc__, add_layout_arguments)
-        run = features.load(parser.parse_args(argv))  # the model and the first N prompts
-        require_cuda_and_flash_attn(run)
+        args = parser.parse_args(argv)
+        require_cuda_and_flash_attn(args)
+        run = features.load(args)  # the model and the first N prompts
         if run.args.find_max_batch:
             return features.find_max_batch(run, allocate_kv_cache)
         manager = None  # a driver call may fail at start-up, while the rows are mapped

@@ -31,6 +31,7 @@ from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, UserErr
 from plumbing import inputs
 from plumbing.inputs import Run
 
+SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
 MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
                      # softmax as one-hot as the argmax for any two logits 0.001 apart
@@ -59,8 +60,8 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --continuous: Poisson arrivals per second")
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="with --continuous: what a preempted request keeps")
-    p.add_argument("--swap-space", type=gigabytes, default=4.0, metavar="GB",
-                   help="with --preemption swap: host memory for swapped K/V")
+    p.add_argument("--swap-space", type=gigabytes, metavar="GB",
+                   help="with --preemption swap: host memory for swapped K/V (default: 4)")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: steps that decode and prefill, up to TOKENS tokens")
     p.add_argument("--eager", action="store_true",
@@ -122,6 +123,17 @@ def load(args) -> Run:
         raise UserError("--beam-width runs its own static search, greedy by summed "
                         "log-probabilities: it does not combine with --continuous, --samples, "
                         "--temperature or --find-max-batch. Drop those flags.")
+    no_system_prompt = args.system_prompt is None and args.system_prompt_file is None
+    if args.cascade == "on" and no_system_prompt:
+        raise UserError("--cascade on reads a cached system prompt's blocks once per step, and this "
+                        "run has no system prompt: add --system-prompt-file or drop --cascade.")
+    if args.no_prefix_cache and no_system_prompt:
+        raise UserError("--no-prefix-cache turns off the prefix cache, which is on only with a "
+                        "system prompt, and this run has none: drop --no-prefix-cache.")
+    if args.swap_space is not None and args.preemption != "swap":
+        raise UserError("--swap-space sizes the host memory that --preemption swap copies "
+                        "preempted K/V to, and this run recomputes them: add --preemption swap "
+                        "(with --continuous) or drop --swap-space.")
     if args.find_max_batch and args.continuous:
         raise UserError("--find-max-batch finds the largest static batch that fits the KV cache; "
                         "with --continuous every batch completes, as requests wait and are "
@@ -288,9 +300,10 @@ def swapping_scheduler(run, cache, manager, requests: list[lesson.Request]):
                         "cache; it does not combine with shared blocks (--samples, a system "
                         "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
     block_bytes = cache.block_size * run.kv_bytes_per_token
-    swap_blocks = int(run.args.swap_space * GB // block_bytes)
+    swap_space = run.args.swap_space or SWAP_SPACE_GB
+    swap_blocks = int(swap_space * GB // block_bytes)
     if swap_blocks == 0:
-        raise UserError(f"--swap-space {run.args.swap_space:g} GB holds no block of "
+        raise UserError(f"--swap-space {swap_space:g} GB holds no block of "
                         f"{format_bytes(block_bytes)}: raise it.")
     check_host_memory(swap_blocks * block_bytes, "--swap-space", "Lower --swap-space.")
     from features.swapping import SwappingScheduler

@@ -448,3 +448,22 @@ def test_the_json_is_standard_json_with_null_for_infinity(tmp_path):
     command_line("llama3_paged.py", ["2", *TINY, "--max-new-tokens", "2", "--json", str(out)])
     strict = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(name))
     assert strict["arguments"]["request_rate"] is None
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--cascade", "on"], "no system prompt"),
+    (["--no-prefix-cache"], "has none"),
+    (["--swap-space", "1"], "add --preemption swap"),
+    (["--continuous", "--swap-space", "1"], "add --preemption swap"),
+])
+def test_an_explicit_flag_that_would_change_nothing_is_refused(argv, fragment, capsys):
+    assert_one_paragraph(*run_main(SCRIPTS["paged"], ["2", *TINY, *argv], capsys)[::2], 2,
+                         fragment)
+
+
+def test_the_virtual_script_on_a_cpu_is_refused_before_the_model_loads(capsys, monkeypatch):
+    from plumbing import inputs
+    monkeypatch.setattr(inputs, "load_run", lambda *a, **k: pytest.fail("the model was loaded"))
+    import llama3_virtual
+    assert_one_paragraph(*run_main(llama3_virtual.main, ["2", *TINY], capsys)[::2], 2,
+                         "needs --device cuda")
