@@ -1,13 +1,10 @@
 """Paged batched Llama 3 decoding: the lesson in one file, read top to bottom.
 
-    python llama3_paged.py 49 --random-weights
-
 A naive KV cache reserves each request's longest sequence before its first token
 (llama3_naive.py). Here requests share a pool of small blocks: a request claims a block only when
 its tokens reach it, so at most block_size - 1 of its slots sit empty, and its blocks return to
 the pool the moment it finishes. block_manager.py says who holds which block; the attention
-kernel follows its block table, so a request's blocks need not be contiguous. Features
-(features/) extend the classes here; features/run.py builds their runs.
+kernel follows its block table, so a request's blocks need not be contiguous.
 """
 
 import math
@@ -24,13 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from block_manager import BlockManager, to_device
-from plumbing.cli import (OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
-                          format_bytes, needs_features, one_paragraph_errors)
-from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, checked_kv_allocation,
-                             device_total_bytes, kv_budget_bytes, load_run, new_token_budgets)
+from plumbing.cli import (add_pool_arguments, argument_parser, decode_progress, format_bytes,
+                          needs_features, one_paragraph_errors)
+from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, check_a_block_fits,
+                             check_flash_attn, checked_kv_allocation, device_total_bytes,
+                             kv_budget_bytes, load_run, new_token_budgets, print_answers)
 
 # --- 1. The model ------------------------------------------------------------------------------
 # Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
@@ -92,10 +89,8 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Built on the `meta` device and materialised by plumbing/inputs.py: no weights are
-    initialised twice, and an 8B model never passes through host memory as float32. It sets
-    rope_rotations too: e^(j*angle) of every position a request can reach, [max_positions,
-    head_dim / 2] complex."""
+    """Built on the `meta` device, then filled by plumbing/inputs.py, which also sets
+    rope_rotations: e^(j*angle) of every position, [max_positions, head_dim / 2] complex."""
 
     def __init__(self, args, dtype: torch.dtype):
         super().__init__()
@@ -203,10 +198,8 @@ class TorchAttention:
 
     def prefill(self, q, k, v, batch):
         """q: [T, n_heads, d]; k, v: [T, n_kv_heads, d]."""
-        out = torch.empty_like(q)
-        for start, end in zip(batch.cu_seqlens_host[:-1], batch.cu_seqlens_host[1:]):
-            out[start:end] = attend(q[start:end], k[start:end], v[start:end])
-        return out
+        bounds = zip(batch.cu_seqlens_host[:-1], batch.cu_seqlens_host[1:])
+        return torch.cat([attend(q[s:e], k[s:e], v[s:e]) for s, e in bounds])
 
     def decode(self, q, key_blocks, value_blocks, batch):
         """q: [B, n_heads, d] -> [B, n_heads, d]."""
@@ -277,8 +270,7 @@ class Scheduler:
         if self.waiting:
             step = self._admit(list(self.waiting))
             self.waiting.clear()
-            if len(step.requests):
-                return step
+            return step
         return self._decode()
 
     def finish(self, requests: list[Request]) -> None:
@@ -346,7 +338,7 @@ class Generation:
     @property
     def fullest(self) -> KVSnapshot:
         """The step at which the cache held the most tokens."""
-        return max(self.timeline, key=lambda s: s.filled_slots)
+        return max(self.timeline, key=lambda s: s.filled_slots, default=KVSnapshot(0, 0, 0, 0, 0))
 
 
 def greedy(logits, rows, positions) -> torch.Tensor:
@@ -398,9 +390,7 @@ class Engine:
         """Run every request to its end: a stop token (not kept) or its max_new_tokens."""
         requests, prefilled_before = list(scheduler.waiting), self.num_prefilled
         self.timeline, seconds = [], {"prefill": 0.0, "decode": 0.0}
-        # A context, so that the bar is gone before an error message (out of blocks) is printed.
-        with tqdm(desc="decode", unit="step", total=steps_left(scheduler), disable=not progress,
-                  leave=False) as bar:
+        with decode_progress(scheduler, self.manager, progress) as advance_the_bar:
             start = time.perf_counter()
             for step in self.steps(scheduler, stop_ids):
                 now = time.perf_counter()
@@ -408,11 +398,7 @@ class Engine:
                 seconds["prefill" if step.kind == "prefill" else "decode"] += elapsed
                 if step.kind != "prefill":
                     self.timeline[-1].seconds = elapsed
-                    bar.update()
-                    if bar.n >= bar.total:  # requests from a queue: more steps to come
-                        bar.total = bar.n + steps_left(scheduler)
-                    bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
-                                    blocks=self.manager.num_used_blocks, refresh=False)
+                    advance_the_bar()
         return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
                           seconds["decode"], self.timeline)
 
@@ -462,12 +448,6 @@ class Engine:
         return self.sampler(logits, on_device(rows), on_device(lengths))  # [B, vocab] -> [B]
 
 
-def steps_left(scheduler: Scheduler) -> int:
-    """Decode steps until the longest request still to run could end, for the progress bar."""
-    return max((r.max_new_tokens - len(r.output_tokens)
-                for r in [*scheduler.running, *scheduler.waiting]), default=0)
-
-
 def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids) -> list:
     """Append each request's new token; return those done: a stop token (not kept) or their
     last allowed token."""
@@ -490,19 +470,14 @@ def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids) -> 
 
 def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
     """The first answers, the speed, and where the KV cache's memory went."""
-    shown = run.prompts if run.args.show_all else run.prompts[:3]
-    for prompt, request in zip(shown, g.requests):
-        print(f"\n--- request {prompt.id} ---\n> {prompt.prompt.strip()[:300]}\n\n"
-              f"{run.tokenizer.decode(request.output_tokens)}")
-    if len(shown) < len(run.prompts):
-        print(f"\n({len(run.prompts) - len(shown)} more answers; --show-all prints them)")
+    print_answers(run.prompts, g.output_tokens, run.tokenizer, run.args.show_all)
     per_token, gb = run.kv_bytes_per_token, format_bytes
     print(f"\n=== {run.args.script} ===\nTokens: {g.num_generated_tokens:,} generated in "
           f"{g.prefill_seconds:.2f} s of prefill and {len(g.timeline):,} decode steps in "
           f"{g.decode_seconds:.2f} s")
     print(f"KV cache: {gb(cache.nbytes)} allocated up front = {manager.num_blocks:,} blocks x "
           f"{manager.block_size:,} tokens x {per_token // 1024} KiB per token")
-    fullest = g.fullest if g.timeline else KVSnapshot(0, 0, 0, 0, 0)
+    fullest = g.fullest
     reserved, unfilled = fullest.reserved_slots * per_token, fullest.unfilled_slots * per_token
     print(f"  at the fullest step ({fullest.step}, {fullest.running_requests} running): reserved "
           f"{gb(reserved)}, filled {gb(reserved - unfilled)}, unfilled {gb(unfilled)} "
@@ -523,11 +498,7 @@ def pool_size(run, budget_bytes: float) -> tuple[int, int]:
     flash = run.attention.name == "flash"
     block_size = run.args.block_size or (FLASH_BLOCK_MULTIPLE if flash else 16)
     num_blocks = run.args.num_blocks or int(budget_bytes // (block_size * run.kv_bytes_per_token))
-    if num_blocks == 0:
-        raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
-                        f"{format_bytes(block_size * run.kv_bytes_per_token)}, more than the KV "
-                        f"budget of {format_bytes(budget_bytes)}. Use a smaller --block-size or a "
-                        f"larger --kv-budget-gb.", OUT_OF_MEMORY)
+    check_a_block_fits(num_blocks, block_size, run, budget_bytes)
     return num_blocks, block_size
 
 
@@ -544,13 +515,8 @@ def choose_attention(args):
     """flash-attn on CUDA, the PyTorch reference on the CPU or with --attn torch."""
     if args.attn == "torch" or (args.attn == "auto" and args.device.type != "cuda"):
         return TorchAttention()
-    if args.device.type != "cuda":
-        raise UserError(f"--attn {args.attn} needs a CUDA device; use --attn torch on the CPU.")
-    try:
-        return FlashAttention()
-    except ImportError as e:
-        raise UserError("flash-attn is not installed. Install it after torch with `pip install "
-                        "flash-attn --no-build-isolation`, or use --attn torch.") from e
+    check_flash_attn(args.device)  # a CUDA device and the package, or one paragraph on which
+    return FlashAttention()
 
 
 def generate(run, cache: KVCache, manager: BlockManager, progress=True) -> Generation:

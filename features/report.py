@@ -15,9 +15,7 @@ import torch
 from features.mapping_ahead import MappingAheadManager
 from features.page_manager import PageManager
 from plumbing.cli import format_bytes, write_json
-from plumbing.inputs import device_total_bytes
-
-ANSWERS_SHOWN = 3
+from plumbing.inputs import device_total_bytes, print_answers
 
 
 def report(run, cache, manager, generation) -> None:
@@ -46,20 +44,8 @@ def report(run, cache, manager, generation) -> None:
             "sharing": sharing,
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
-    print_answers(run.prompts, generation, run.tokenizer, args.show_all, args.samples)
+    print_answers(run.prompts, generation.output_tokens, run.tokenizer, args.show_all, args.samples)
     print_report(args.script, memory, throughput, scheduling, sharing, latency)
-
-
-def print_answers(prompts, generation, tokenizer, show_all: bool, samples: int) -> None:
-    shown = len(prompts) if show_all else min(ANSWERS_SHOWN, len(prompts))
-    for i, prompt in enumerate(prompts[:shown]):
-        print(f"\n--- request {prompt.id} ---\n> {prompt.prompt.strip()[:300]}\n")
-        for k in range(samples):  # request i's samples are sequences i*K .. i*K + K-1
-            if samples > 1:
-                print(f"[sample {k + 1} of {samples}]")
-            print(tokenizer.decode(generation.output_tokens[i * samples + k]))
-    if shown < len(prompts):
-        print(f"\n({len(prompts) - shown} more answers; --show-all prints them)")
 
 
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:

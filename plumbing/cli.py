@@ -190,6 +190,28 @@ def exit_quietly_on_ctrl_c(program: str) -> None:
     signal.signal(signal.SIGINT, interrupted)
 
 
+@contextlib.contextmanager
+def decode_progress(scheduler, manager, enabled: bool = True):
+    """A bar of decode steps, for a loop to advance once a step. Its total is the steps until the
+    longest request still to run could end, grown when a queue brings more; a context, so that
+    the bar is gone before an error message (out of blocks) is printed."""
+    from tqdm import tqdm  # here, not at the top: this module must import fast (see above)
+
+    def steps_left() -> int:
+        return max((r.max_new_tokens - len(r.output_tokens)
+                    for r in [*scheduler.running, *scheduler.waiting]), default=0)
+
+    with tqdm(desc="decode", unit="step", total=steps_left(), disable=not enabled,
+              leave=False) as bar:
+        def advance() -> None:
+            bar.update()
+            if bar.n >= bar.total:  # requests from a queue: more steps to come
+                bar.total = bar.n + steps_left()
+            bar.set_postfix(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                            blocks=manager.num_used_blocks, refresh=False)
+        yield advance
+
+
 # Argument types: each refuses a value that makes no sense before anything is loaded (exit 2).
 
 def _parsed(text: str, convert, otherwise):

@@ -14,6 +14,7 @@ the first N ShareGPT conversations, chat-formatted.
 
 import contextlib
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -28,7 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tiktoken.load import load_tiktoken_bpe
 
-from plumbing.cli import CPU_KV_BUDGET_GB, GB, OUT_OF_MEMORY, UserError, check_host_memory
+from plumbing.cli import (CPU_KV_BUDGET_GB, GB, OUT_OF_MEMORY, UserError, check_host_memory,
+                          format_bytes)
 
 
 # --- The model's shapes ------------------------------------------------------------------------
@@ -522,6 +524,21 @@ def load_prompts(n: int, tokenizer, system_prompt: str | None = None,
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def print_answers(prompts: list, output_tokens: list[list[int]], tokenizer, show_all: bool,
+                  samples: int = 1) -> None:
+    """The first three prompts with their answers (all of them with --show-all). Prompt i's
+    samples are sequences i*samples .. i*samples + samples-1."""
+    shown = prompts if show_all else prompts[:3]
+    for i, prompt in enumerate(shown):
+        print(f"\n--- request {prompt.id} ---\n> {prompt.prompt.strip()[:300]}\n")
+        for k in range(samples):
+            if samples > 1:
+                print(f"[sample {k + 1} of {samples}]")
+            print(tokenizer.decode(output_tokens[i * samples + k]))
+    if len(shown) < len(prompts):
+        print(f"\n({len(prompts) - len(shown)} more answers; --show-all prints them)")
+
+
 @dataclass
 class Run:
     """What every run loads before any KV memory: the model, the tokenizer, the first N prompts."""
@@ -621,6 +638,24 @@ def checked_kv_allocation(run: Run, num_blocks: int, block_size: int):
             f"{block_size:,} tokens x {run.kv_bytes_per_token // 1024} KiB per token = "
             f"{size / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free after the weights. Try fewer "
             f"requests or a smaller cache.", OUT_OF_MEMORY) from e
+
+
+def check_a_block_fits(num_blocks: int, block_size: int, run: Run, budget_bytes: float) -> None:
+    if num_blocks == 0:
+        raise UserError(f"Not one KV block fits: a block of {block_size:,} tokens takes "
+                        f"{format_bytes(block_size * run.kv_bytes_per_token)}, more than the KV "
+                        f"budget of {format_bytes(budget_bytes)}. Use a smaller --block-size or a "
+                        f"larger --kv-budget-gb.", OUT_OF_MEMORY)
+
+
+def check_flash_attn(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise UserError("--attn flash needs a CUDA device; use --attn torch on the CPU.")
+    try:
+        importlib.import_module("flash_attn")  # before the lesson's FlashAttention imports it
+    except ImportError as e:
+        raise UserError("flash-attn is not installed. Install it after torch with `pip install "
+                        "flash-attn --no-build-isolation`, or use --attn torch.") from e
 
 
 def device_total_bytes(device: torch.device) -> int:
