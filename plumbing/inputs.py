@@ -98,6 +98,9 @@ PRESETS = {
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                     rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True),
     "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512),
+    # SmolLM2-135M-Instruct's shapes (the real weights: --model smollm2 without --random-weights)
+    "smollm2": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                         vocab_size=49_152, rope_theta=100_000.0, tie_embeddings=True),
 }
 
 
@@ -180,13 +183,17 @@ def random_model(model_class, preset: str, device, dtype, max_positions: int, se
 
 def load_model(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
     ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.suffix == ".gguf":
+        from plumbing.gguf_checkpoint import GGUFFile
+        return _load_gguf(model_class, GGUFFile(ckpt_dir), device, dtype, max_positions)
     if (ckpt_dir / "params.json").exists():
         return _load_meta(model_class, ckpt_dir, device, dtype, max_positions)
     if (ckpt_dir / "config.json").exists():
         return _load_hugging_face(model_class, ckpt_dir, device, dtype, max_positions)
     raise UserError(
         f"No Llama 3 checkpoint in {ckpt_dir}: expected Meta's layout (params.json, "
-        f"consolidated.00.pth, tokenizer.model) or Hugging Face's (config.json, *.safetensors).\n"
+        f"consolidated.00.pth, tokenizer.model), Hugging Face's (config.json, *.safetensors) or "
+        f"a .gguf file.\n"
         + DOWNLOAD_HINT)
 
 
@@ -284,35 +291,54 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
     return model
 
 
-# Each tensor's name in Meta's and Hugging Face's checkpoints -> (our parameter, which part of it:
-# 0, 1, 2 for q, k, v of the merged wqkv, or gate, up of the merged w_gate_up).
-TOP_TENSORS = [  # (ours, Meta's, Hugging Face's)
-    ("tok_embeddings.weight", "tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("norm.weight", "norm.weight", "model.norm.weight"),
-    ("output.weight", "output.weight", "lm_head.weight"),
+# --- GGUF (llama.cpp's one-file format): shapes, tokenizer and weights in one file -------------
+
+def _load_gguf(model_class, file, device, dtype, max_positions: int):
+    """A GGUF file (plumbing/gguf_checkpoint.py's GGUFFile): every tensor dequantized to float32,
+    then copied into the model in its dtype."""
+    from plumbing.gguf_checkpoint import gguf_shapes
+    try:
+        args = ModelArgs(**gguf_shapes(file))
+    except ValueError as e:
+        raise UserError(f"{file.path} is malformed: {e}.") from e
+    model = build_model(model_class, args, device, dtype, max_positions)
+    _fill(model, tensor_names(args, "gguf"), file.tensor, file.tensors.keys(), file.path)
+    return model
+
+
+# Each tensor's name in Meta's, Hugging Face's and llama.cpp's checkpoints -> (our parameter, which
+# part of it: 0, 1, 2 for q, k, v of the merged wqkv, or gate, up of the merged w_gate_up).
+LAYOUTS = ["meta", "hf", "gguf"]
+TOP_TENSORS = [  # (ours, Meta's, Hugging Face's, llama.cpp's)
+    ("tok_embeddings.weight", "tok_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight"),
+    ("norm.weight", "norm.weight", "model.norm.weight", "output_norm.weight"),
+    ("output.weight", "output.weight", "lm_head.weight", "output.weight"),
 ]
-LAYER_TENSORS = [  # (ours, part, Meta's, Hugging Face's), under layers.{i}. / model.layers.{i}.
-    ("attention.wqkv.weight", 0, "attention.wq.weight", "self_attn.q_proj.weight"),
-    ("attention.wqkv.weight", 1, "attention.wk.weight", "self_attn.k_proj.weight"),
-    ("attention.wqkv.weight", 2, "attention.wv.weight", "self_attn.v_proj.weight"),
-    ("attention.wo.weight", 0, "attention.wo.weight", "self_attn.o_proj.weight"),
-    ("feed_forward.w_gate_up.weight", 0, "feed_forward.w1.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.w_gate_up.weight", 1, "feed_forward.w3.weight", "mlp.up_proj.weight"),
-    ("feed_forward.w_down.weight", 0, "feed_forward.w2.weight", "mlp.down_proj.weight"),
-    ("attention_norm.weight", 0, "attention_norm.weight", "input_layernorm.weight"),
-    ("ffn_norm.weight", 0, "ffn_norm.weight", "post_attention_layernorm.weight"),
+LAYER_PREFIXES = {"meta": "layers.{}.", "hf": "model.layers.{}.", "gguf": "blk.{}."}
+LAYER_TENSORS = [  # (ours, part, Meta's, Hugging Face's, llama.cpp's), after LAYER_PREFIXES
+    ("attention.wqkv.weight", 0, "attention.wq.weight", "self_attn.q_proj.weight", "attn_q.weight"),
+    ("attention.wqkv.weight", 1, "attention.wk.weight", "self_attn.k_proj.weight", "attn_k.weight"),
+    ("attention.wqkv.weight", 2, "attention.wv.weight", "self_attn.v_proj.weight", "attn_v.weight"),
+    ("attention.wo.weight", 0, "attention.wo.weight", "self_attn.o_proj.weight", "attn_output.weight"),
+    ("feed_forward.w_gate_up.weight", 0, "feed_forward.w1.weight", "mlp.gate_proj.weight",
+     "ffn_gate.weight"),
+    ("feed_forward.w_gate_up.weight", 1, "feed_forward.w3.weight", "mlp.up_proj.weight",
+     "ffn_up.weight"),
+    ("feed_forward.w_down.weight", 0, "feed_forward.w2.weight", "mlp.down_proj.weight",
+     "ffn_down.weight"),
+    ("attention_norm.weight", 0, "attention_norm.weight", "input_layernorm.weight", "attn_norm.weight"),
+    ("ffn_norm.weight", 0, "ffn_norm.weight", "post_attention_layernorm.weight", "ffn_norm.weight"),
 ]
 
 
 def tensor_names(args: ModelArgs, layout: str) -> dict[str, tuple[str, int]]:
-    """The checkpoint's tensor names in `layout` ("meta" or "hf") -> (our parameter, part)."""
-    column = 1 if layout == "meta" else 2
+    """The checkpoint's tensor names in `layout` (one of LAYOUTS) -> (our parameter, part)."""
+    column = 1 + LAYOUTS.index(layout)
     names = {row[column]: (row[0], 0) for row in TOP_TENSORS
              if not (args.tie_embeddings and row[0] == "output.weight")}
-    prefix = "layers.{}." if layout == "meta" else "model.layers.{}."
     for i in range(args.n_layers):
-        for ours, part, meta, hf in LAYER_TENSORS:
-            names[prefix.format(i) + (meta if layout == "meta" else hf)] = (f"layers.{i}.{ours}", part)
+        for row in LAYER_TENSORS:
+            names[LAYER_PREFIXES[layout].format(i) + row[column + 1]] = (f"layers.{i}.{row[0]}", row[1])
     return names
 
 
@@ -422,6 +448,10 @@ class Tokenizer:
         # A request ends at either: base models say end_of_text, instruct models end a turn.
         self.stop_ids = {self.special["<|end_of_text|>"], self.special["<|eot_id|>"]}
 
+    @property
+    def n_vocab(self) -> int:
+        return self.encoding.n_vocab
+
     def encode(self, text: str) -> list[int]:
         # disallowed_special=(): text that spells "<|eot_id|>" is tokenized as plain characters,
         # so a prompt can never inject a control token.
@@ -430,16 +460,32 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.encoding.decode(list(ids))
 
+    def header(self, role: str) -> list[int]:
+        return ([self.special["<|start_header_id|>"]] + self.encode(role)
+                + [self.special["<|end_header_id|>"]] + self.encode("\n\n"))
+
+    def turn(self, role: str, text: str) -> list[int]:
+        return self.header(role) + self.encode(text.strip()) + [self.special["<|eot_id|>"]]
+
+    def shared_prefix(self, system_prompt: str | None) -> list[int]:
+        """What every request with this system prompt begins with: <|begin_of_text|>, the turn."""
+        system = [] if system_prompt is None else self.turn("system", system_prompt)
+        return [self.bos_id] + system
+
     def chat_prompt(self, user_message: str, system_prompt: str | None = None) -> list[int]:
         """A system turn if given, one user turn, then the header that asks the model to answer
         as the assistant. Requests with the same system prompt begin with the same tokens."""
-        def header(role: str) -> list[int]:
-            return ([self.special["<|start_header_id|>"]] + self.encode(role)
-                    + [self.special["<|end_header_id|>"]] + self.encode("\n\n"))
-        def turn(role: str, text: str) -> list[int]:
-            return header(role) + self.encode(text.strip()) + [self.special["<|eot_id|>"]]
-        system = turn("system", system_prompt) if system_prompt is not None else []
-        return [self.bos_id] + system + turn("user", user_message) + header("assistant")
+        return (self.shared_prefix(system_prompt) + self.turn("user", user_message)
+                + self.header("assistant"))
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """Any turns ({"role", "content"}), then the assistant's header (features/llm.py)."""
+        turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
+        return [self.bos_id] + turns + self.header("assistant")
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion's prompt: <|begin_of_text|>, then the text."""
+        return [self.bos_id] + self.encode(text)
 
 
 def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:
@@ -559,11 +605,10 @@ class Run:
 
     @property
     def num_system_prompt_tokens(self) -> int:
-        """<|begin_of_text|> and the system turn: the tokens every request begins with (0: none)."""
+        """The tokens every request begins with, when --system-prompt gives one (0: none)."""
         if self.system_prompt is None:
             return 0
-        chat = self.tokenizer.chat_prompt
-        return len(chat("", self.system_prompt)) - len(chat("")) + 1
+        return len(self.tokenizer.shared_prefix(self.system_prompt))
 
 
 def load_run(args, model_class, attention, system_prompt: str | None = None,
@@ -572,7 +617,15 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
     bad prompt file is found before minutes of loading weights."""
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    tokenizer = load_tokenizer(args.tokenizer, None if args.random_weights else args.ckpt_dir)
+    checkpoint, gguf_file = checkpoint_of(args), None
+    if checkpoint is not None and checkpoint.suffix == ".gguf":  # its tokenizer is inside it
+        from plumbing.gguf_checkpoint import ChatMLTokenizer, GGUFFile
+        if args.tokenizer is not None:
+            raise UserError(f"--tokenizer: {checkpoint} carries its own tokenizer; drop the flag.")
+        gguf_file = GGUFFile(checkpoint)
+        tokenizer = ChatMLTokenizer(gguf_file)
+    else:
+        tokenizer = load_tokenizer(args.tokenizer, None if args.random_weights else checkpoint)
     prompts = load_prompts(args.num_requests, tokenizer, system_prompt)
     too_long = [p for p in prompts if len(p.prompt_tokens) >= args.max_seq_len]
     if too_long:
@@ -584,10 +637,13 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
               "as its ShareGPT reply (at most --max-new-tokens).")
         model = random_model(model_class, args.model, device, dtype, args.max_seq_len, args.seed)
     else:
-        model = load_model(model_class, args.ckpt_dir, device, dtype, args.max_seq_len)
-    if model.args.vocab_size < tokenizer.encoding.n_vocab:  # an id past the embedding table
+        print(f"Real weights ({checkpoint}): each request runs to its end-of-text token or "
+              f"--max-new-tokens.")
+        model = (_load_gguf(model_class, gguf_file, device, dtype, args.max_seq_len) if gguf_file
+                 else load_model(model_class, checkpoint, device, dtype, args.max_seq_len))
+    if model.args.vocab_size < tokenizer.n_vocab:  # an id past the embedding table
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
-                        f"tokenizer's {tokenizer.encoding.n_vocab:,}: they do not belong together.")
+                        f"tokenizer's {tokenizer.n_vocab:,}: they do not belong together.")
     return Run(args, device, dtype, model, attention, tokenizer, prompts,
                len(prompts) * sequences_per_prompt, system_prompt)
 
@@ -601,10 +657,35 @@ def new_token_budgets(run: Run) -> list[int]:
                 args.max_new_tokens, args.max_seq_len - len(p.prompt_tokens)) for p in run.prompts]
 
 
+META_8B = Path("Meta-Llama-3-8B-Instruct/original")
+
+
+def checkpoint_of(args) -> Path | None:
+    """What a run reads its model from: --ckpt-dir; SmolLM2's GGUF (from its package) for
+    --model smollm2, whose tokenizer --random-weights needs too; else Meta's 8B folder. None:
+    random weights with Llama 3's tokenizer."""
+    if args.ckpt_dir is not None:
+        return args.ckpt_dir
+    if args.model == "smollm2":
+        from plumbing.gguf_checkpoint import packaged_smollm2
+        return packaged_smollm2()
+    return None if args.random_weights else META_8B
+
+
+def lengths_note(run: Run, requests: list) -> str:
+    """Where the generated lengths come from: real generations end at end-of-text or at their
+    token limit; random weights borrow each ShareGPT reply's length."""
+    if run.args.random_weights:
+        return "random weights: each as long as its ShareGPT reply"
+    ended = sum(len(r.output_tokens) < r.max_new_tokens for r in requests)
+    return f"{ended:,} of {len(requests):,} requests ended at end-of-text, the rest at their limit"
+
+
 def inputs_of(args) -> list:
     """Every file a run reads: the prompts, the tokenizer, the checkpoint."""
-    ckpt = [] if args.random_weights or not args.ckpt_dir.is_dir() else list(args.ckpt_dir.iterdir())
-    return [PROMPTS_FILE, args.tokenizer, *ckpt]
+    ckpt = args.ckpt_dir
+    files = [] if ckpt is None else list(ckpt.iterdir()) if ckpt.is_dir() else [ckpt]
+    return [PROMPTS_FILE, args.tokenizer, *files]
 
 
 # --- The memory left for the KV cache ----------------------------------------------------------

@@ -44,6 +44,11 @@ def parse(command: str) -> None:
                                                llama3_virtual.add_layout_arguments).parse_args(argv)
     elif program in tools:
         tools[program].parse_arguments(argv)
+    elif program == "serve.py":  # its own flags, and the rest are the scripts'
+        import serve
+        from features.llm import engine_arguments
+        args, engine_argv = serve.argument_parser().parse_known_args(argv)
+        engine_arguments(args.cache, {}, engine_argv)
     else:
         assert program in ("tools/plot_memory.py", "tools/build_prompts.py", "-m"), program
 

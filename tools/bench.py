@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import UserError, exit_quietly_on_ctrl_c, writable_file
+from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c, writable_file
 
 exit_quietly_on_ctrl_c("bench.py")  # before torch loads
 
@@ -60,8 +60,8 @@ from plumbing.cli import standard_json
 from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
-from tools.shared import (SCRIPTS, allocate_kv_cache, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
-                          parse_script_arguments)
+from features.llm import SCRIPTS, allocate_kv_cache, parse_script_arguments
+from tools.shared import copy_bandwidth, matmul_flops_per_second, median_cuda_seconds
 
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
@@ -215,7 +215,8 @@ def parse_arguments(argv=None):
     p.add_argument("--no-prefix-cache", action="store_true", help="paged only")
     p.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
                    help="paged, with a system prompt: read its blocks once a step")
-    p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b")
+    p.add_argument("--model", choices=MODELS, default="8b",
+                   help="random weights of these shapes")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import UserError, exit_quietly_on_ctrl_c
+from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c
 
 exit_quietly_on_ctrl_c("latency_sweep.py")  # before torch loads
 
@@ -56,7 +56,7 @@ from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.run import choose_attention, load, make_decoder, make_engine, make_requests, make_scheduler
-from tools.shared import allocate_kv_cache, parse_script_arguments
+from features.llm import allocate_kv_cache, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
 # the longest a request may grow, Oracle exactly what each will use. Every request of
@@ -144,7 +144,7 @@ def parse_arguments(argv=None):
                      help="most tokens a request generates")
     run.add_argument("--threshold", type=float, default=0.05, metavar="S",
                      help="mean normalized latency (s/token) that defines capacity")
-    run.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
+    run.add_argument("--model", choices=MODELS, default="8b",
                      help="random weights of these shapes")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="cuda:N, or cpu (with --model tiny: runs, no figure)")

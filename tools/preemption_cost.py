@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import UserError, exit_quietly_on_ctrl_c
+from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c
 
 exit_quietly_on_ctrl_c("preemption_cost.py")  # before torch loads
 
@@ -61,7 +61,7 @@ def parse_arguments(argv=None):
     p.add_argument("--block-sizes", type=positive_int_list, default=BLOCK_SIZES,
                    help="comma-separated tokens per block")
     p.add_argument("--repeats", type=positive_int, default=10, help="timings per figure (median)")
-    p.add_argument("--model", choices=["8b", "1b", "tiny"], default="8b",
+    p.add_argument("--model", choices=MODELS, default="8b",
                    help="random weights of these shapes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")

@@ -1,9 +1,9 @@
-"""What the tools share: the three scripts' command lines, the GPU's measured ceilings, and how a
-measuring tool ends (its figures to --json, its table printed).
+"""What the tools share: the GPU's measured ceilings, and how a measuring tool ends (its figures
+to --json, its table printed).
 
-A tool runs the scripts' caches in its own process (the model loaded once), so it sets each run
-up as the script's command line would: `parse_script_arguments` parses a command line with that
-script's parser. The ceilings are what each tool sets its figures against: the copy bandwidth
+A tool runs the scripts' caches in its own process (the model loaded once), set up as the
+script's command line would set them up (features/llm.py's `parse_script_arguments` and
+`allocate_kv_cache`). The ceilings are what each tool sets its figures against: the copy bandwidth
 and the matmul rate, measured on this GPU, timed with CUDA events after a warm-up, as medians.
 """
 
@@ -11,29 +11,7 @@ import statistics
 
 import torch
 
-import llama3_naive
-import llama3_paged
-import llama3_virtual
-from features import run as features
 from plumbing.cli import write_atomically, standard_json
-
-SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}
-
-
-def parse_script_arguments(script: str, argv: list[str]):
-    """argv parsed as `python llama3_<script>.py argv` would parse it."""
-    name = f"llama3_{script}.py"
-    add_pool_arguments = (llama3_virtual.add_layout_arguments if script == "virtual"
-                          else features.SCRIPTS[name][1])
-    return features.argument_parser_with_features(name, SCRIPTS[script].__doc__,
-                                             add_pool_arguments).parse_args(argv)
-
-
-def allocate_kv_cache(script: str, run):
-    """The script's KV cache and block manager, as its command line with features makes them."""
-    if script == "virtual":
-        return llama3_virtual.allocate_kv_cache(run)
-    return features.SCRIPTS[f"llama3_{script}.py"][2](run)
 
 
 def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:

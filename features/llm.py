@@ -1,0 +1,357 @@
+"""A Python API over the engine, in vLLM's shape: `LLM(...).generate(prompts, SamplingParams(...))`.
+
+    from features.llm import LLM, SamplingParams
+    llm = LLM(model="tiny", random_weights=True, device="cpu")
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16, temperature=0))
+
+`LLMEngine` is the incremental form that serve.py drives from its engine thread: `add_request`,
+`step`, `abort`. Both build their engine with features/run.py's parts, from the same flags the
+scripts take, so a served request runs through the same continuous batching, CUDA graphs and
+cache as `llama3_paged.py N --continuous`.
+
+What serving adds to the scripts' runs:
+- Rows come back. A script's request r owns row r of the block table for the whole run; a server
+  sees requests without end. Here a request takes a free row when it is added and gives it back
+  when it finishes or is aborted, as its blocks go back to the free list.
+- Each request samples with its own parameters (`RowSampler`), and ends at its own stop strings,
+  at end-of-text unless `ignore_eos`, or at `max_tokens`. Those checks run on the host between
+  steps, so the engine runs without overlapped steps (features/overlap.py), which would have the
+  next step in flight when a request ends.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import random
+from collections import deque
+
+import numpy as np
+import torch
+
+import llama3_naive
+import llama3_paged
+import llama3_virtual
+from features import run as features
+from features.request_state import ServedRequest, Status
+from features.sampling import MASK_32, mix32
+from features.timed_engine import StepTimer
+from plumbing.cli import UserError
+
+SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}  # by cache
+
+
+def parse_script_arguments(cache: str, argv: list[str]):
+    """argv parsed as `python llama3_<cache>.py argv` would parse it (features included)."""
+    name = f"llama3_{cache}.py"
+    add_pool_arguments = (llama3_virtual.add_layout_arguments if cache == "virtual"
+                          else features.SCRIPTS[name][1])
+    return features.argument_parser_with_features(name, SCRIPTS[cache].__doc__,
+                                                  add_pool_arguments).parse_args(argv)
+
+
+def allocate_kv_cache(cache: str, run):
+    """The script's KV cache and block manager, as its command line with features makes them."""
+    if cache == "virtual":
+        return llama3_virtual.allocate_kv_cache(run)
+    return features.SCRIPTS[f"llama3_{cache}.py"][2](run)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): every token
+    n: int = 1
+    stop: list[str] = dataclasses.field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        """A ValueError naming the first parameter out of range (serve.py answers it with 400)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for name, ok in [("max_tokens", self.max_tokens >= 1), ("n", self.n >= 1),
+                         ("temperature", 0 <= self.temperature <= 100),
+                         ("top_p", 0 < self.top_p <= 1), ("top_k", self.top_k >= -1),
+                         ("seed", self.seed is None or 0 <= self.seed < 2**63),
+                         ("stop", all(isinstance(s, str) and s for s in self.stop))]:
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while it runs
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+def uniform_per_row(seeds, sequences, positions) -> torch.Tensor:
+    """features/sampling.py's hash of (seed, sequence, position) with a seed per row: [B] in [0, 1)."""
+    x = mix32(mix32(mix32((seeds ^ (seeds >> 32)) & MASK_32) ^ sequences) ^ positions)
+    return (x >> 8).float() / 2**24
+
+
+class RowSampler:
+    """Each row of the block table samples with its own request's parameters. A draw depends on
+    (seed, sample index, position) only, never on the row or the batch: a request gives the
+    same tokens whoever runs beside it."""
+
+    def __init__(self, num_rows: int, device):
+        self.temperature = torch.zeros(num_rows, device=device)
+        self.top_p = torch.ones(num_rows, device=device)
+        self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.seed = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.sample = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.samples = np.zeros(num_rows, dtype=bool)  # on the host: which rows sample
+
+    def set_row(self, row: int, params: SamplingParams, sample: int, seed: int) -> None:
+        self.temperature[row], self.top_p[row] = params.temperature, params.top_p
+        self.top_k[row], self.seed[row], self.sample[row] = max(params.top_k, 0), seed, sample
+        self.samples[row] = params.temperature > 0
+
+    def any_samples(self, rows) -> bool:
+        return bool(self.samples[rows].any())
+
+    def __call__(self, logits, rows, positions) -> torch.Tensor:
+        """logits: [B, vocab]; rows, positions: [B] -> [B] token ids."""
+        greedy = logits.argmax(-1)
+        if not self.any_samples(rows.cpu().numpy()):
+            return greedy
+        temperature = self.temperature[rows]
+        probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
+        probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
+        k = self.top_k[rows][:, None]
+        probs = probs.masked_fill((k > 0) & (torch.arange(probs.shape[-1], device=k.device) >= k), 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+        mass_before = probs.cumsum(-1) - probs  # top-p over what top-k left, as vLLM does
+        probs = probs.masked_fill(mass_before >= self.top_p[rows][:, None], 0.0)
+        cumulative = probs.cumsum(-1)
+        target = uniform_per_row(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
+        picked = torch.searchsorted(cumulative, target[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], greedy)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One of a request's n samples: a row of the engine, and what the client has been sent."""
+
+    request: ServedRequest
+    request_id: str
+    index: int
+    params: SamplingParams
+    text: str = ""
+    num_sent_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class QueueFull(Exception):
+    """Every row is taken: serve.py answers 503 with Retry-After."""
+
+
+def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argparse.Namespace:
+    """The scripts' flags for a served engine: `argv` as on their command line, and `options`
+    by their names with underscores (model="tiny", random_weights=True, block_size=16, ...)."""
+    if cache not in SCRIPTS:
+        raise UserError(f"cache {cache!r}: choose one of {', '.join(SCRIPTS)}.")
+    argv = ["1", "--continuous", "--no-overlap", *argv]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (None, False):
+            argv += [flag, str(value)]
+    return parse_script_arguments(cache, argv)
+
+
+class LLMEngine:
+    """Requests in, tokens out, one step at a time (serve.py's engine thread calls `step`)."""
+
+    def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
+                 **options):
+        args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)
+        self.run = dataclasses.replace(features.load(args), num_sequences=max_num_seqs)
+        self.cache, self.manager = allocate_kv_cache(cache, self.run)
+        self.sampler = RowSampler(max_num_seqs, self.run.device)
+        # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
+        # the per-row sampler (a graph would have recorded one path for every row forever).
+        self.graphs = features.make_decoder(self.run, self.cache, self.manager,
+                                            llama3_paged.greedy, max_num_seqs, progress=False)
+        self.eager = llama3_paged.Decoder(self.run.model, self.cache,
+                                              self.manager.block_table, self.sampler)
+        self.engine = features.make_engine(self.run, self.cache, self.manager, self.sampler,
+                                           self.graphs)
+        self.scheduler = features.make_scheduler(self.run, self.cache, self.manager, [])
+        self.engine.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=self.run.device)
+        self.engine.timeline = []
+        self.free_rows = deque(range(max_num_seqs))
+        self.sequences: dict[int, Sequence] = {}  # by row
+        self.tokenizer, self.max_seq_len = self.run.tokenizer, args.max_seq_len
+        self.stop_ids = self.tokenizer.stop_ids
+        self.num_generated_tokens = self.num_finished = 0
+        self._steps = None
+        self._ids = itertools.count()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.run.kv_bytes_per_token
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request's n samples; raises ValueError for one that cannot run, QueueFull
+        when there are not n free rows."""
+        params.check()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if not prompt_token_ids or len(prompt_token_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; it must have "
+                             f"1 to {self.max_seq_len - 1:,} (--max-seq-len {self.max_seq_len:,})")
+        if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
+            raise ValueError("a prompt token id is outside the vocabulary")
+        if params.n > len(self.free_rows):
+            if params.n > len(self.sampler.samples):
+                raise ValueError(f"n = {params.n} is more than the {len(self.sampler.samples)} "
+                                 f"sequences the engine runs at once (--max-num-seqs)")
+            raise QueueFull(f"{len(self.sequences)} sequences queued or running; no free row")
+        max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_token_ids))
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        rows = [self.free_rows.popleft() for _ in range(params.n)]
+        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens,
+                                  arrival_time=self.scheduler.now()) for row in rows]
+        try:
+            for request in requests:
+                self.scheduler._refuse_if_larger_than_the_pool(request)
+        except Exception as e:
+            self.free_rows.extend(rows)
+            raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole pool "
+                             f"has ({e})") from e
+        for index, request in enumerate(requests):
+            self.sampler.set_row(request.row, params, index, seed)
+            self.engine.last_tokens[request.row] = prompt_token_ids[-1]
+            self.sequences[request.row] = Sequence(request, request_id, index, params)
+            self.scheduler.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """End a request's samples now: their blocks and rows are free at once."""
+        for sequence in [s for s in self.sequences.values() if s.request_id == request_id]:
+            self._end(sequence, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that changed (new tokens or finished)."""
+        if not self.scheduler.has_work():
+            return []
+        if self._steps is None:
+            self._steps = self.engine.steps(self.scheduler, frozenset())  # stops: checked here
+        running = self.scheduler.rows
+        self.engine.decoder = self.eager if self.sampler.any_samples(running) else self.graphs
+        self.engine.timer = StepTimer(self.run.device)  # one step's events, not a run's
+        try:
+            next(self._steps)
+        except StopIteration:
+            self._steps = None
+            return []
+        del self.engine.timeline[:-1]  # a server runs forever: keep only the latest snapshot
+        return self._collect()
+
+    def _collect(self) -> list[Sequence]:
+        changed = []
+        for sequence in list(self.sequences.values()):
+            request = sequence.request
+            if len(request.output_tokens) == sequence.num_sent_tokens and request.status != Status.FINISHED:
+                continue
+            changed.append(sequence)
+            self.num_generated_tokens += len(request.output_tokens) - sequence.num_sent_tokens
+            if (request.output_tokens and request.output_tokens[-1] in self.stop_ids
+                    and not sequence.params.ignore_eos):
+                request.output_tokens.pop()  # the stop token is not part of the answer
+                self._end(sequence, "stop")
+            text = self.tokenizer.decode(request.output_tokens)
+            stop_at = min((i for i in (text.find(s) for s in sequence.params.stop) if i >= 0),
+                          default=-1)
+            if stop_at >= 0:
+                text = text[:stop_at]
+                self._end(sequence, "stop")
+            elif text.endswith("\ufffd"):  # a character cut between tokens: send it whole later
+                text = sequence.text
+            sequence.text, sequence.num_sent_tokens = text, len(request.output_tokens)
+            if sequence.finish_reason is None and request.status == Status.FINISHED:
+                sequence.finish_reason = "length"
+                self._release(sequence)
+        return changed
+
+    def _end(self, sequence: Sequence, reason: str) -> None:
+        if sequence.finish_reason is not None:
+            return
+        sequence.finish_reason, request = reason, sequence.request
+        if request.status == Status.RUNNING:
+            self.scheduler.finish([request])
+        elif request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+            request.status = Status.FINISHED
+        self._release(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        self.sequences.pop(sequence.request.row, None)
+        self.free_rows.append(sequence.request.row)
+        self.num_finished += 1
+
+
+class LLM:
+    """Offline generation: every prompt at once through continuous batching."""
+
+    def __init__(self, model: str = "8b", cache: str = "paged", **options):
+        self.engine = LLMEngine(cache, model=model, **options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """prompts: a text, token ids, or a list of either. Returns one RequestOutput each, in
+        order."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
+                       for p in prompts]
+        return self._run(token_lists, params)
+
+    def chat(self, conversations, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """conversations: lists of {"role", "content"} messages, formatted by the model's chat
+        template (Llama 3's, or SmolLM2's ChatML)."""
+        return self._run([self.tokenizer.chat(c) for c in conversations],
+                         sampling_params or SamplingParams())
+
+    def _run(self, token_lists, params) -> list[RequestOutput]:
+        outputs = {}
+        pending = deque(enumerate(token_lists))
+        while pending or self.engine.has_unfinished():
+            while pending:  # as many as there are free rows; the rest join as rows come back
+                i, tokens = pending[0]
+                try:
+                    request_id = self.engine.add_request(tokens, params, f"offline-{i}")
+                except QueueFull:
+                    break
+                pending.popleft()
+                outputs[request_id] = RequestOutput(request_id, tokens, [None] * params.n)
+            for sequence in self.engine.step():
+                if sequence.finish_reason is not None:
+                    outputs[sequence.request_id].outputs[sequence.index] = CompletionOutput(
+                        sequence.index, sequence.text, list(sequence.request.output_tokens),
+                        sequence.finish_reason)
+        return list(outputs.values())

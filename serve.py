@@ -1,0 +1,405 @@
+"""An OpenAI-compatible server over the paged engine: watch the block pool fill as requests come and go.
+
+    python serve.py --model tiny --random-weights --device cpu      # http://127.0.0.1:8000
+    curl -N localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 16, "stream": true}'
+
+POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
+/v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
+filled and unfilled bytes, live). One engine thread runs continuous batching (features/llm.py's
+LLMEngine); the HTTP handlers only queue requests and read their tokens. A client that goes away
+mid-stream has its request aborted: its blocks and row are free at the next step. Every flag the
+scripts take for the model, cache and pool (--model, --random-weights, --block-size, ...) works
+here too.
+"""
+
+if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
+    from plumbing.cli import exit_quietly_on_ctrl_c
+    exit_quietly_on_ctrl_c("serve.py")
+
+import argparse
+import asyncio
+import contextlib
+import json
+import queue
+import secrets
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+
+from plumbing.cli import HelpFormatter, UserError, first_paragraph, format_bytes, one_paragraph_errors, positive_int
+
+MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
+MAX_N = 16  # samples per request
+
+
+class BadRequest(Exception):
+    """Answered with OpenAI's error JSON and HTTP 400; the server goes on."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# --- The engine thread ---------------------------------------------------------------------------
+
+class EngineThread(threading.Thread):
+    """Owns the LLMEngine: adds and aborts requests from the handlers' commands, steps while
+    there is work, and hands each request's new text to its asyncio queue."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        super().__init__(name="engine", daemon=True)
+        self.engine, self.loop = engine, loop
+        self.commands: queue.Queue = queue.Queue()
+        self.listeners: dict[str, asyncio.Queue] = {}  # request id -> its handler's queue
+        self.metrics = self.snapshot()
+        self.failed = None  # what stopped the engine, if anything did
+
+    def add(self, prompt_tokens, params, request_id) -> tuple[Future, asyncio.Queue]:
+        done, updates = Future(), asyncio.Queue()
+        self.commands.put(("add", (prompt_tokens, params, request_id, updates), done))
+        return done, updates
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id, None))
+
+    def run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug or a device failure: say so once, end every request
+            traceback.print_exc()
+            self.failed = f"{type(e).__name__}: {e}"
+            for listener in self.listeners.values():
+                self.loop.call_soon_threadsafe(listener.put_nowait, None)
+
+    def _serve(self) -> None:
+        while True:
+            self._take_commands(block=not self.engine.has_unfinished())
+            for sequence in self.engine.step():
+                listener = self.listeners.get(sequence.request_id)
+                update = (sequence.index, sequence.text, len(sequence.request.output_tokens),
+                          sequence.finish_reason)
+                if listener is not None:
+                    self.loop.call_soon_threadsafe(listener.put_nowait, update)
+            unfinished = {s.request_id for s in self.engine.sequences.values()}
+            for request_id in [r for r in self.listeners if r not in unfinished]:
+                del self.listeners[request_id]  # every sample has had its last update
+            self.metrics = self.snapshot()
+
+    def _take_commands(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload, done = self.commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "abort":
+                self.engine.abort(payload)
+                self.listeners.pop(payload, None)
+                continue
+            prompt_tokens, params, request_id, updates = payload
+            try:
+                self.engine.add_request(prompt_tokens, params, request_id)
+                self.listeners[request_id] = updates
+                done.set_result(request_id)
+            except Exception as e:  # ValueError, QueueFull: the handler answers them
+                done.set_exception(e)
+
+    def snapshot(self) -> dict:
+        """The figures /metrics serves, taken on this thread between steps."""
+        e = self.engine
+        manager, per_token = e.manager, e.kv_bytes_per_token
+        reserved, unfilled = manager.num_reserved_slots, manager.num_unfilled_slots
+        return {
+            "num_requests_running": len(e.scheduler.running),
+            "num_requests_waiting": len(e.scheduler.waiting),
+            "kv_blocks_used": manager.num_used_blocks,
+            "kv_blocks_free": manager.num_free_blocks,
+            "kv_reserved_bytes": reserved * per_token,
+            "kv_filled_bytes": (reserved - unfilled) * per_token,
+            "kv_unfilled_bytes": unfilled * per_token,
+            "num_preemptions_total": getattr(e.scheduler, "num_preemptions", 0),
+            "generation_tokens_total": e.num_generated_tokens,
+            "request_success_total": e.num_finished,
+        }
+
+
+METRICS_HELP = {
+    "num_requests_running": ("gauge", "requests in the running batch"),
+    "num_requests_waiting": ("gauge", "requests queued for blocks"),
+    "kv_blocks_used": ("gauge", "KV blocks held by requests"),
+    "kv_blocks_free": ("gauge", "KV blocks on the free list"),
+    "kv_reserved_bytes": ("gauge", "bytes of blocks owned by running requests"),
+    "kv_filled_bytes": ("gauge", "of those, bytes holding a token's K and V"),
+    "kv_unfilled_bytes": ("gauge", "reserved minus filled: the fragmentation"),
+    "num_preemptions_total": ("counter", "running requests sent back to the queue"),
+    "generation_tokens_total": ("counter", "tokens generated"),
+    "request_success_total": ("counter", "sequences finished or aborted"),
+}
+
+
+def prometheus_text(metrics: dict, model: str) -> str:
+    lines = []
+    for name, value in metrics.items():
+        kind, help_text = METRICS_HELP[name]
+        lines += [f"# HELP llama3:{name} {help_text}", f"# TYPE llama3:{name} {kind}",
+                  f'llama3:{name}{{model_name="{model}"}} {value}']
+    return "\n".join(lines) + "\n"
+
+
+# --- Requests: OpenAI's JSON to the engine's prompt and SamplingParams ---------------------------
+
+def field(body: dict, name: str, kinds, default=None, check=None, why: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise BadRequest(f"'{name}' must be {why or kinds}, not {value!r}", name)
+    if not isinstance(value, kinds) or (check is not None and not check(value)):
+        raise BadRequest(f"'{name}' must be {why}, not {json.dumps(value)[:100]}", name)
+    return value
+
+
+def sampling_params(body: dict, max_n: int):
+    from features.llm import SamplingParams
+    stop = field(body, "stop", (str, list), [], lambda s: isinstance(s, str) or (
+        len(s) <= 4 and all(isinstance(x, str) and x for x in s)), "a string or up to 4 strings")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return SamplingParams(
+        max_tokens=field({"max_tokens": max_tokens}, "max_tokens", int, 16, lambda v: v >= 1,
+                         "a whole number of at least 1"),
+        temperature=float(field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
+                                "a number from 0 to 2")),
+        top_p=float(field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
+                          "a number above 0, at most 1")),
+        top_k=field(body, "top_k", int, 0, lambda v: v >= -1, "a whole number, -1 or more"),
+        n=field(body, "n", int, 1, lambda v: 1 <= v <= max_n, f"a whole number from 1 to {max_n}"),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        seed=field(body, "seed", int, None, lambda v: 0 <= v < 2**63, "a whole number, 0 or more"),
+        ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"))
+
+
+def completion_prompt(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode_prompt(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        return prompt
+    raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt "
+                     "per request)", "prompt")
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)):
+            raise BadRequest("each message needs a 'role' (system, user or assistant) and a "
+                             "string 'content'", "messages")
+    return tokenizer.chat(messages)
+
+
+# --- The HTTP application ------------------------------------------------------------------------
+
+def build_app(engine, model_name: str, api_key: str | None):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    state = {}
+    max_n = min(MAX_N, len(engine.sampler.samples))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["thread"] = EngineThread(engine, asyncio.get_running_loop())
+        state["thread"].start()
+        yield
+
+    app = FastAPI(title="llama3 paged server", lifespan=lifespan)
+
+    def error(message: str, status: int = 400, param=None, kind="invalid_request_error", headers=None):
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                       "code": None}}, status_code=status, headers=headers)
+
+    def refused(request: Request):
+        """401 without the API key, where one is set (a handler's first check: a middleware
+        would end streamed responses early, as Starlette's BaseHTTPMiddleware does)."""
+        given = request.headers.get("authorization", "")
+        if api_key and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return error("Invalid or missing API key (Authorization: Bearer ...).", 401,
+                         kind="authentication_error")
+        return None
+
+    async def read_body(request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            raise BadRequest(f"The request body is larger than {MAX_BODY_BYTES:,} bytes.")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise BadRequest(f"The request body is larger than {MAX_BODY_BYTES:,} bytes.")
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"The body is not UTF-8 text: {e}") from e
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise BadRequest(f"The body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise BadRequest("The body must be a JSON object.")
+        if body.get("model", model_name) != model_name:
+            raise BadRequest(f"The model '{body.get('model')}' does not exist; this server "
+                             f"serves '{model_name}'.", "model")
+        return body
+
+    async def submit(prompt_tokens, params) -> tuple[str, asyncio.Queue]:
+        from features.llm import QueueFull
+        request_id = f"cmpl-{secrets.token_hex(12)}"
+        done, updates = state["thread"].add(prompt_tokens, params, request_id)
+        try:
+            await asyncio.wrap_future(done)
+        except QueueFull as e:
+            raise BadRequest(f"The server is full ({e}); retry shortly.", status=503) from e
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        return request_id, updates
+
+    async def serve(request: Request, chat: bool):
+        if refused(request):
+            return refused(request)
+        try:
+            body = await read_body(request)
+            prompt = (chat_prompt if chat else completion_prompt)(body, engine.tokenizer)
+            params = sampling_params(body, max_n)
+            stream = field(body, "stream", bool, False, None, "true or false")
+            options = field(body, "stream_options", dict, {}, None, "an object")
+            request_id, updates = await submit(prompt, params)
+        except BadRequest as e:
+            headers = {"Retry-After": "1"} if e.status == 503 else None
+            return error(str(e), e.status, e.param, headers=headers)
+        kind = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+        usage = lambda tokens: {"prompt_tokens": len(prompt), "completion_tokens": sum(tokens),
+                                "total_tokens": len(prompt) + sum(tokens)}
+        if not stream:
+            texts, tokens, reasons = [""] * params.n, [0] * params.n, [None] * params.n
+            try:
+                while None in reasons:
+                    update = await updates.get()
+                    if update is None:
+                        return error(f"The engine stopped: {state['thread'].failed}", 500,
+                                     kind="server_error")
+                    index, texts[index], tokens[index], reason = update
+                    reasons[index] = reason or reasons[index]
+            except asyncio.CancelledError:
+                state["thread"].abort(request_id)
+                raise
+            choices = [{"index": i, "finish_reason": reasons[i], "logprobs": None,
+                        **({"message": {"role": "assistant", "content": texts[i]}} if chat
+                           else {"text": texts[i]})} for i in range(params.n)]
+            return {"id": request_id, "object": kind, "created": created, "model": model_name,
+                    "choices": choices, "usage": usage(tokens)}
+
+        async def events():
+            sent, tokens, finished = [""] * params.n, [0] * params.n, 0
+            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            def chunk(choices, **extra):
+                return "data: " + json.dumps({"id": request_id, "object": chunk_kind,
+                                              "created": created, "model": model_name,
+                                              "choices": choices, **extra}) + "\n\n"
+            try:
+                if chat:
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None} for i in range(params.n)])
+                while finished < params.n:
+                    update = await updates.get()
+                    if update is None:
+                        yield "data: " + json.dumps({"error": {"message": "The engine stopped: "
+                                                    f"{state['thread'].failed}"}}) + "\n\n"
+                        return
+                    index, text, tokens[index], reason = update
+                    delta, sent[index] = text[len(sent[index]):], text
+                    finished += reason is not None
+                    body = ({"delta": {"content": delta}} if chat else {"text": delta})
+                    yield chunk([{"index": index, **body, "finish_reason": reason,
+                                  "logprobs": None}])
+                if options.get("include_usage"):
+                    yield chunk([], usage=usage(tokens))
+                yield "data: [DONE]\n\n"
+            finally:
+                if finished < params.n:  # the client went away: free its blocks and rows
+                    state["thread"].abort(request_id)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if refused(request):
+            return refused(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "owned_by": "llama3-paged",
+                                            "max_model_len": engine.max_seq_len}]}
+
+    @app.get("/health")
+    async def health():
+        alive = state.get("thread") is not None and state["thread"].is_alive()
+        alive = alive and state["thread"].failed is None
+        return PlainTextResponse("ok" if alive else "engine stopped", status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(state["thread"].metrics, model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve.py", description=first_paragraph(__doc__),
+                                formatter_class=HelpFormatter,
+                                epilog="Any other flag is the scripts' (llama3_paged.py --help): "
+                                       "--model, --random-weights, --block-size, --device, ...")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 requests")
+    p.add_argument("--cache", choices=["paged", "naive", "virtual"], default="paged",
+                   help="which KV cache: the three scripts'")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256,
+                   help="sequences queued or running at once; more get 503")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    return p
+
+
+def main(argv=None) -> None:
+    with one_paragraph_errors("serve.py"):
+        args, engine_argv = argument_parser().parse_known_args(argv)
+        if not 0 < args.port < 65536:
+            raise UserError(f"--port {args.port}: expected 1 to 65535.")
+        from features.llm import LLMEngine
+        engine = LLMEngine(args.cache, args.max_num_seqs, argv=engine_argv)
+        name = args.served_model_name or engine.run.args.model
+        m = engine.manager
+        print(f"KV pool: {m.num_blocks:,} blocks x {m.block_size:,} tokens = "
+              f"{format_bytes(engine.cache.nbytes)} ({args.cache}); up to {args.max_num_seqs:,} "
+              f"sequences. Serving '{name}' on http://{args.host}:{args.port}", flush=True)
+        import uvicorn
+        uvicorn.run(build_app(engine, name, args.api_key), host=args.host, port=args.port,
+                    log_level="warning")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,194 @@
+"""serve.py through a real client (the openai package), held to the offline LLM.generate: the tiny
+random model in float32 on the CPU, a server on 127.0.0.1 and a free port, stopped by the test."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx  # the HTTP client the openai package brings
+import pytest
+from conftest import ROOT
+
+from features.llm import LLM, SamplingParams
+from plumbing.inputs import PROMPTS_FILE, read_records
+
+ENGINE = ["--model", "tiny", "--random-weights", "--device", "cpu", "--block-size", "16"]
+KEY = "test-key"
+PROMPTS = [r["conversations"][0]["value"][:200] for r in read_records(PROMPTS_FILE)[:32]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port", str(port),
+                               *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None:
+            raise AssertionError(server.stdout.read())
+        time.sleep(0.1)
+    server.kill()
+    raise AssertionError("the server did not start in 60 s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    process, url = start_server("--api-key", KEY, "--max-num-seqs", "40")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(model="tiny", random_weights=True, device="cpu", block_size=16, max_num_seqs=40)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def metrics(url: str) -> dict:
+    text = httpx.get(url + "/metrics").text
+    return {line.split("{")[0].split(":")[1]: float(line.split()[-1])
+            for line in text.splitlines() if not line.startswith("#")}
+
+
+GREEDY = dict(max_tokens=12, temperature=0)
+
+
+def test_completions_streamed_or_not_give_the_offline_text(client, offline):
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS[:4], SamplingParams(**GREEDY))]
+    for prompt, text in zip(PROMPTS[:4], expected):
+        whole = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
+        assert whole.usage.completion_tokens == 12
+        stream = client.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY)
+        assert "".join(chunk.choices[0].text for chunk in stream) == text
+
+
+def test_chat_completions_and_token_id_prompts_give_the_offline_text(client, offline):
+    conversation = [{"role": "user", "content": PROMPTS[5]}]
+    [expected] = offline.chat([conversation], SamplingParams(**GREEDY))
+    whole = client.chat.completions.create(model="tiny", messages=conversation, **GREEDY)
+    assert whole.choices[0].message.content == expected.outputs[0].text
+    stream = client.chat.completions.create(model="tiny", messages=conversation, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
+    ids = client.completions.create(model="tiny", prompt=expected.prompt_token_ids, **GREEDY)
+    assert ids.choices[0].text == expected.outputs[0].text
+
+
+def test_32_concurrent_streams_each_get_their_own_tokens(client, offline):
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, SamplingParams(**GREEDY))]
+    got = [None] * len(PROMPTS)
+
+    def ask(i):
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[i], stream=True, **GREEDY)
+        got[i] = "".join(chunk.choices[0].text for chunk in stream)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == expected
+
+
+def test_seeded_samples_are_reproducible_and_n_gives_n_choices(client):
+    params = dict(prompt=PROMPTS[0], max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=3)
+    first = client.completions.create(model="tiny", **params)
+    again = client.completions.create(model="tiny", **params)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1, "three samples, not one copied"
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metrics(server)["kv_blocks_used"] > 0
+    for _ in range(100):  # the engine frees them at its next step
+        m = metrics(server)
+        if m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["kv_blocks_used"] == 0 and m["kv_reserved_bytes"] == 0 and m["num_requests_running"] == 0
+
+
+BAD = [
+    ("{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}), "does not exist"),
+    (json.dumps({"prompt": 42}), "'prompt'"),
+    (json.dumps({"prompt": ""}), "'prompt'"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}), "'max_tokens'"),
+    (json.dumps({"prompt": "hi", "max_tokens": "ten"}), "'max_tokens'"),
+    (json.dumps({"prompt": "hi", "temperature": -1}), "'temperature'"),
+    (json.dumps({"prompt": "hi", "n": 1000}), "'n'"),
+    (json.dumps({"prompt": "hi", "stream": "yes"}), "'stream'"),
+    (json.dumps({"prompt": [1, 2, 10**9]}), "vocabulary"),
+    (json.dumps({"prompt": "word " * 9000}), "--max-seq-len"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # nested past Python's recursion limit
+    (json.dumps({"prompt": "x" * 1_200_000}), "larger than"),
+]
+
+
+@pytest.mark.parametrize("body, says", BAD)
+def test_each_bad_request_gets_a_400_and_the_server_serves_on(server, client, body, says):
+    response = httpx.post(server + "/v1/completions", content=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert says in response.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_empty_messages_get_a_400(server):
+    response = httpx.post(server + "/v1/chat/completions", json={"messages": []},
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 400 and "'messages'" in response.json()["error"]["message"]
+
+
+def test_a_wrong_api_key_gets_401(server):
+    from openai import AuthenticationError, OpenAI
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server + "/v1/models").status_code == 401
+    assert httpx.get(server + "/health").status_code == 200  # health and metrics need no key
+
+
+def test_a_full_server_answers_503_with_retry_after():
+    process, url = start_server("--max-num-seqs", "2")
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as first, \
+                httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as second:
+            streams = [first.iter_lines(), second.iter_lines()]  # kept: a dropped one hangs up
+            next(streams[0]), next(streams[1])
+            third = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+            assert third.status_code == 503 and third.headers["Retry-After"] == "1"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
