@@ -77,12 +77,11 @@ class EngineThread(threading.Thread):
     def _serve(self) -> None:
         while True:
             self._take_commands(block=not self.engine.has_unfinished())
-            for sequence in self.engine.step():
-                listener = self.listeners.get(sequence.request_id)
-                update = (sequence.index, sequence.text, len(sequence.request.output_tokens),
-                          sequence.finish_reason)
-                if listener is not None:
-                    self.loop.call_soon_threadsafe(listener.put_nowait, update)
+            updates = [(self.listeners[s.request_id], (s.index, s.text, len(s.request.output_tokens),
+                                                       s.finish_reason))
+                       for s in self.engine.step() if s.request_id in self.listeners]
+            if updates:  # one wake-up of the event loop a step, not one a request
+                self.loop.call_soon_threadsafe(deliver, updates)
             unfinished = {s.request_id for s in self.engine.sequences.values()}
             for request_id in [r for r in self.listeners if r not in unfinished]:
                 del self.listeners[request_id]  # every sample has had its last update
@@ -124,6 +123,12 @@ class EngineThread(threading.Thread):
             "generation_tokens_total": e.num_generated_tokens,
             "request_success_total": e.num_finished,
         }
+
+
+def deliver(updates: list) -> None:
+    """On the event loop: each update to its handler's queue."""
+    for listener, update in updates:
+        listener.put_nowait(update)
 
 
 METRICS_HELP = {

@@ -155,8 +155,9 @@ class Sequence:
     request_id: str
     index: int
     params: SamplingParams
-    text: str = ""
+    text: str = ""  # the answer so far, each character whole
     num_sent_tokens: int = 0
+    num_text_tokens: int = 0  # the tokens `text` decodes: up to the last whole character
     finish_reason: str | None = None
 
 
@@ -283,14 +284,18 @@ class LLMEngine:
                     and not sequence.params.ignore_eos):
                 request.output_tokens.pop()  # the stop token is not part of the answer
                 self._end(sequence, "stop")
-            text = self.tokenizer.decode(request.output_tokens)
-            stop_at = min((i for i in (text.find(s) for s in sequence.params.stop) if i >= 0),
-                          default=-1)
+            # Only the new tokens are decoded: from the last whole character on, the bytes start
+            # a character afresh. One cut between tokens ends in U+FFFD: it waits for the rest.
+            tail = self.tokenizer.decode(request.output_tokens[sequence.num_text_tokens:])
+            text = sequence.text
+            if not tail.endswith("\ufffd") or request.status == Status.FINISHED:
+                text, sequence.num_text_tokens = text + tail, len(request.output_tokens)
+            look_from = max(len(sequence.text) - max(map(len, sequence.params.stop), default=0), 0)
+            stop_at = min((i for i in (text.find(s, look_from) for s in sequence.params.stop)
+                           if i >= 0), default=-1)
             if stop_at >= 0:
                 text = text[:stop_at]
                 self._end(sequence, "stop")
-            elif text.endswith("\ufffd"):  # a character cut between tokens: send it whole later
-                text = sequence.text
             sequence.text, sequence.num_sent_tokens = text, len(request.output_tokens)
             if sequence.finish_reason is None and request.status == Status.FINISHED:
                 sequence.finish_reason = "length"

@@ -192,3 +192,25 @@ def test_a_full_server_answers_503_with_retry_after():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_stop_string_ends_the_text_just_before_it(client, offline):
+    [free] = offline.generate(PROMPTS[7], SamplingParams(max_tokens=24, temperature=0))
+    text = free.outputs[0].text
+    stop = text[12:15]  # cut out of the answer given without a stop string
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=24, temperature=0,
+                                      stop=[stop])
+    assert whole.choices[0].text == text[:text.index(stop)]
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def test_serve_bench_replays_the_workload_through_http(server, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "serve_bench.py"), "--base-url",
+                          server + "/v1", "--api-key", KEY, "--num-prompts", "6", "--request-rate",
+                          "20", "--max-tokens", "5", "--json", str(tmp_path / "b.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    record = json.loads((tmp_path / "b.json").read_text())
+    assert record["requests"] == 6 and record["output_tokens"] == 6 * 5  # every reply is longer
+    assert 0 < record["ttft_seconds"]["median"] <= record["ttft_seconds"]["p99"]
+    assert "TTFT" in out.stdout

@@ -1,0 +1,133 @@
+"""Serving through HTTP, measured as vLLM's serving benchmark measures it: a load client for any
+OpenAI-compatible server (serve.py, vLLM, nano-vllm's).
+
+    python serve.py --random-weights &                           # random 8B weights, a GPU
+    python tools/serve_bench.py --request-rate 8 --num-prompts 160 --json http8.json
+
+Workload: the first --num-prompts prompts of sharegpt_filtered.json, chat-formatted with Llama 3's
+tokenizer and sent as token ids to /v1/completions, each asking for its ShareGPT reply's length
+(at most --max-tokens) with `ignore_eos`, greedy, streamed; arriving as a Poisson process at
+--request-rate per second (features/arrivals.py's times, drawn with --seed). These are the
+requests tools/latency_sweep.py serves in one process, so the two can be set side by side.
+
+Reported, as vLLM's `bench serve` reports them: request throughput and output tokens/s over the
+whole run; TTFT (send to first token), TPOT (the rest of the request's time over its other tokens)
+and ITL (gaps between streamed chunks), each as mean, median and p99; and latency_sweep's
+figure, the mean normalized latency (arrival to last token, over output tokens).
+"""
+
+import argparse
+import asyncio
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph, one_paragraph_errors,
+                          positive_int, request_rate, seed, write_json, writable_file)
+
+
+def parse_arguments(argv=None):
+    p = argparse.ArgumentParser(prog="serve_bench.py", description=first_paragraph(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1")
+    p.add_argument("--model", help="the served model's name (default: the server's first)")
+    p.add_argument("--api-key", default="-", help="sent as Authorization: Bearer KEY")
+    p.add_argument("--num-prompts", type=positive_int, default=200, help="requests to send")
+    p.add_argument("--request-rate", type=request_rate, default=math.inf,
+                   help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--max-tokens", type=positive_int, default=2048,
+                   help="most tokens a request asks for")
+    p.add_argument("--seed", type=seed, default=0, help="of the arrival times")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
+    return p.parse_args(argv)
+
+
+def workload(a) -> tuple[list[list[int]], list[int], list[float]]:
+    """Prompts as token ids, tokens to ask for, arrival times: latency_sweep.py's requests."""
+    from features.arrivals import poisson_arrival_times
+    from plumbing.inputs import load_prompts, load_tokenizer
+    prompts = load_prompts(a.num_prompts, load_tokenizer())
+    budgets = [min(max(p.num_reply_tokens, 1), a.max_tokens) for p in prompts]
+    arrivals = ([0.0] * len(prompts) if math.isinf(a.request_rate)
+                else poisson_arrival_times(len(prompts), a.request_rate, a.seed).tolist())
+    return [p.prompt_tokens for p in prompts], budgets, arrivals
+
+
+async def one_request(client, model, prompt, max_tokens, arrival, start) -> dict:
+    await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+    sent = time.perf_counter()
+    chunks, tokens = [], 0
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices:
+            chunks.append(time.perf_counter())
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    done = time.perf_counter()
+    return {"arrival": start + arrival, "sent": sent, "chunks": chunks, "done": done, "tokens": tokens}
+
+
+async def run_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float]:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=3600)
+    model = a.model or (await client.models.list()).data[0].id
+    start = time.perf_counter()
+    results = await asyncio.gather(*[one_request(client, model, p, b, t, start)
+                                     for p, b, t in zip(prompts, budgets, arrivals)])
+    return results, time.perf_counter() - start
+
+
+def summary(values: list[float]) -> dict:
+    ordered = sorted(values) or [0.0]
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered),
+            "p99": ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]}
+
+
+def report(results: list[dict], wall: float) -> dict:
+    ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
+    tpot = [(r["done"] - r["chunks"][0]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    output = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results), "wall_seconds": wall, "output_tokens": output,
+        "request_throughput": len(results) / wall, "output_tokens_per_second": output / wall,
+        "ttft_seconds": summary(ttft), "tpot_seconds": summary(tpot), "itl_seconds": summary(itl),
+        "mean_normalized_latency": statistics.fmean(
+            (r["done"] - r["arrival"]) / max(r["tokens"], 1) for r in results),
+    }
+
+
+def print_report(r: dict) -> None:
+    ms = lambda s: f"mean {s['mean'] * 1e3:.1f}, median {s['median'] * 1e3:.1f}, p99 {s['p99'] * 1e3:.1f} ms"
+    print(f"{r['requests']:,} requests in {r['wall_seconds']:.1f} s: {r['request_throughput']:.2f} "
+          f"requests/s, {r['output_tokens_per_second']:,.0f} output tokens/s")
+    print(f"  TTFT  {ms(r['ttft_seconds'])}\n  TPOT  {ms(r['tpot_seconds'])}\n  ITL   {ms(r['itl_seconds'])}")
+    print(f"  mean normalized latency {r['mean_normalized_latency']:.4f} s/token")
+
+
+def main(argv=None) -> None:
+    with one_paragraph_errors("serve_bench.py"):
+        a = parse_arguments(argv)
+        prompts, budgets, arrivals = workload(a)
+        import openai
+        try:
+            results, wall = asyncio.run(run_load(a, prompts, budgets, arrivals))
+        except openai.APIConnectionError as e:
+            raise UserError(f"No server answers at {a.base_url} ({e}). Start one: python serve.py "
+                            f"--random-weights") from e
+        except openai.APIStatusError as e:
+            raise UserError(f"The server refused a request: {e}") from e
+        record = report(results, wall)
+        if a.json:
+            write_json(a, record)
+        print_report(record)
+
+
+if __name__ == "__main__":
+    main()
