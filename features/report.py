@@ -14,7 +14,7 @@ import torch
 
 from features.mapping_ahead import MappingAheadManager
 from features.page_manager import PageManager
-from plumbing.cli import format_bytes, write_json
+from plumbing.cli import format_bytes, per_token, write_json
 from plumbing.inputs import device_total_bytes, lengths_note, print_answers
 
 
@@ -60,7 +60,7 @@ def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:
 
 
 def memory_report(run, cache, manager, generation) -> dict:
-    kv_bytes_per_token = run.model.args.kv_bytes_per_token(run.dtype)
+    kv_bytes_per_token = run.kv_bytes_per_token  # fp8: half the model dtype's
     total = device_total_bytes(run.device)
     fullest = kv_snapshot_bytes(generation.fullest, kv_bytes_per_token) if generation.timeline else None
     last = kv_snapshot_bytes(generation.timeline[-1], kv_bytes_per_token) if generation.timeline else None
@@ -179,7 +179,7 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
     print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} "
           f"{m['kv_pool_unit']} x {m['block_size_tokens']:,} tokens x "
-          f"{m['kv_bytes_per_token'] // 1024} KiB per token")
+          f"{per_token(m['kv_bytes_per_token'])} per token")
     for label, step in (("fullest step", m["at_fullest_step"]), ("last step", m["at_last_step"])):
         if step:
             print(f"  at the {label} ({step['step']}, {step['running_requests']} running): reserved "

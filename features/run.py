@@ -10,6 +10,7 @@ while the GPU computes the one before (features/overlap.py; --no-overlap).
 """
 
 import argparse
+import dataclasses
 import importlib
 from pathlib import Path
 import math
@@ -70,6 +71,8 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule a step while the GPU runs the one before (default: on CUDA)")
     p.add_argument("--compile", action="store_true",
                    help="on CUDA: fuse each layer's small kernels with torch.compile")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: K/V in float8, half the bytes (auto: the model's dtype)")
     p.add_argument("--find-max-batch", action="store_true",
                    help="bisect for the largest batch, at most N, that completes")
     p.add_argument("--json", type=writable_file, metavar="PATH",
@@ -143,9 +146,33 @@ def load(args) -> Run:
                         f"project runs at most {MAX_SEQUENCES:,} at once.")
     refuse_output_over_input(args.json, [*inputs.inputs_of(args), args.system_prompt_file],
                              "--json")
-    attention = choose_attention(args.attn, args.device, args.decode_kernel)
+    decode_kernel = args.decode_kernel
+    if args.kv_cache_dtype == "fp8":
+        refuse_fp8_combinations(args, no_system_prompt)
+        if args.device.type == "cuda" and (args.attn == "flash" or args.attn == "auto"
+                                           and importable("flash_attn")):
+            decode_kernel = "triton"  # flash-attn 2 reads no float8: Triton decodes, flash prefills
+    attention = choose_attention(args.attn, args.device, decode_kernel)
     sequences = args.samples * args.beam_width
-    return inputs.load_run(args, lesson.Llama, attention, system_prompt(args), sequences)
+    run = inputs.load_run(args, lesson.Llama, attention, system_prompt(args), sequences)
+    if args.kv_cache_dtype == "fp8":
+        from features.fp8_cache import FP8
+        run = dataclasses.replace(run, kv_cache_dtype=FP8)
+    return run
+
+
+def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
+    """The FP8 cache attends over fresh K/V in prefill: runs whose prefill reads cached blocks
+    (a system prompt's prefix cache, mixed steps' partial prompts) wait for a dequantizing
+    prefill kernel, as do the virtual cache and fused layers."""
+    why = ("a system prompt's prefix cache (add --no-prefix-cache)"
+           if not no_system_prompt and not args.no_prefix_cache else
+           "--max-batched-tokens" if args.max_batched_tokens else
+           "llama3_virtual.py" if args.script == "llama3_virtual.py" else
+           "--compile" if args.compile else None)
+    if why:
+        raise UserError(f"--kv-cache-dtype fp8 does not combine with {why} yet: its prefill "
+                        f"attends over fresh K/V only. Drop one of the two.")
 
 
 def system_prompt(args) -> str | None:
@@ -219,6 +246,8 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     """The lesson's pool; with CUDA graphs, one spare slot more, for the graphs' padding rows."""
     from features.cuda_graphs import KVCacheWithSpareSlot
     cache_class = KVCacheWithSpareSlot if decodes_with_graphs(run) else KVCacheAfterPrefix
+    if run.kv_cache_dtype is not None:
+        from features.fp8_cache import FP8KVCache as cache_class
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         return cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
                            run.attention)

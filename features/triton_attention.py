@@ -33,11 +33,15 @@ NUM_WARPS = 4  # with tiles of 128, faster than 8 warps or tiles of 64 at W's an
 @triton.jit
 def paged_decode_kernel(
         q_ptr, key_blocks_ptr, value_blocks_ptr, block_table_ptr, cache_seqlens_ptr, out_ptr,
-        scale, q_stride_request, q_stride_head, kv_stride_block, kv_stride_slot, kv_stride_head,
-        table_stride_request, out_stride_request, out_stride_head,
+        kv_scales_ptr, scale, q_stride_request, q_stride_head, kv_stride_block, kv_stride_slot,
+        kv_stride_head, table_stride_request, out_stride_request, out_stride_head,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-        GROUP_PADDED: tl.constexpr, TILE: tl.constexpr):
+        GROUP_PADDED: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr):
     request, kv_head = tl.program_id(0), tl.program_id(1)
+    if FP8:  # features/fp8_cache.py: K = K8 * k_scale, V = V8 * v_scale, folded in below
+        k_scale, v_scale = tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)
+    else:
+        k_scale, v_scale = 1.0, 1.0
     seqlen = tl.load(cache_seqlens_ptr + request)
     # The query heads of this KV head, padded to 16 rows for tl.dot: [GROUP_PADDED, HEAD_DIM].
     group_rows = tl.arange(0, GROUP_PADDED)
@@ -45,6 +49,8 @@ def paged_decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_offsets = request * q_stride_request + heads[:, None] * q_stride_head + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=group_rows[:, None] < GROUP, other=0.0)
+    if FP8:  # e4m3 widens to float16 exactly, a pair per instruction: the products run in fp16
+        q = q.to(tl.float16)
 
     m = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PADDED], tl.float32)
@@ -57,37 +63,40 @@ def paged_decode_kernel(
                          mask=cached, other=0)
         kv_offsets = (blocks.to(tl.int64) * kv_stride_block + (tokens % BLOCK_SIZE) * kv_stride_slot
                       + kv_head * kv_stride_head)[:, None] + dims[None, :]  # [TILE, HEAD_DIM]
-        k = tl.load(key_blocks_ptr + kv_offsets, mask=cached[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PADDED, TILE], float32
+        k = tl.load(key_blocks_ptr + kv_offsets, mask=cached[:, None], other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k)) * (scale * k_scale)  # [GROUP_PADDED, TILE], float32
         scores = tl.where(cached[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         rescale = tl.exp(m - m_new)  # how much the old sums shrink under the new maximum
         l = l * rescale + tl.sum(p, 1)
-        v = tl.load(value_blocks_ptr + kv_offsets, mask=cached[:, None], other=0.0)
+        v = tl.load(value_blocks_ptr + kv_offsets, mask=cached[:, None], other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a request with nothing cached gets zeros
+    out = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]  # nothing cached: zeros
     out_offsets = request * out_stride_request + heads[:, None] * out_stride_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=group_rows[:, None] < GROUP)
 
 
-def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens,
+def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens, kv_scales=None,
                  tile: int = TOKENS_PER_TILE, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """q: [B, n_heads, d]; key_blocks, value_blocks: [num_blocks, block_size, n_kv_heads, d];
     block_table: [B, max_blocks] int32; cache_seqlens: [B] int32. Returns [B, n_heads, d].
-    (tools/decode_kernel_cost.py times other tiles and warps.)"""
+    kv_scales: [2] float32 on the device, K's and V's scale, for float8 blocks
+    (features/fp8_cache.py). (tools/decode_kernel_cost.py times other tiles and warps.)"""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = key_blocks.shape
     group = n_heads // n_kv_heads
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     paged_decode_kernel[(batch, n_kv_heads)](
-        q, key_blocks, value_blocks, block_table, cache_seqlens, out, head_dim ** -0.5,
+        q, key_blocks, value_blocks, block_table, cache_seqlens, out,
+        q if kv_scales is None else kv_scales, head_dim ** -0.5,
         q.stride(0), q.stride(1), key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
-        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=tile, num_warps=num_warps)
+        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=tile, FP8=kv_scales is not None,
+        num_warps=num_warps)
     return out
 
 

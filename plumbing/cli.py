@@ -126,7 +126,8 @@ def write_atomically(path: Path, write) -> None:
     disk) leaves whatever path held untouched. A path that is no regular file (a device, a pipe)
     is written directly. Failures end as a UserError that names the file."""
     direct = path.exists() and not path.is_file()
-    temporary = path if direct else path.with_name(f".partial-{path.name}")  # keeps the suffix
+    # A name of this process's own: two writers of one path never write into one file.
+    temporary = path if direct else path.with_name(f".partial-{os.getpid()}-{path.name}")
     try:
         write(temporary)
         if not direct:
@@ -180,6 +181,11 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} bytes"
+
+
+def per_token(n: int) -> str:
+    """A token's K/V: in KiB, as the README counts them (128 KiB for 8B in bf16), else bytes."""
+    return f"{n // 1024} KiB" if n % 1024 == 0 else f"{n:,} bytes"
 
 
 def exit_quietly_on_ctrl_c(program: str) -> None:
@@ -309,6 +315,8 @@ def device(text: str):
         raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, or cuda (cuda:N "
                                          f"for GPU N)") from None
     if parsed.type == "cpu":
+        if parsed.index not in (None, 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: the CPU has no device numbers; use cpu")
         return torch.device("cpu")
     if parsed.type != "cuda":
         raise argparse.ArgumentTypeError(f"{text!r}: this project runs on cpu or cuda")

@@ -49,6 +49,8 @@ class GGUFFile:
             raise UserError(f"Reading {path} needs the gguf package (llama.cpp's reader): "
                             f"pip install gguf.") from e
         self.path, self.gguf = Path(path), gguf
+        if not self.path.is_file():
+            raise UserError(f"{self.path}: no such file or folder (a .gguf model file).")
         try:
             self.reader = gguf.GGUFReader(self.path)
         except Exception as e:  # a damaged file fails in numpy, struct or the parser alike

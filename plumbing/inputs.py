@@ -183,6 +183,8 @@ def random_model(model_class, preset: str, device, dtype, max_positions: int, se
 
 def load_model(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
     ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.exists():
+        raise UserError(f"--ckpt-dir {ckpt_dir}: no such file or folder.\n" + DOWNLOAD_HINT)
     if ckpt_dir.suffix == ".gguf":
         from plumbing.gguf_checkpoint import GGUFFile
         return _load_gguf(model_class, GGUFFile(ckpt_dir), device, dtype, max_positions)
@@ -493,8 +495,11 @@ def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:
         if Path(explicit).is_dir():
             raise UserError(f"--tokenizer {explicit} is a directory; name the tokenizer.model "
                             f"file in it.")
-        if not Path(explicit).is_file():
+        if not Path(explicit).exists():
             raise UserError(f"--tokenizer {explicit}: no such file (a Llama 3 tokenizer.model).")
+        if not Path(explicit).is_file():
+            raise UserError(f"--tokenizer {explicit} is not a regular file (a device or a pipe?); "
+                            f"name a Llama 3 tokenizer.model.")
         return Path(explicit)
     if ckpt_dir is not None and (Path(ckpt_dir) / "tokenizer.model").is_file():
         return Path(ckpt_dir) / "tokenizer.model"
@@ -598,10 +603,11 @@ class Run:
     prompts: list[Prompt]
     num_sequences: int  # what the scheduler runs: a request per prompt, or per sample or beam
     system_prompt: str | None = None  # the system turn every request begins with, if any
+    kv_cache_dtype: torch.dtype | None = None  # the pool's, where not the model's (fp8)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model.args.kv_bytes_per_token(self.dtype)
+        return self.model.args.kv_bytes_per_token(self.kv_cache_dtype or self.dtype)
 
     @property
     def num_system_prompt_tokens(self) -> int:

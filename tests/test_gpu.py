@@ -72,13 +72,13 @@ MAX_SEQ_LEN = 2048
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttentionAfterPrefix, continuous=False, samples=1, share=False,
                     sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
-                    compiled=False, overlap=False):
+                    compiled=False, overlap=False, cache_class=KVCacheWithSpareSlot):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
     n = len(prompts)
-    cache = KVCacheWithSpareSlot(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
-                    attention())
+    cache = cache_class(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
+                        attention())
     if compiled:  # the model's layers, for good: compile a model of the test's own
         from features.compiled_layers import compile_layers
         compile_layers(model, cache)
@@ -197,6 +197,43 @@ def test_triton_and_flash_attn_generate_the_same_tokens():
     triton = generate_on_gpu(model, prompts, [33] * 8, num_blocks=1024, block_size=16,
                                  attention=TritonAttention)
     assert triton.output_tokens == flash.output_tokens  # the prefill token and 32 decode steps
+
+
+@needs_triton
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(gqa):
+    from features.triton_attention import paged_decode
+    from features.fp8_cache import FP8_MAX, dequantize, quantize
+    g = torch.Generator(device="cuda").manual_seed(gqa)
+    batch, n_kv, d, block_size, longest = 10, 2, 128, 16, 3000
+    lengths = torch.randint(1, longest + 1, (batch,), device="cuda", generator=g)
+    max_blocks = math.ceil(longest / block_size)
+    table = torch.randperm(batch * max_blocks + 5, device="cuda", generator=g)[:batch * max_blocks]
+    table = table.view(batch, max_blocks).int()
+    keys, values = (torch.randn(batch * max_blocks + 5, block_size, n_kv, d, device="cuda",
+                                generator=g) * 4 for _ in range(2))
+    scales = torch.stack([keys.abs().amax(), values.abs().amax()]) * 2 / FP8_MAX
+    keys8, values8 = quantize(keys, scales[0]), quantize(values, scales[1])
+    q = torch.randn(batch, n_kv * gqa, d, device="cuda", generator=g).bfloat16()
+    out = paged_decode(q, keys8, values8, table, lengths.int(), kv_scales=scales)
+    reference = TorchAttentionAfterPrefix().decode(
+        q.double(), dequantize(keys8, scales[0], torch.float64),
+        dequantize(values8, scales[1], torch.float64), DecodeBatch(None, table, lengths.int(), longest))
+    errors = (out.double() - reference).abs()
+    assert errors.max() < 2e-2 * reference.abs().max(), errors.max()  # bf16 sums, not the format
+
+
+@needs_triton
+def test_an_fp8_cache_gives_the_same_tokens_through_the_reference_and_the_triton_kernel():
+    from features.fp8_cache import FP8KVCache
+    from features.triton_attention import TritonDecode
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
+    prompts = random_prompts(8, torch.Generator().manual_seed(6))
+    reference = generate_on_gpu(model, prompts, [33] * 8, num_blocks=1024, block_size=16,
+                                attention=TorchAttentionAfterPrefix, cache_class=FP8KVCache)
+    kernel = generate_on_gpu(model, prompts, [33] * 8, num_blocks=1024, block_size=16,
+                             attention=TritonDecode, cache_class=FP8KVCache, graphs=True)
+    assert kernel.output_tokens == reference.output_tokens
 
 
 @needs_triton

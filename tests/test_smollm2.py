@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT
 from test_scripts import run_script
 
 from plumbing.gguf_checkpoint import ChatMLTokenizer, GGUFFile, gguf_shapes, packaged_smollm2

@@ -218,6 +218,8 @@ def parse_arguments(argv=None):
     p.add_argument("--model", choices=MODELS, default="8b",
                    help="random weights of these shapes")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: K/V in float8, decoded by the Triton kernel")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
     for name, value in WORKLOADS[a.workload].items():
@@ -233,6 +235,7 @@ def script_arguments(bench_args):
             "--attn", a.attn, "--max-seq-len", str(a.max_seq_len),
             "--max-new-tokens", str(a.new_tokens),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    argv += ["--kv-cache-dtype", a.kv_cache_dtype]
     argv += ["--eager"] if a.eager else []
     argv += ["--compile"] if a.compile else []
     argv += [] if a.overlap is None else ["--overlap" if a.overlap else "--no-overlap"]
@@ -323,7 +326,7 @@ def bench(a) -> dict:
         mapping = {key: (after[key] - mapping_before[key]) / len(result.timeline) for key in after}
         if isinstance(manager, MappingAheadManager):
             manager.close()
-    kv_bytes_per_token = setup.model.args.kv_bytes_per_token(setup.dtype)
+    kv_bytes_per_token = setup.kv_bytes_per_token
     weights_read = weight_bytes_read_per_step(setup.model)
     hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
     per_token = decode_flops_per_token(setup.model.args)

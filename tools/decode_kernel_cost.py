@@ -81,6 +81,7 @@ def one_case(batch: int, fewest: int, most: int, block_size: int, device) -> dic
 
 def measure(a) -> dict:
     from flash_attn import flash_attn_with_kvcache
+    from features.fp8_cache import FP8_MAX, HEADROOM, quantize
     from features.triton_attention import paged_decode
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -99,11 +100,20 @@ def measure(a) -> dict:
         for tile in a.tiles:
             for warps in a.warps:
                 triton = lambda t=tile, w=warps: paged_decode(c["q"], c["keys"], c["values"],
-                                                             c["table"], c["lengths"], t, w)
+                                                             c["table"], c["lengths"], tile=t,
+                                                             num_warps=w)
                 seconds, out = median_cuda_seconds(as_graph(triton)), triton()
                 differs = None if flash_out is None else (out.float() - flash_out.float()).abs().max().item()
                 row["triton"].append({"tile": tile, "warps": warps, "seconds": seconds,
                                       "max_difference_from_flash": differs})
+        # The same K/V in float8 (features/fp8_cache.py), the default tile and warps: half the
+        # bytes read; its difference is from the bf16 Triton kernel's output.
+        scales = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float() * HEADROOM / FP8_MAX
+        keys8, values8 = quantize(c["keys"], scales[0]), quantize(c["values"], scales[1])
+        fp8 = lambda: paged_decode(c["q"], keys8, values8, c["table"], c["lengths"], kv_scales=scales)
+        bf16 = paged_decode(c["q"], c["keys"], c["values"], c["table"], c["lengths"])
+        row["triton_fp8"] = {"seconds": median_cuda_seconds(as_graph(fp8)),
+                             "max_difference_from_bf16": (fp8().float() - bf16.float()).abs().max().item()}
         cases.append(row)
     return {"device": torch.cuda.get_device_name(device),
             "copy_bandwidth_bytes_per_second": bandwidth, "cases": cases}
@@ -125,6 +135,10 @@ def print_table(result: dict) -> None:
             print(f"{head if i == 0 else '':<37}  {kernel:<22} {seconds * 1e6:>6.1f} us "
                   f"{r['kv_bytes'] / seconds / 1e12:>5.2f} TB/s "
                   f"{'' if differs is None else f'{differs:.1e}':>22}")
+        f = r["triton_fp8"]  # reads half the bytes: its TB/s is of the bytes it reads
+        differs = f"{f['max_difference_from_bf16']:.1e} from bf16"
+        print(f"{'':<37}  {'Triton, fp8 K/V':<22} {f['seconds'] * 1e6:>6.1f} us "
+              f"{r['kv_bytes'] / 2 / f['seconds'] / 1e12:>5.2f} TB/s {differs:>22}")
 
 
 def main(argv=None) -> None:

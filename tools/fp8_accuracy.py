@@ -1,0 +1,125 @@
+"""What an FP8 KV cache costs in accuracy: its logits against the model-dtype cache's, step by step.
+
+    python tools/fp8_accuracy.py --model smollm2 --device cpu     # the real SmolLM2, float32
+    python tools/fp8_accuracy.py                                  # random 8B weights, bf16, a GPU
+
+Both caches run the same prompts, greedy, teacher-forced: each step of both feeds the token the
+reference cache's run chose, so one flipped token does not change every later step. Reported per
+step and over all: the largest and the mean |logit difference|, the spread of the logits (their
+standard deviation, for scale), and top-1 agreement: how often the two caches' likeliest next
+tokens are the same. The attention kernels are the same in both runs (flash-attn's prefill; the
+Triton decode kernel on a GPU, the PyTorch reference on the CPU): only the K/V storage differs.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from plumbing.cli import (MODELS, HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
+                          write_json, writable_file)
+
+
+def parse_arguments(argv=None):
+    p = argparse.ArgumentParser(prog="fp8_accuracy.py", description=first_paragraph(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="8b",
+                   help="smollm2: the real weights; the others: random weights of their shapes")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if there is one)")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="ShareGPT prompts")
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps per prompt")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
+    return p.parse_args(argv)
+
+
+class ForcedSampler:
+    """Records each step's logits and answers with the reference run's token at that position
+    (the likeliest, where there is no reference yet)."""
+
+    def __init__(self, prompt_lengths, forced=None):
+        self.prompt_lengths, self.forced, self.logits = prompt_lengths, forced, {}
+
+    def __call__(self, logits, rows, positions):
+        import torch
+        steps = positions - self.prompt_lengths[rows]  # 0 for prefill's token, then 1, 2, ...
+        for row, step, row_logits in zip(rows.tolist(), steps.tolist(), logits.float()):
+            self.logits[row, step] = row_logits
+        if self.forced is None:
+            return logits.argmax(-1)
+        return torch.stack([self.forced[row][step] for row, step in zip(rows.tolist(), steps.tolist())])
+
+
+def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
+    import torch
+    from block_manager import BlockManager
+    from llama3_paged import Engine, Request, Scheduler
+    block_size = 16
+    blocks_each = max(len(p) for p in prompts) // block_size + steps // block_size + 2
+    num_blocks = blocks_each * len(prompts)
+    cache = cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
+    manager = BlockManager(num_blocks, block_size, len(prompts), blocks_each, run.device)
+    lengths = torch.tensor([len(p) for p in prompts], device=run.device)
+    sampler = ForcedSampler(lengths, forced)
+    engine = Engine(run.model, cache, manager)
+    engine.sampler = engine.decoder.sampler = sampler
+    engine.generate(Scheduler(manager, [Request(i, p, steps) for i, p in enumerate(prompts)]),
+                    progress=False)
+    return sampler
+
+
+def measure(a) -> dict:
+    import torch
+    from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+    from features.fp8_cache import FP8KVCache
+    from features.llm import parse_script_arguments
+    from features.run import load
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    argv = [str(a.num_prompts), "--model", a.model, "--device", device]
+    args = parse_script_arguments("paged", argv + ([] if a.model == "smollm2" else ["--random-weights"]))
+    run = load(args)
+    if device == "cpu":
+        run.attention = TorchAttentionAfterPrefix()
+    else:
+        from features.triton_attention import TritonDecode
+        run.attention = TritonDecode()  # the kernels fp8 runs with; bf16 runs them too here
+    prompts = [p.prompt_tokens for p in run.prompts]
+    reference = run_cache(run, KVCacheAfterPrefix, prompts, a.steps)
+    forced = [[int(reference.logits[r, s].argmax()) for s in range(a.steps)] for r in range(len(prompts))]
+    forced = [torch.tensor(f, device=run.device) for f in forced]
+    fp8 = run_cache(run, FP8KVCache, prompts, a.steps, forced)
+    per_step = []
+    for s in range(a.steps):
+        ref = torch.stack([reference.logits[r, s] for r in range(len(prompts))])
+        got = torch.stack([fp8.logits[r, s] for r in range(len(prompts))])
+        diff = (got - ref).abs()
+        per_step.append({"step": s, "max_abs_logit_error": diff.max().item(),
+                         "mean_abs_logit_error": diff.mean().item(), "logit_std": ref.std().item(),
+                         "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()})
+    return {"model": a.model + ("" if a.model == "smollm2" else ", random weights"),
+            "device": str(device), "dtype": str(run.dtype).removeprefix("torch."),
+            "prompts": len(prompts), "steps": a.steps, "per_step": per_step,
+            "max_abs_logit_error": max(p["max_abs_logit_error"] for p in per_step),
+            "mean_abs_logit_error": statistics.fmean(p["mean_abs_logit_error"] for p in per_step),
+            "logit_std": statistics.fmean(p["logit_std"] for p in per_step),
+            "top1_agreement": statistics.fmean(p["top1_agreement"] for p in per_step)}
+
+
+def main(argv=None) -> None:
+    with one_paragraph_errors("fp8_accuracy.py"):
+        a = parse_arguments(argv)
+        r = measure(a)
+        if a.json:
+            write_json(a, r)
+        print(f"FP8 K/V against {r['dtype']} K/V: {r['model']}, {r['device']}, {r['prompts']} prompts "
+              f"x {r['steps']} teacher-forced steps")
+        print(f"  top-1 agreement {100 * r['top1_agreement']:.2f}%; |logit error| mean "
+              f"{r['mean_abs_logit_error']:.4f}, largest {r['max_abs_logit_error']:.3f} "
+              f"(logits' standard deviation {r['logit_std']:.2f})")
+        worst = min(r["per_step"], key=lambda p: p["top1_agreement"])
+        print(f"  the worst step: {worst['step']}, {100 * worst['top1_agreement']:.1f}% agreement")
+
+
+if __name__ == "__main__":
+    main()
