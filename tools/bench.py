@@ -9,8 +9,9 @@
     python tools/bench.py virtual --workload P   # P: prefill-heavy, 4,096-token prompts
 
 Workload W: the first 256 prompts of sharegpt_filtered.json, chat-formatted; exactly 256 new
-tokens each, greedy, end-of-text ignored; random 8b weights in bf16; --max-seq-len 1536 (so the
-naive caches fit); flash-attn; one static batch. Workload W2: the first 2,000 prompts, each
+tokens each, greedy, end-of-text ignored; random 8b weights in bf16 (--model: other shapes;
+smollm2, its real weights); --max-seq-len 1536 (so the naive caches fit); flash-attn; one static
+batch. Workload W2: the first 2,000 prompts, each
 generating its ShareGPT reply's length (at most 2,048), end-of-text ignored, --max-seq-len 8192,
 the default memory utilization, continuous batching. Workload P (prefill-heavy, vAttention's
 case): 256 prompts of exactly 4,096 tokens, ShareGPT's turns one after another cut to length,
@@ -216,7 +217,7 @@ def parse_arguments(argv=None):
     p.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
                    help="paged, with a system prompt: read its blocks once a step")
     p.add_argument("--model", choices=MODELS, default="8b",
-                   help="random weights of these shapes")
+                   help="random weights of these shapes; smollm2: its real weights")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: K/V in float8, decoded by the Triton kernel")
@@ -231,7 +232,8 @@ def parse_arguments(argv=None):
 def script_arguments(bench_args):
     """The same run as the script's command line would set it up."""
     a = bench_args
-    argv = [str(a.num_requests), "--random-weights", "--model", a.model, "--dtype", a.dtype,
+    weights = [] if a.model == "smollm2" else ["--random-weights"]  # SmolLM2's are real (its GGUF)
+    argv = [str(a.num_requests), *weights, "--model", a.model, "--dtype", a.dtype,
             "--attn", a.attn, "--max-seq-len", str(a.max_seq_len),
             "--max-new-tokens", str(a.new_tokens),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
@@ -410,7 +412,7 @@ def print_table(r: dict) -> None:
         batching += f" (mixed steps of {w['max_batched_tokens']:,} tokens)"
     print(f"\n{w['script']}, workload {w['workload']}: {w['num_requests']:,} requests x "
           f"{w['new_tokens']} new tokens{' (ShareGPT reply lengths)' if w['sharegpt_replies'] else ''}, "
-          f"{r['num_prompt_tokens']:,} prompt tokens; {w['model']} random weights, {w['dtype']}, "
+          f"{r['num_prompt_tokens']:,} prompt tokens; {w['model']} {'real' if w['model'] == 'smollm2' else 'random'} weights, {w['dtype']}, "
           f"--attn {w['attn']}{decode}, {graphs}{block}, --max-seq-len {w['max_seq_len']}, {batching} "
           f"batching; {r['device']}")
     print(f"  measured: copy bandwidth {r['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s, "
