@@ -19,6 +19,7 @@ decodes one token for every running request, never both:
   generated are prefilled again, and it continues exactly where it stopped.
 """
 
+import sys
 import time
 
 from features.cached_prefix import CachingScheduler
@@ -28,6 +29,7 @@ from llama3_paged import Step
 # Share of the pool that admission leaves free for the running requests to grow into (vLLM's
 # default is 1%; README, "Serving a stream", measures both).
 WATERMARK = 0.1
+SAY_WAITS_OVER_SECONDS = 5.0
 
 
 class RequestTooLarge(Exception):
@@ -50,6 +52,7 @@ class ContinuousScheduler(CachingScheduler):
         self.watermark_blocks = int(WATERMARK * manager.num_blocks) if self.grows else 0
         self.num_preemptions = self.num_recomputed_tokens = 0
         self.sleep = time.sleep  # tests give a fake one, with a fake clock
+        self.said_wait = False
         for request in requests:
             self._refuse_if_larger_than_the_pool(request)
 
@@ -95,7 +98,13 @@ class ContinuousScheduler(CachingScheduler):
         return joining
 
     def _wait_for_an_arrival(self) -> None:
-        """With nothing to run, sleep until the head of the queue arrives: no core spins."""
+        """With nothing to run, sleep until the head of the queue arrives: no core spins. A wait
+        of more than a few seconds is said once, so a slow --request-rate does not look hung."""
+        wait = self.waiting[0].arrival_time - self.now() if self.waiting else 0.0
+        if not self.running and wait > SAY_WAITS_OVER_SECONDS and not self.said_wait:
+            print(f"Waiting {wait:,.0f} s for the next request to arrive (--request-rate).",
+                  file=sys.stderr, flush=True)
+            self.said_wait = True
         while not self.running and self.waiting and self.waiting[0].arrival_time > self.now():
             self.sleep(max(self.waiting[0].arrival_time - self.now(), 0.0))
 

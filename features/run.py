@@ -32,6 +32,7 @@ from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, UserErr
 from plumbing import inputs
 from plumbing.inputs import Run
 
+MAX_BEAM_WIDTH = 1024  # beams per prompt: more than any search uses, far fewer than a vocabulary
 SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
 MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
@@ -88,7 +89,7 @@ def add_paged_feature_arguments(parser) -> None:
                         help="with a system prompt: compute every prompt in full, reuse no block")
     parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
                         help="with a cached system prompt: read it once a step")
-    parser.add_argument("--beam-width", type=positive_int, default=1, metavar="K",
+    parser.add_argument("--beam-width", type=beam_width, default=1, metavar="K",
                         help="beam search: K beams per prompt, sharing blocks")
     parser.add_argument("--no-sharing", action="store_true",
                         help="every sequence holds its own blocks (the comparison run)")
@@ -251,6 +252,13 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         return cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
                            run.attention)
+
+
+def beam_width(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_BEAM_WIDTH:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_BEAM_WIDTH:,} beams, got {text}")
+    return value
 
 
 def decodes_with_graphs(run: Run) -> bool:

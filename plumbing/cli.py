@@ -287,14 +287,17 @@ def temperature(text: str) -> float:
     return value
 
 
+MIN_REQUEST_RATE = 1e-5  # about one request a day
+
+
 def request_rate(text: str) -> float:
     """Requests per second: a positive number, or inf (all at the start)."""
     if text.strip().lower() in ("inf", "infinity"):
         return math.inf
     value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of requests per second, or "
-                                         f"inf, got {text}")
+    if not value >= MIN_REQUEST_RATE:  # NaN too; slower arrivals overflow the clock's arithmetic
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_REQUEST_RATE:g} requests per "
+                                         f"second (one a day), or inf, got {text}")
     return value
 
 

@@ -111,3 +111,17 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
     for r in requests:
         assert r.admitted_at >= r.arrival_time and r.token_times[0] > r.arrival_time
         assert r.token_times == sorted(r.token_times) and len(r.token_times) == r.max_new_tokens
+
+
+def test_a_long_wait_for_the_next_arrival_is_said_once(capsys):
+    queue = [ServedRequest(r, tokens(5, 10 * r), 2, arrival_time=t) for r, t in enumerate([100.0, 300.0])]
+    scheduler = ContinuousScheduler(BlockManager(64, 4, 2, 8), queue, None, 64)
+    clock = FakeClock()
+    scheduler.clock, scheduler.sleep, scheduler.start = clock, clock.sleep, 0.0
+    while scheduler.has_work():
+        step = scheduler.schedule()
+        for request in step.requests:
+            request.output_tokens.append(1)
+        scheduler.finish([r for r in step.requests if len(r.output_tokens) == r.max_new_tokens])
+    said = capsys.readouterr().err
+    assert "Waiting 100 s for the next request to arrive" in said and said.count("Waiting") == 1

@@ -125,6 +125,7 @@ BAD_ARGUMENTS = [
       str(ROOT / "system_prompt.txt")], 2, "one of the project's own files"),
     (["2", *TINY, "--tokenizer", "{tmp}"], 2, "is a directory; name the tokenizer.model"),
     (["2", *TINY, "--tokenizer", os.devnull], 2, "is not a regular file"),
+    (["2", *TINY, "--continuous", "--request-rate", "5e-324"], 2, "at least 1e-05 requests per second"),
     (["2", "--device", "cpu", "--ckpt-dir", "{tmp}/nonexistent"], 2, "no such file or folder"),
     (["2", "--random-weights", "--model", "tiny", "--device", "cpu:1"], 2, "the CPU has no device numbers"),
     (["2", *TINY, "--kv-cache-dtype", "fp8", "--system-prompt", "Hi."], 2, "--no-prefix-cache"),
@@ -149,6 +150,7 @@ BAD_ARGUMENTS = [
      "Could not read --system-prompt-file"),
 ]
 PAGED_ONLY = [
+    (["2", *TINY, "--beam-width", "100000"], 2, "expected 1 to 1,024 beams"),
     (["2", *TINY, "--block-size", "0"], 2, "positive whole number"),
     (["2", *TINY, "--num-blocks", "-3"], 2, "positive whole number"),
     (["2", *TINY, "--decode-kernel", "triton"], 2, "this run attends with --attn torch"),

@@ -105,7 +105,7 @@ def test_a_curve_stops_after_its_first_point_past_twice_the_threshold(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--rates", "4,2"], ["--rates", "fast=1,2"],
-                                   ["--curves", "orca"], ["--seconds", "0"]])
+                                   ["--curves", "orca"], ["--seconds", "0"], ["--seconds", "1e308"]])
 def test_bad_arguments_exit_2(tmp_path, flags):
     with pytest.raises(SystemExit) as e:
         latency_sweep.parse_arguments(["run", "--json", str(tmp_path / "x.json"), *flags])

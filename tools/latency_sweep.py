@@ -128,6 +128,9 @@ def sweep_json(text: str) -> dict:
     return sweep
 
 
+MAX_SECONDS = 1e6  # of arrivals per point: R x T requests must stay a count
+
+
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     commands = p.add_subparsers(dest="command", required=True)
@@ -159,8 +162,9 @@ def parse_arguments(argv=None):
     plot.add_argument("-o", "--output", type=image_file, default="figure12.png",
                       help="the picture (.png, .pdf or .svg)")
     a = p.parse_args(argv)
-    if a.command == "run" and not 0 < a.seconds < math.inf:
-        p.error(f"--seconds {a.seconds}: expected a positive number of seconds")
+    if a.command == "run" and not 0 < a.seconds <= MAX_SECONDS:
+        p.error(f"--seconds {a.seconds}: expected a positive number of seconds, at most "
+                f"{MAX_SECONDS:,.0f} (a few days of arrivals)")
     if a.command == "run" and not 0 < a.threshold < math.inf:
         p.error(f"--threshold {a.threshold}: expected a positive number of seconds per token")
     return a
