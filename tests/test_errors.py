@@ -474,3 +474,15 @@ def test_the_virtual_script_on_a_cpu_is_refused_before_the_model_loads(capsys, m
     import llama3_virtual
     assert_one_paragraph(*run_main(llama3_virtual.main, ["2", *TINY], capsys)[::2], 2,
                          "needs --device cuda")
+
+
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_closed_standard_stream_ends_quietly_with_the_usual_code(closed, tmp_path):
+    """`>&-` or `2>&-`: the run writes that stream to /dev/null and ends as it would have."""
+    out = subprocess.run([sys.executable, str(ROOT / "llama3_paged.py"), "2", *TINY, "--max-new-tokens",
+                          "3", "--json", str(tmp_path / "run.json")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, preexec_fn=lambda: os.close(closed))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["requests"]
+    if closed == 2:  # the report still reaches the open stdout, and nothing else does
+        assert "Fragmented Memory" in out.stdout and "Traceback" not in out.stdout + out.stderr
