@@ -32,8 +32,9 @@ import llama3_naive
 import llama3_paged
 import llama3_virtual
 from features import run as features
+from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
-from features.sampling import MASK_32, mix32
+from features.sampling import uniform
 from features.timed_engine import StepTimer
 from plumbing.cli import UserError
 
@@ -101,12 +102,6 @@ class RequestOutput:
         return all(o.finish_reason is not None for o in self.outputs)
 
 
-def uniform_per_row(seeds, sequences, positions) -> torch.Tensor:
-    """features/sampling.py's hash of (seed, sequence, position) with a seed per row: [B] in [0, 1)."""
-    x = mix32(mix32(mix32((seeds ^ (seeds >> 32)) & MASK_32) ^ sequences) ^ positions)
-    return (x >> 8).float() / 2**24
-
-
 class RowSampler:
     """Each row of the block table samples with its own request's parameters. A draw depends on
     (seed, sample index, position) only, never on the row or the batch: a request gives the
@@ -118,20 +113,25 @@ class RowSampler:
         self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.seed = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.sample = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.samples = np.zeros(num_rows, dtype=bool)  # on the host: which rows sample
+        self.samples = np.zeros(num_rows, dtype=bool)  # on the host: which rows in use sample
 
     def set_row(self, row: int, params: SamplingParams, sample: int, seed: int) -> None:
         self.temperature[row], self.top_p[row] = params.temperature, params.top_p
         self.top_k[row], self.seed[row], self.sample[row] = max(params.top_k, 0), seed, sample
         self.samples[row] = params.temperature > 0
 
+    def release(self, row: int) -> None:
+        self.samples[row] = False
+
     def any_samples(self, rows) -> bool:
         return bool(self.samples[rows].any())
 
     def __call__(self, logits, rows, positions) -> torch.Tensor:
-        """logits: [B, vocab]; rows, positions: [B] -> [B] token ids."""
+        """logits: [B, vocab]; rows, positions: [B] -> [B] token ids. Asked on the host, of every
+        row in use, not of these rows (on the device: a sync): all greedy, or greedy rows kept
+        by torch.where below."""
         greedy = logits.argmax(-1)
-        if not self.any_samples(rows.cpu().numpy()):
+        if not self.samples.any():
             return greedy
         temperature = self.temperature[rows]
         probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
@@ -142,7 +142,7 @@ class RowSampler:
         mass_before = probs.cumsum(-1) - probs  # top-p over what top-k left, as vLLM does
         probs = probs.masked_fill(mass_before >= self.top_p[rows][:, None], 0.0)
         cumulative = probs.cumsum(-1)
-        target = uniform_per_row(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
+        target = uniform(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
         picked = torch.searchsorted(cumulative, target[:, None], right=True).clamp(max=probs.shape[-1] - 1)
         return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], greedy)
 
@@ -236,7 +236,7 @@ class LLMEngine:
         try:
             for request in requests:
                 self.scheduler._refuse_if_larger_than_the_pool(request)
-        except Exception as e:
+        except RequestTooLarge as e:
             self.free_rows.extend(rows)
             raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole pool "
                              f"has ({e})") from e
@@ -265,19 +265,22 @@ class LLMEngine:
         self.engine.decoder = self.eager if self.sampler.any_samples(running) else self.graphs
         self.engine.timer = StepTimer(self.run.device)  # one step's events, not a run's
         try:
-            next(self._steps)
+            step = next(self._steps)
         except StopIteration:
             self._steps = None
             return []
         del self.engine.timeline[:-1]  # a server runs forever: keep only the latest snapshot
-        return self._collect()
+        return self._collect(step.requests)
 
-    def _collect(self) -> list[Sequence]:
+    def _collect(self, requests: list[ServedRequest]) -> list[Sequence]:
+        """The step's requests that took a token or finished: stop tokens and strings, text."""
         changed = []
-        for sequence in list(self.sequences.values()):
-            request = sequence.request
-            if len(request.output_tokens) == sequence.num_sent_tokens and request.status != Status.FINISHED:
-                continue
+        for request in requests:
+            sequence = self.sequences.get(request.row)
+            if sequence is None or sequence.request is not request or (
+                    len(request.output_tokens) == sequence.num_sent_tokens
+                    and request.status != Status.FINISHED):
+                continue  # aborted already, or a prompt computed only in part
             changed.append(sequence)
             self.num_generated_tokens += len(request.output_tokens) - sequence.num_sent_tokens
             if (request.output_tokens and request.output_tokens[-1] in self.stop_ids
@@ -315,6 +318,7 @@ class LLMEngine:
 
     def _release(self, sequence: Sequence) -> None:
         self.sequences.pop(sequence.request.row, None)
+        self.sampler.release(sequence.request.row)
         self.free_rows.append(sequence.request.row)
         self.num_finished += 1
 

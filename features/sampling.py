@@ -24,10 +24,12 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: int, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A number in [0, 1) for each (sequence, position), the same on every device: [B] float32."""
+def uniform(seed, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A number in [0, 1) for each (sequence, position), the same on every device: [B] float32.
+    seed: one int, or [B] int64, a seed per row (features/llm.py's requests each have theirs)."""
     seed32 = (seed ^ (seed >> 32)) & MASK_32
-    x = mix32(mix32(mix32(torch.full_like(sequences, seed32)) ^ sequences) ^ positions)
+    start = torch.full_like(sequences, seed32) if isinstance(seed32, int) else seed32
+    x = mix32(mix32(mix32(start) ^ sequences) ^ positions)
     return (x >> 8).float() / 2**24  # 24 bits: exactly representable in float32
 
 
