@@ -18,7 +18,7 @@ if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in on
 import llama3_paged as lesson
 from block_manager import BlockManager
 from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, needs_features
-from plumbing.inputs import kv_budget_bytes
+from plumbing.inputs import checked_kv_allocation, kv_budget_bytes
 
 
 def requests_that_fit(run, budget_bytes: float) -> int:
@@ -45,8 +45,10 @@ def allocate_kv_cache(run):
     column: request r's row is its one block."""
     num_rows, block_size = run.num_sequences, run.args.max_seq_len
     check_rows_fit(run, num_rows, kv_budget_bytes(run))
-    return lesson.make_kv_cache(run, num_rows, block_size), BlockManager(
-        num_rows, block_size, run.num_sequences, 1, run.device)
+    with checked_kv_allocation(run, num_rows, block_size):
+        cache = lesson.KVCache(run.model.args, num_rows, block_size, run.dtype, run.device,
+                               run.attention)
+    return cache, BlockManager(num_rows, block_size, run.num_sequences, 1, run.device)
 
 
 def no_pool_arguments(parser) -> None:

@@ -23,12 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from block_manager import BlockManager, to_device
-from plumbing.cli import (add_pool_arguments, argument_parser, decode_progress, format_bytes,
-                          needs_features, one_paragraph_errors)
-from plumbing.inputs import (FLASH_BLOCK_MULTIPLE, TOKENS_PER_PASS, check_a_block_fits,
-                             check_flash_attn, checked_kv_allocation, device_total_bytes,
-                             kv_budget_bytes, lengths_note, load_run, new_token_budgets,
-                             print_answers)
+from plumbing import cli, inputs  # flags and errors; checkpoints, prompts, the memory budget
 
 # --- 1. The model ------------------------------------------------------------------------------
 # Tokens arrive packed: a forward pass takes [T] token ids from any number of requests (a whole
@@ -110,8 +105,7 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)  # [T, dim]
         for layer in self.layers:
             h = layer(h, rotations, kv_cache, batch)
-        if logits_at is not None:
-            h = h[logits_at]
+        h = h if logits_at is None else h[logits_at]
         return self.output(self.norm(h))  # [T or len(logits_at), vocab]
 
 
@@ -122,7 +116,6 @@ class Llama(nn.Module):
 @dataclass
 class PrefillBatch:
     """Prompts packed into one sequence of T tokens."""
-
     slot_mapping: torch.Tensor  # [T] int64: the slot each token's K/V is written to
     cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r is tokens cu_seqlens[r]:cu_seqlens[r+1]
     cu_seqlens_host: list[int]
@@ -132,7 +125,6 @@ class PrefillBatch:
 @dataclass
 class DecodeBatch:
     """One new token for each of B requests."""
-
     slot_mapping: torch.Tensor  # [B] int64
     block_table: torch.Tensor  # [B, max_blocks] int32: the physical blocks of each request
     cache_seqlens: torch.Tensor  # [B] int32: tokens cached per request, the new one included
@@ -185,10 +177,9 @@ class FlashAttention:
                            batch.max_seqlen, causal=True)
 
     def decode(self, q, key_blocks, value_blocks, batch):
-        out = self.with_kvcache(q[:, None], key_blocks, value_blocks,  # q: [B, 1, n_heads, d]
-                                cache_seqlens=batch.cache_seqlens, block_table=batch.block_table,
-                                causal=True)
-        return out[:, 0]
+        return self.with_kvcache(q[:, None], key_blocks, value_blocks,  # q: [B, 1, n_heads, d]
+                                 cache_seqlens=batch.cache_seqlens, block_table=batch.block_table,
+                                 causal=True)[:, 0]
 
 
 class TorchAttention:
@@ -198,9 +189,12 @@ class TorchAttention:
     name = "torch"
 
     def prefill(self, q, k, v, batch):
-        """q: [T, n_heads, d]; k, v: [T, n_kv_heads, d]."""
+        """Each prompt over itself, causally. q: [T, n_heads, d]; k, v: [T, n_kv_heads, d]."""
         bounds = zip(batch.cu_seqlens_host[:-1], batch.cu_seqlens_host[1:])
-        return torch.cat([attend(q[s:e], k[s:e], v[s:e]) for s, e in bounds])
+        heads_first = lambda x: x.transpose(0, 1)  # [T, heads, d] <-> [heads, T, d], as SDPA reads
+        return torch.cat([heads_first(F.scaled_dot_product_attention(
+            heads_first(q[s:e]), heads_first(k[s:e]), heads_first(v[s:e]), is_causal=True,
+            enable_gqa=True)) for s, e in bounds])
 
     def decode(self, q, key_blocks, value_blocks, batch):
         """q: [B, n_heads, d] -> [B, n_heads, d]."""
@@ -209,20 +203,9 @@ class TorchAttention:
         k = key_blocks[table].flatten(1, 2)[:, :max_len]  # [B, max_len, n_kv_heads, d]
         v = value_blocks[table].flatten(1, 2)[:, :max_len]
         holds_token = torch.arange(max_len, device=q.device) < batch.cache_seqlens[:, None]
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=holds_token[:, None, None, :], enable_gqa=True)  # [B, n_heads, 1, d]
-        return out[:, :, 0]
-
-
-def attend(q, k, v) -> torch.Tensor:
-    """A prompt's n_q newest tokens over all its n_k: query i, at position n_k - n_q + i, sees the
-    keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
-    n_q, n_k = len(q), len(k)
-    positions = torch.arange(n_k, device=q.device)
-    sees = positions <= positions[n_k - n_q:, None]  # [n_q, n_k]
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          attn_mask=sees, enable_gqa=True).transpose(0, 1)
+            attn_mask=holds_token[:, None, None, :], enable_gqa=True)[:, :, 0]  # [B, n_heads, d]
 
 
 # --- 3. Requests and the static scheduler ------------------------------------------------------
@@ -239,16 +222,11 @@ class Request:
         """What the cache must hold for it to go on: its prompt and what it generated."""
         return self.prompt_tokens + self.output_tokens
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_tokens) + len(self.output_tokens)
-
 
 @dataclass
 class Step:
     """What one forward pass computes: "prefill", the prompts of requests just admitted, or
     "decode", one new token for each running request."""
-
     kind: str
     requests: list[Request]  # in admission order
     rows: np.ndarray  # [B] their rows
@@ -286,17 +264,14 @@ class Scheduler:
         """Each request's blocks, for its whole prompt, and a prefill step of them all."""
         for request in requests:
             self.manager.allocate(request)
-        self._set_running(self.running + requests)
-        return Step("prefill", requests, np.array([r.row for r in requests], dtype=np.int64))
+        rows = np.array([r.row for r in requests], dtype=np.int64)
+        self.running, self.rows = self.running + requests, np.concatenate([self.rows, rows])
+        return Step("prefill", requests, rows)
 
     def _decode(self) -> Step:
         positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the last
         self.manager.append_token(self.rows)  # a slot each: a new block at a block's end
         return Step("decode", self.running, self.rows, positions=positions)
-
-    def _set_running(self, running: list[Request]) -> None:
-        self.running = running
-        self.rows = np.array([r.row for r in running], dtype=np.int64)
 
 
 # --- 4. The loop -------------------------------------------------------------------------------
@@ -307,13 +282,10 @@ class Scheduler:
 @dataclass
 class KVSnapshot:
     """The cache at one decode step, in slots (times kv_bytes_per_token: bytes)."""
-
     step: int
     running_requests: int
-    waiting_requests: int
     reserved_slots: int  # slots in blocks owned by running requests
     unfilled_slots: int  # of those, slots holding no token: the fragmentation
-    seconds: float = 0.0  # the step's time
 
     @property
     def filled_slots(self) -> int:
@@ -323,23 +295,14 @@ class KVSnapshot:
 @dataclass
 class Generation:
     requests: list[Request]  # in order, each with its output_tokens (stop token excluded)
-    num_prefilled_tokens: int  # tokens computed by prefill passes
     prefill_seconds: float
     decode_seconds: float
     timeline: list[KVSnapshot]  # one per decode step
 
     @property
-    def output_tokens(self) -> list[list[int]]:
-        return [r.output_tokens for r in self.requests]
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(r.output_tokens) for r in self.requests)
-
-    @property
     def fullest(self) -> KVSnapshot:
         """The step at which the cache held the most tokens."""
-        return max(self.timeline, key=lambda s: s.filled_slots, default=KVSnapshot(0, 0, 0, 0, 0))
+        return max(self.timeline, key=lambda s: s.filled_slots, default=KVSnapshot(0, 0, 0, 0))
 
 
 def greedy(logits, rows, positions) -> torch.Tensor:
@@ -351,9 +314,8 @@ def packed_passes(sizes: list[int], tokens_per_pass: int):
     """Consecutive ranges of prompts of at most tokens_per_pass tokens in all (one at least)."""
     start = 0
     while start < len(sizes):
-        end, total = start + 1, sizes[start]
-        while end < len(sizes) and total + sizes[end] <= tokens_per_pass:
-            total, end = total + sizes[end], end + 1
+        fit = int((np.cumsum(sizes[start:]) <= tokens_per_pass).sum())  # the next ones that fit
+        end = start + max(fit, 1)
         yield range(start, end)
         start = end
 
@@ -378,30 +340,26 @@ class Decoder:
 
 
 class Engine:
-    tokens_per_pass = TOKENS_PER_PASS
+    tokens_per_pass = inputs.TOKENS_PER_PASS
 
     def __init__(self, model, cache, manager: BlockManager):
         self.model, self.cache, self.manager, self.sampler = model, cache, manager, greedy
         self.decoder = Decoder(model, cache, manager.block_table)
         self.device = manager.block_table.device
-        self.num_prefilled = 0  # tokens computed by prefill passes, over every run
 
     @torch.inference_mode()
     def generate(self, scheduler: Scheduler, stop_ids=frozenset(), progress=True) -> Generation:
         """Run every request to its end: a stop token (not kept) or its max_new_tokens."""
-        requests, prefilled_before = list(scheduler.waiting), self.num_prefilled
-        self.timeline, seconds = [], {"prefill": 0.0, "decode": 0.0}
-        with decode_progress(scheduler, self.manager, progress) as advance_the_bar:
+        requests, self.timeline, seconds = list(scheduler.waiting), [], [0.0, 0.0]
+        with cli.decode_progress(scheduler, self.manager, progress) as advance_the_bar:
             start = time.perf_counter()
             for step in self.steps(scheduler, stop_ids):
-                now = time.perf_counter()
-                elapsed, start = now - start, now
-                seconds["prefill" if step.kind == "prefill" else "decode"] += elapsed
-                if step.kind != "prefill":
-                    self.timeline[-1].seconds = elapsed
+                decodes = step.kind != "prefill"  # features/mixed_steps.py's steps do both
+                seconds[decodes] += time.perf_counter() - start  # [in prefill, in decode]
+                start = time.perf_counter()
+                if decodes:
                     advance_the_bar()
-        return Generation(requests, self.num_prefilled - prefilled_before, seconds["prefill"],
-                          seconds["decode"], self.timeline)
+        return Generation(requests, *seconds, self.timeline)
 
     def steps(self, scheduler: Scheduler, stop_ids):
         """Schedule a step, compute it, append its tokens, let the finished requests go."""
@@ -420,7 +378,7 @@ class Engine:
     def note_the_cache(self, scheduler: Scheduler) -> None:
         """The cache as a decode step finds it: a point of the timeline."""
         self.timeline.append(KVSnapshot(len(self.timeline), len(scheduler.running),
-                                        len(scheduler.waiting), self.manager.num_reserved_slots,
+                                        self.manager.num_reserved_slots,
                                         self.manager.num_unfilled_slots))
 
     def decode(self, step: Step, last_tokens: torch.Tensor) -> torch.Tensor:
@@ -432,7 +390,6 @@ class Engine:
         """Each request's prompt, packed into passes of about tokens_per_pass tokens; returns
         each request's next token, [B] on device."""
         prompts = [r.tokens for r in step.requests]
-        self.num_prefilled += sum(map(len, prompts))
         return torch.cat([self._prefill_pass(step.rows[p], [prompts[i] for i in p])
                           for p in packed_passes(list(map(len, prompts)), self.tokens_per_pass)])
 
@@ -454,11 +411,9 @@ def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids) -> 
     last allowed token."""
     done = []
     for request, token in zip(requests, new_tokens.tolist()):
-        if token in stop_ids:
-            done.append(request)
-            continue
-        request.output_tokens.append(token)
-        if len(request.output_tokens) >= request.max_new_tokens:
+        if token not in stop_ids:
+            request.output_tokens.append(token)
+        if token in stop_ids or len(request.output_tokens) >= request.max_new_tokens:
             done.append(request)
     return done
 
@@ -471,10 +426,11 @@ def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids) -> 
 
 def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
     """The first answers, the speed, and where the KV cache's memory went."""
-    print_answers(run.prompts, g.output_tokens, run.tokenizer, run.args.show_all)
-    per_token, gb = run.kv_bytes_per_token, format_bytes
-    print(f"\n=== {run.args.script} ===\nTokens: {g.num_generated_tokens:,} generated "
-          f"({lengths_note(run, g.requests)}) in {g.prefill_seconds:.2f} s of prefill and "
+    outputs = [r.output_tokens for r in g.requests]
+    inputs.print_answers(run.prompts, outputs, run.tokenizer, run.args.show_all)
+    per_token, gb = run.kv_bytes_per_token, cli.format_bytes
+    print(f"\n=== {run.args.script} ===\nTokens: {sum(map(len, outputs)):,} generated "
+          f"({inputs.lengths_note(run, g.requests)}) in {g.prefill_seconds:.2f} s of prefill and "
           f"{len(g.timeline):,} decode steps in {g.decode_seconds:.2f} s")
     print(f"KV cache: {gb(cache.nbytes)} allocated up front = {manager.num_blocks:,} blocks x "
           f"{manager.block_size:,} tokens x {per_token // 1024} KiB per token")
@@ -483,68 +439,61 @@ def report(run, cache: KVCache, manager: BlockManager, g: Generation) -> None:
     print(f"  at the fullest step ({fullest.step}, {fullest.running_requests} running): reserved "
           f"{gb(reserved)}, filled {gb(reserved - unfilled)}, unfilled {gb(unfilled)} "
           f"({100 * unfilled / max(reserved, 1):.1f}% of reserved)")
-    total = device_total_bytes(run.device)
+    total = inputs.device_total_bytes(run.device)
     print(f"Fragmented Memory: {gb(unfilled)} ({100 * unfilled / total:.2f}%)")
 
 
 # --- 6. main -----------------------------------------------------------------------------------
 
-def make_kv_cache(run, num_blocks: int, block_size: int) -> KVCache:
-    with checked_kv_allocation(run, num_blocks, block_size):  # does it fit kernel and memory?
-        return KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
-
-
 def pool_size(run, budget_bytes: float) -> tuple[int, int]:
     """(num_blocks, block_size): as many small blocks as the KV budget holds."""
     flash = run.attention.name == "flash"
-    block_size = run.args.block_size or (FLASH_BLOCK_MULTIPLE if flash else 16)
+    block_size = run.args.block_size or (inputs.FLASH_BLOCK_MULTIPLE if flash else 16)
     num_blocks = run.args.num_blocks or int(budget_bytes // (block_size * run.kv_bytes_per_token))
-    check_a_block_fits(num_blocks, block_size, run, budget_bytes)
+    inputs.check_a_block_fits(num_blocks, block_size, run, budget_bytes)
     return num_blocks, block_size
 
 
 def allocate_kv_cache(run) -> tuple[KVCache, BlockManager]:
     """The pool, and the block manager that hands its blocks out. The block table the kernel
     reads is [N, max_blocks_per_request]: row r lists request r's blocks, in order."""
-    num_blocks, block_size = pool_size(run, kv_budget_bytes(run))
-    return make_kv_cache(run, num_blocks, block_size), BlockManager(
-        num_blocks, block_size, run.num_sequences, math.ceil(run.args.max_seq_len / block_size),
-        run.device)
+    num_blocks, block_size = pool_size(run, inputs.kv_budget_bytes(run))
+    with inputs.checked_kv_allocation(run, num_blocks, block_size):  # fits kernel and memory?
+        cache = KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
+                        run.attention)
+    max_blocks_per_request = math.ceil(run.args.max_seq_len / block_size)
+    return cache, BlockManager(num_blocks, block_size, run.num_sequences, max_blocks_per_request,
+                               run.device)
 
 
 def choose_attention(args):
     """flash-attn on CUDA, the PyTorch reference on the CPU or with --attn torch."""
     if args.attn == "torch" or (args.attn == "auto" and args.device.type != "cuda"):
         return TorchAttention()
-    check_flash_attn(args.device)  # a CUDA device and the package, or one paragraph on which
+    inputs.check_flash_attn(args.device)  # a CUDA device and the package, or one paragraph
     return FlashAttention()
 
 
-def generate(run, cache: KVCache, manager: BlockManager, progress=True) -> Generation:
-    requests = [Request(i, p.prompt_tokens, budget)
-                for i, (p, budget) in enumerate(zip(run.prompts, new_token_budgets(run)))]
-    stop_ids = set() if run.args.random_weights else run.tokenizer.stop_ids
-    engine, scheduler = Engine(run.model, cache, manager), Scheduler(manager, requests)
-    return engine.generate(scheduler, stop_ids, progress)
-
-
-def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=add_pool_arguments,
+def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=cli.add_pool_arguments,
          allocate=allocate_kv_cache) -> None:
     """Arguments -> model and prompts -> the KV cache (where the scripts differ) -> generate ->
     report. llama3_naive.py runs it with its own cache."""
-    with one_paragraph_errors(script):
-        parser = argument_parser(script, doc)
-        add_arguments(parser)
-        args = parser.parse_args(argv)
-        run = load_run(args, Llama, choose_attention(args))
+    with cli.one_paragraph_errors(script):
+        args = cli.argument_parser(script, doc, add_arguments).parse_args(argv)
+        run = inputs.load_run(args, Llama, choose_attention(args))
         cache, manager = allocate(run)
-        report(run, cache, manager, generate(run, cache, manager))
+        budgets = inputs.new_token_budgets(run)  # each request's max_new_tokens
+        requests = [Request(i, p.prompt_tokens, n)
+                    for i, (p, n) in enumerate(zip(run.prompts, budgets))]
+        stop_ids = set() if args.random_weights else run.tokenizer.stop_ids  # random: no text
+        scheduler, engine = Scheduler(manager, requests), Engine(run.model, cache, manager)
+        report(run, cache, manager, engine.generate(scheduler, stop_ids))
 
 
 if __name__ == "__main__":
     # A flag this file does not define is a feature's, and CUDA runs two by default (CUDA graphs,
-    # overlapped steps): features/run.py builds those runs from this file's parts.
-    if needs_features("llama3_paged.py", sys.argv[1:], add_pool_arguments):
+    # overlapped steps): then features/run.py builds the run from this file's parts.
+    if cli.needs_features("llama3_paged.py", sys.argv[1:], cli.add_pool_arguments):
         from features.run import main as main_with_features
         main_with_features("llama3_paged.py", sys.argv[1:])
     else:

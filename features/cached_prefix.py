@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from block_manager import to_device
 from features.request_state import ClockedScheduler, ServedRequest, Status
-from llama3_paged import (Decoder, Engine, FlashAttention, Generation, KVCache, PrefillBatch,
-                          Step, TorchAttention, attend, greedy, packed_passes)
+from llama3_paged import (Decoder, Engine, FlashAttention, Generation, KVCache, KVSnapshot,
+                          PrefillBatch, Step, TorchAttention, greedy, packed_passes)
 
 
 @dataclass
@@ -31,9 +32,24 @@ class CachedPrefillBatch(PrefillBatch):
 
 
 @dataclass
+class ServedSnapshot(KVSnapshot):
+    waiting_requests: int = 0  # admitted later: arrivals, preempted requests, a capped batch
+    seconds: float = 0.0  # the step's time (features/timed_engine.py: on the GPU)
+
+
+@dataclass
 class ServedGeneration(Generation):
+    num_prefilled_tokens: int = 0  # tokens computed by prefill passes: cached ones are not
     most_running: int = 0  # the most requests running at once
     scheduler: object = None  # who ran when: preemptions, swaps (the scheduler)
+
+    @property
+    def output_tokens(self) -> list[list[int]]:
+        return [r.output_tokens for r in self.requests]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(map(len, self.output_tokens))
 
 
 @dataclass
@@ -76,6 +92,16 @@ def attend_after_prefix(r: int, q, key_blocks, value_blocks, batch) -> torch.Ten
     return attend(q[start:end], k, v)
 
 
+def attend(q, k, v) -> torch.Tensor:
+    """A prompt's n_q newest tokens over all its n_k: query i, at position n_k - n_q + i, sees the
+    keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
+    n_q, n_k = len(q), len(k)
+    positions = torch.arange(n_k, device=q.device)
+    sees = positions <= positions[n_k - n_q:, None]  # [n_q, n_k]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=sees, enable_gqa=True).transpose(0, 1)
+
+
 class CachingScheduler(ClockedScheduler):
     """Admission that counts what the block manager found cached for each request."""
 
@@ -92,7 +118,8 @@ class CachingScheduler(ClockedScheduler):
             if self.manager.num_tokens[request.row] > cached:
                 prefill.append(request)
                 num_cached.append(cached)
-        self._set_running(self.running + requests)
+        self.running = self.running + requests
+        self.rows = np.concatenate([self.rows, np.array([r.row for r in requests], dtype=np.int64)])
         self.most_running = max(self.most_running, len(self.running))
         rows = np.array([r.row for r in prefill], dtype=np.int64)
         return CachedPrefillStep("prefill", prefill, rows,
@@ -113,10 +140,18 @@ class CachedPrefixEngine(Engine):
         super().__init__(model, cache, manager)
         self.sampler = sampler
         self.decoder = decoder or Decoder(model, cache, manager.block_table, sampler)
+        self.num_prefilled = 0  # tokens computed by prefill passes, over every run
 
     def generate(self, scheduler, stop_ids=frozenset(), progress=True) -> ServedGeneration:
+        prefilled_before = self.num_prefilled
         g = super().generate(scheduler, stop_ids, progress)
-        return ServedGeneration(**vars(g), most_running=scheduler.most_running, scheduler=scheduler)
+        return ServedGeneration(**vars(g), num_prefilled_tokens=self.num_prefilled - prefilled_before,
+                                most_running=scheduler.most_running, scheduler=scheduler)
+
+    def note_the_cache(self, scheduler) -> None:
+        self.timeline.append(ServedSnapshot(
+            len(self.timeline), len(scheduler.running), self.manager.num_reserved_slots,
+            self.manager.num_unfilled_slots, waiting_requests=len(scheduler.waiting)))
 
     def prefill(self, step: CachedPrefillStep) -> torch.Tensor:
         """Each request's tokens from its first uncached one on."""

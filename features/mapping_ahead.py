@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from llama3_paged import TOKENS_PER_PASS
+from plumbing.inputs import TOKENS_PER_PASS
 from features.page_manager import PageManager, consecutive_runs
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed

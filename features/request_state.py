@@ -27,6 +27,10 @@ class ServedRequest(Request):
     admitted_at: float | None = None  # when it first got blocks
     token_times: list[float] = field(default_factory=list)  # when each new token reached the host
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_tokens) + len(self.output_tokens)
+
 
 class ClockedScheduler(Scheduler):
     """The lesson's scheduler with a clock, each request's status, and the most requests that

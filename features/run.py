@@ -25,10 +25,10 @@ from features.sharing import SharingBlockManager
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
                                     KVCacheAfterPrefix, TorchAttentionAfterPrefix)
 from features.timed_engine import TimedEngine
-from plumbing.cli import (GB, needs_features, write_json, OUT_OF_MEMORY, UserError, argument_parser,
-                          check_host_memory, format_bytes, fraction, gigabytes, one_paragraph_errors,
-                          positive_int, refuse_output_over_input, request_rate, temperature,
-                          writable_file)
+from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
+                          check_host_memory, format_bytes, fraction, gigabytes, needs_features,
+                          one_paragraph_errors, positive_int, refuse_output_over_input,
+                          request_rate, temperature, writable_file, write_json)
 from plumbing import inputs
 from plumbing.inputs import Run
 
@@ -82,7 +82,7 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_paged_feature_arguments(parser) -> None:
     """Features of llama3_paged.py's pool alone."""
-    lesson.add_pool_arguments(parser)
+    add_pool_arguments(parser)
     parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
                         help="with flash-attn: the decode kernel (triton: faster)")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -531,7 +531,7 @@ def run_beam_search(run, cache, manager) -> None:
 def command_line(script: str, argv: list[str]) -> None:
     """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
     lesson's main, or with features this file's."""
-    add_pool_arguments = lesson.add_pool_arguments if script == "llama3_paged.py" else None
-    if needs_features(script, argv, add_pool_arguments):
+    pool_arguments = add_pool_arguments if script == "llama3_paged.py" else None
+    if needs_features(script, argv, pool_arguments):
         return main(script, argv)
     return SCRIPTS[script][0].main(argv)

@@ -366,9 +366,11 @@ def first_paragraph(docstring: str) -> str:
     return " ".join(docstring.strip().split("\n\n")[0].split())
 
 
-def argument_parser(script: str, description: str, exit_on_error: bool = True) -> argparse.ArgumentParser:
-    """The flags of the lesson, which every script takes (features/run.py adds the features'). `script` names the program in messages and reports; the
-    first line of `description` (the script's docstring) heads --help."""
+def argument_parser(script: str, description: str, add_arguments=None,
+                    exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """The flags of the lesson, which every script takes, and the script's own (`add_arguments`:
+    its pool's); features/run.py adds the features'. `script` names the program in messages and
+    reports; the first line of `description` (the script's docstring) heads --help."""
     import torch  # for the default device, once the script has loaded it
     # conflict_handler="resolve": features/run.py redefines --attn with the Triton kernel added.
     p = argparse.ArgumentParser(prog=script, description=first_paragraph(description) or None,
@@ -401,6 +403,8 @@ def argument_parser(script: str, description: str, exit_on_error: bool = True) -
     p.add_argument("--seed", type=seed, default=0,
                    help="seed of --random-weights (and of sampling, --temperature)")
     p.add_argument("--show-all", action="store_true", help="print every answer, not the first 3")
+    if add_arguments:
+        add_arguments(p)
     return p
 
 
@@ -419,9 +423,7 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
     builds the run."""
     if {"-h", "--help"} & set(argv):
         return True
-    lesson_flags = argument_parser(script, "", exit_on_error=False)
-    if add_arguments:
-        add_arguments(lesson_flags)
+    lesson_flags = argument_parser(script, "", add_arguments, exit_on_error=False)
     try:
         args, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong

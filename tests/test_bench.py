@@ -92,8 +92,9 @@ def test_a_step_floor_is_bound_by_the_weights_when_small_and_the_flops_when_larg
 
 
 def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
-    from llama3_paged import Generation, KVSnapshot
-    steps = [KVSnapshot(i, 4, 0, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
-    generation = Generation([], 0, 0.0, decode_seconds=0.036, timeline=steps)
+    from features.cached_prefix import ServedSnapshot
+    from llama3_paged import Generation
+    steps = [ServedSnapshot(i, 4, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
+    generation = Generation([], 0.0, decode_seconds=0.036, timeline=steps)
     assert gpu_wait_seconds_per_step(generation) == pytest.approx((0.036 - 0.033) / 3)
-    assert gpu_wait_seconds_per_step(Generation([], 0, 0.0, 0.0, [])) == 0.0
+    assert gpu_wait_seconds_per_step(Generation([], 0.0, 0.0, [])) == 0.0

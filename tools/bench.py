@@ -46,7 +46,8 @@ import torch
 
 from block_manager import BlockManager
 from features.request_state import ServedRequest
-from llama3_paged import Decoder, TOKENS_PER_PASS, append_tokens, greedy
+from llama3_paged import Decoder, append_tokens, greedy
+from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
 from features.arrivals import latency_report
 from features.continuous import ContinuousScheduler
