@@ -67,11 +67,13 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: steps that decode and prefill, up to TOKENS tokens")
     p.add_argument("--eager", action="store_true",
-                   help="decode from Python, kernel by kernel, instead of replaying CUDA graphs")
+                   help="decode from Python, kernel by kernel: no CUDA graphs and, unless "
+                        "--compile, no compiled layers (vLLM's --enforce-eager)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step while the GPU runs the one before (default: on CUDA)")
-    p.add_argument("--compile", action="store_true",
-                   help="on CUDA: fuse each layer's small kernels with torch.compile")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuse each layer's small kernels with torch.compile (default: on CUDA, "
+                        "as vLLM and nano-vllm do, unless --eager)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: K/V in float8, half the bytes (auto: the model's dtype)")
     p.add_argument("--find-max-batch", action="store_true",
@@ -113,7 +115,7 @@ def load(args) -> Run:
     if args.max_batched_tokens and not args.continuous:
         raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
                         "steps; add --continuous (a static batch prefills every prompt first).")
-    if args.compile and args.device.type != "cuda":
+    if args.compile and args.device.type != "cuda":  # an explicit --compile
         raise UserError("--compile fuses the model's small kernels into Triton kernels, which "
                         "run on CUDA only: drop it on this device.")
     if args.top_p < 1 and args.temperature == 0:
@@ -154,6 +156,8 @@ def load(args) -> Run:
                                            and importable("flash_attn")):
             decode_kernel = "triton"  # flash-attn 2 reads no float8: Triton decodes, flash prefills
     attention = choose_attention(args.attn, args.device, decode_kernel)
+    if args.compile is None:
+        args.compile = compiles_by_default(args, attention)
     sequences = args.samples * args.beam_width
     run = inputs.load_run(args, lesson.Llama, attention, system_prompt(args), sequences)
     if args.kv_cache_dtype == "fp8":
@@ -174,6 +178,15 @@ def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
     if why:
         raise UserError(f"--kv-cache-dtype fp8 does not combine with {why} yet: its prefill "
                         f"attends over fresh K/V only. Drop one of the two.")
+
+
+def compiles_by_default(args, attention) -> bool:
+    """Compiled layers (features/compiled_layers.py) where nothing stands in their way: CUDA, a
+    GPU attention kernel, the model's K/V dtype, and not --eager. In bf16 they round otherwise
+    than the eager kernels, so tokens can differ from an --eager run's; --no-compile keeps CUDA
+    graphs without them."""
+    return (args.device.type == "cuda" and attention.name != "torch" and not args.eager
+            and args.kv_cache_dtype != "fp8")
 
 
 def system_prompt(args) -> str | None:
@@ -355,6 +368,9 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
     if run.args.compile:
         from features.compiled_layers import compile_layers
         compile_layers(run.model, cache)
+        if progress:
+            print("Compiling the layers' small kernels (torch.compile) on their first step: "
+                  "tens of seconds on a machine's first run, cached after; --no-compile skips it")
     cascade = None
     shared_prefix = isinstance(manager, SharingBlockManager) and manager.prefix_cache is not None
     if shared_prefix and run.args.cascade != "off":  # a system prompt, cached

@@ -98,3 +98,33 @@ def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
     generation = Generation([], 0.0, decode_seconds=0.036, timeline=steps)
     assert gpu_wait_seconds_per_step(generation) == pytest.approx((0.036 - 0.033) / 3)
     assert gpu_wait_seconds_per_step(Generation([], 0.0, 0.0, [])) == 0.0
+
+
+def test_workload_n_draws_what_nano_vllms_bench_py_draws():
+    import random
+    from tools.bench import nano_vllm_requests
+    # nano-vllm's bench.py, its lines as they are (module-level random, seed 0):
+    random.seed(0)
+    prompt_token_ids = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+                        for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    assert nano_vllm_requests(256) == (prompt_token_ids, max_tokens)
+    a = parse_arguments(["paged", "--workload", "N"])
+    assert (a.num_requests, a.max_seq_len, a.continuous) == (256, 2048, True)
+    assert max(map(len, prompt_token_ids)) + max(max_tokens) <= a.max_seq_len
+
+
+@pytest.mark.parametrize("device, attention, extra, compiles", [
+    ("cuda", "flash", [], True),  # the default on CUDA, as vLLM's and nano-vllm's
+    ("cuda", "flash", ["--eager"], False),  # --eager: today's eager path, unchanged
+    ("cuda", "flash", ["--kv-cache-dtype", "fp8"], False),  # not with the FP8 cache yet
+    ("cuda", "torch", [], False),
+    ("cpu", "torch", [], False),
+])
+def test_layers_compile_by_default_only_where_they_can(device, attention, extra, compiles):
+    from types import SimpleNamespace
+    from features.llm import parse_script_arguments
+    from features.run import compiles_by_default
+    args = parse_script_arguments("paged", ["4", "--random-weights", "--device", "cpu", *extra])
+    args.device = torch.device(device)  # parsed on the CPU: the choice only reads the type
+    assert compiles_by_default(args, SimpleNamespace(name=attention)) is compiles

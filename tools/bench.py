@@ -30,6 +30,7 @@ with 1,000 requests running: the host work a step needs before the GPU can start
 
 import argparse
 import math
+import random
 import statistics
 import sys
 import time
@@ -72,7 +73,11 @@ WORKLOADS = {  # what each flag left unset takes
                continuous=True, prompt_tokens=None),
     "P": dict(num_requests=256, new_tokens=16, sharegpt_replies=False, max_seq_len=4224,
               continuous=True, prompt_tokens=4096),
+    # nano-vllm's own yardstick (its README's bench.py): random lengths, see nano_vllm_requests
+    "N": dict(num_requests=256, new_tokens=1024, sharegpt_replies=False, max_seq_len=2048,
+              continuous=True, prompt_tokens=None),
 }
+NANO_VLLM_LENGTHS = (100, 1024)  # nano-vllm's bench.py: prompt and new tokens, each uniform in
 ATTENTION_REQUESTS = 256  # the attention kernel is timed alone on the first 256 requests
 
 
@@ -183,7 +188,8 @@ def parse_arguments(argv=None):
     p.add_argument("script", choices=SCRIPTS,
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
-                   help="W: static, W2: streamed, P: long prompts (docs/speed.md)")
+                   help="W: static, W2: streamed, P: long prompts, N: nano-vllm's bench.py "
+                        "(docs/speed.md)")
     p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
     p.add_argument("--new-tokens", type=positive_int,
                    help="tokens generated per request (default: the workload's)")
@@ -208,10 +214,12 @@ def parse_arguments(argv=None):
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
     p.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
                    help="paged with --attn flash: the kernel of decode steps")
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs, and no compiled layers unless --compile")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step while the GPU runs the one before (default: if it can)")
-    p.add_argument("--compile", action="store_true", help="fused small kernels (torch.compile)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused small kernels, torch.compile (default: on, unless --eager)")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--no-prefix-cache", action="store_true", help="paged only")
@@ -240,7 +248,7 @@ def script_arguments(bench_args):
             "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     argv += ["--kv-cache-dtype", a.kv_cache_dtype]
     argv += ["--eager"] if a.eager else []
-    argv += ["--compile"] if a.compile else []
+    argv += [] if a.compile is None else ["--compile" if a.compile else "--no-compile"]
     argv += [] if a.overlap is None else ["--overlap" if a.overlap else "--no-overlap"]
     argv += ["--continuous"] if a.continuous else []
     argv += ["--max-running", str(a.max_running)] if a.max_running else []
@@ -279,6 +287,8 @@ def workload_requests(prompts, tokenizer, a) -> tuple[list[list[int]], list[int]
     """The workload's prompts (token ids) and new tokens per request, from plumbing/inputs.py's
     Prompts (or long_prompts with --prompt-tokens): exactly --new-tokens, or each ShareGPT
     reply's length (at most --new-tokens, and no further than --max-seq-len)."""
+    if a.workload == "N":
+        return nano_vllm_requests(a.num_requests)
     if a.prompt_tokens:
         tokens = long_prompts(tokenizer, a.num_requests, a.prompt_tokens)
         return tokens, [min(a.new_tokens, a.max_seq_len - a.prompt_tokens)] * len(tokens)
@@ -289,11 +299,22 @@ def workload_requests(prompts, tokenizer, a) -> tuple[list[list[int]], list[int]
                     for p in prompts]
 
 
+def nano_vllm_requests(num_requests: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's README benchmark, as its bench.py draws it (Python's random, seed 0): prompts
+    of random token ids below 10,000, lengths uniform in NANO_VLLM_LENGTHS, then each request's
+    new tokens from the same range (end-of-text ignored: random weights have no stop token)."""
+    rng, (low, high) = random.Random(0), NANO_VLLM_LENGTHS
+    prompts = [[rng.randint(0, 10_000) for _ in range(rng.randint(low, high))]
+               for _ in range(num_requests)]
+    return prompts, [rng.randint(low, high) for _ in range(num_requests)]
+
+
 def bench(a) -> dict:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
     setup = load(script_arguments(a))
+    a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(a.script, setup)
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
