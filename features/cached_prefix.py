@@ -144,6 +144,7 @@ class CachedPrefixEngine(Engine):
 
     def generate(self, scheduler, stop_ids=frozenset(), progress=True) -> ServedGeneration:
         prefilled_before = self.num_prefilled
+        scheduler.start_clock()
         g = super().generate(scheduler, stop_ids, progress)
         return ServedGeneration(**vars(g), num_prefilled_tokens=self.num_prefilled - prefilled_before,
                                 most_running=scheduler.most_running, scheduler=scheduler)

@@ -42,8 +42,14 @@ class ClockedScheduler(Scheduler):
         self.clock = time.perf_counter  # tests give a fake one
 
     def now(self) -> float:
-        """Seconds since the scheduler was made."""
+        """Seconds since the scheduler was made, or since generation began (start_clock)."""
         return self.clock() - self.start
+
+    def start_clock(self) -> None:
+        """Time 0 of arrivals and latencies: set when generation begins, so that set-up done after
+        the scheduler was made (a host pool to swap to, CUDA graphs, compiling) is not counted
+        as the requests' wait."""
+        self.start = self.clock()
 
     def finish(self, requests: list[ServedRequest]) -> None:
         for request in requests:

@@ -67,13 +67,11 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: steps that decode and prefill, up to TOKENS tokens")
     p.add_argument("--eager", action="store_true",
-                   help="decode from Python, kernel by kernel: no CUDA graphs and, unless "
-                        "--compile, no compiled layers (vLLM's --enforce-eager)")
+                   help="kernel by kernel from Python: no CUDA graphs, no compiled layers")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step while the GPU runs the one before (default: on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="fuse each layer's small kernels with torch.compile (default: on CUDA, "
-                        "as vLLM and nano-vllm do, unless --eager)")
+                   help="fuse small kernels with torch.compile (default: on CUDA unless --eager)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: K/V in float8, half the bytes (auto: the model's dtype)")
     p.add_argument("--find-max-batch", action="store_true",

@@ -419,7 +419,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
     """Whether a command line asks for more than the lesson's flags (argument_parser's, and
     `add_arguments`'): --help (which lists every flag), a flag they do not define (a feature's),
-    or a CUDA device, where CUDA graphs and overlapped steps run by default. features/run.py then
+    or a CUDA device, where CUDA graphs, compiled layers and overlapped steps run by default. features/run.py then
     builds the run."""
     if {"-h", "--help"} & set(argv):
         return True

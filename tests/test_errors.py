@@ -21,7 +21,8 @@ from conftest import ROOT, hf_to_meta, tiny_hf_model
 
 import plumbing.cli
 import plumbing.inputs
-from tools import bench, build_prompts, decode_kernel_cost, graph_cost, plot_memory
+from tools import (bench, build_prompts, decode_kernel_cost, graph_cost, latency_sweep,
+                   plot_memory, preemption_cost)
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
@@ -265,6 +266,59 @@ def test_the_plot_refuses_what_it_cannot_read_or_write_with_exit_2(argv, fragmen
     assert list(tmp_path.iterdir()) == [], "nothing written"
 
 
+def damaged(path, tmp_path, change) -> str:
+    """A copy of the JSON at `path`, changed in place by `change`: its path."""
+    record = json.loads(path.read_text())
+    change(record)
+    copy = tmp_path / f"damaged_{path.name}"
+    copy.write_text(json.dumps(record))  # NaN as NaN, as a hand-edited file may have it
+    return str(copy)
+
+
+def first(mapping: dict):
+    return next(iter(mapping.values()))
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: r.update(arguments="x"),
+    lambda r: r["requests"][0].update(token_seconds=["0.1"]),
+    lambda r: r["timeline"][0].update(step=True),
+    lambda r: r["timeline"][0].update(reserved_bytes=float("nan")),
+], ids=["arguments a string", "times as strings", "a bool step", "NaN bytes"])
+def test_the_plot_refuses_a_run_json_of_the_right_shape_with_wrong_values(change, one_run,
+                                                                        tmp_path, capsys):
+    bad = damaged(one_run / "run.json", tmp_path, change)
+    code, _, err = run_main(plot_memory.main, [bad, "-o", tmp_path / "p.png"], capsys)
+    assert_one_paragraph(code, err, 2, "is not the --json of a run")
+
+
+@pytest.fixture(scope="module")
+def one_sweep(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sweep") / "sweep.json"
+    latency_sweep.main(["run", "--model", "tiny", "--device", "cpu", "--seconds", "0.2",
+                        "--min-requests", "2", "--max-new-tokens", "4", "--curves", "paged",
+                        "--rates", "20", "--threshold", "10", "--json", str(path)])
+    return path
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s["curves"].update(banana=s["curves"].pop("paged")),
+    lambda s: first(s["curves"]).update(capacity={}),
+    lambda s: first(s["curves"])["points"][0].update(rate="5"),
+    lambda s: s.update(threshold=float("nan")),
+    lambda s: s.update(curves={}),
+], ids=["an unknown curve", "an empty capacity", "a rate as a string", "a NaN threshold",
+        "no curves"])
+def test_the_sweep_plot_refuses_a_json_of_the_right_shape_with_wrong_values(change, one_sweep,
+                                                                          tmp_path, capsys):
+    bad = damaged(one_sweep, tmp_path, change)
+    code, _, err = run_main(latency_sweep.main, ["plot", bad, "-o", tmp_path / "f.png"], capsys)
+    assert_one_paragraph(code, err, 2, "is not the --json of latency_sweep.py run")
+    code, _, err = run_main(latency_sweep.main, ["plot", str(one_sweep), "-o",
+                                                 tmp_path / "f.png"], capsys)
+    assert code == 0, err  # the undamaged file draws
+
+
 def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
     for suffix, magic in [(".png", b"\x89PNG"), (".pdf", b"%PDF"), (".svg", b"<?xml")]:
         code, out, err = run_main(plot_memory.main, [one_run / "run.json", "-o",
@@ -286,10 +340,21 @@ def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
     (decode_kernel_cost.main, ["--cases", "W3"], "invalid choice"),
     (graph_cost.main, ["--batches", "256", "1024"], "unrecognized arguments"),
     (build_prompts.main, ["--output", "{tmp}"], "is a directory"),
+    (latency_sweep.main, ["run", "--device", "banana", "--json", "{tmp}/s.json"],
+     "latency_sweep.py run: error: argument --device: 'banana' is not a device"),
+    (preemption_cost.main, ["--device", "meta"], "preemption_cost.py: error: argument --device"),
 ])
 def test_the_tools_exit_2_in_one_paragraph(main, argv, fragment, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert_one_paragraph(*run_main(main, argv, capsys)[::2], 2, fragment)
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--tokens"])
+def test_preemption_cost_refuses_kv_that_cannot_fit_naming_its_own_flags(flag, capsys):
+    code, _, err = run_main(preemption_cost.main, ["--model", "tiny", "--device", "cpu", flag,
+                                                   "100000000"], capsys)
+    assert_one_paragraph(code, err, 1, "of K/V each need a pool of")
+    assert "Use fewer --requests or --tokens" in err and "weights" not in err
 
 
 def interrupt(argv, when: str):
@@ -486,3 +551,24 @@ def test_a_closed_standard_stream_ends_quietly_with_the_usual_code(closed, tmp_p
     assert json.loads((tmp_path / "run.json").read_text())["requests"]
     if closed == 2:  # the report still reaches the open stdout, and nothing else does
         assert "Fragmented Memory" in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def test_set_up_after_the_scheduler_is_made_is_not_counted_as_waiting(tmp_path, monkeypatch,
+                                                                     capsys):
+    # A host pool that takes a second to pin (4 GB can) is made with the scheduler, before
+    # the first step: the requests' time to first token must not include it.
+    from features import swapping
+    pin = swapping.HostBlocks.__init__
+
+    def slow_pin(self, *args, **kwargs):
+        time.sleep(1.0)
+        pin(self, *args, **kwargs)
+    monkeypatch.setattr(swapping.HostBlocks, "__init__", slow_pin)
+    out = tmp_path / "run.json"
+    code, _, err = run_main(SCRIPTS["paged"], ["3", *TINY, "--max-new-tokens", "4", "--continuous",
+                                               "--preemption", "swap", "--swap-space", "0.01",
+                                               "--json", out], capsys)
+    assert code == 0, err
+    requests = json.loads(out.read_text())["requests"]
+    first_token = [r["token_seconds"][0] - r["arrival_seconds"] for r in requests]
+    assert max(first_token) < 0.9, first_token

@@ -188,8 +188,7 @@ def parse_arguments(argv=None):
     p.add_argument("script", choices=SCRIPTS,
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
-                   help="W: static, W2: streamed, P: long prompts, N: nano-vllm's bench.py "
-                        "(docs/speed.md)")
+                   help="W static, W2 stream, P long, N nano-vllm's (docs/speed.md)")
     p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
     p.add_argument("--new-tokens", type=positive_int,
                    help="tokens generated per request (default: the workload's)")

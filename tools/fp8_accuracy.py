@@ -18,8 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (MODELS, HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
-                          write_json, writable_file)
+from plumbing.cli import (MODELS, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph,
+                          one_paragraph_errors, positive_int, write_json, writable_file)
+
+exit_quietly_on_ctrl_c("fp8_accuracy.py")  # before torch loads
 
 
 def parse_arguments(argv=None):

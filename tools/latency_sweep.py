@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c
 
-exit_quietly_on_ctrl_c("latency_sweep.py")  # before torch loads
+PROG = "latency_sweep.py"  # its name in messages, however it is started
+exit_quietly_on_ctrl_c(PROG)  # before torch loads
 
 import torch
 from tqdm import tqdm
@@ -49,7 +50,7 @@ import llama3_virtual
 from features.request_state import ServedRequest
 from llama3_paged import greedy
 from features.arrivals import latency_report
-from plumbing.cli import (HelpFormatter, first_paragraph, fraction, gigabytes, image_file,
+from plumbing.cli import (HelpFormatter, device, first_paragraph, fraction, gigabytes, image_file,
                           json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
                           seed, writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, read_records
@@ -112,18 +113,26 @@ def rates_of(name: str, a) -> list[float]:
 def sweep_json(text: str) -> dict:
     """A `run --json` file, read and checked before anything is drawn (exit 2)."""
     sweep = json_file(text)
-    number = lambda value: isinstance(value, (int, float))
+    # Finite numbers (not bools, not NaN), where `plot` draws them or divides by them.
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    rate_ok = lambda r: (isinstance(r, dict) and (r.get("rate") is None or number(r.get("rate")))
+                         and isinstance(r.get("at_least"), bool))
     point_ok = lambda p: (isinstance(p, dict) and all(number(p.get(k)) for k in POINT_FIELDS)
-                          and number(p.get("latency", {}).get("time_between_tokens", {}).get("p99")))
+                          and isinstance(p.get("latency"), dict)
+                          and isinstance(p["latency"].get("time_between_tokens"), dict)
+                          and number(p["latency"]["time_between_tokens"].get("p99")))
     curve_ok = lambda c: (isinstance(c, dict) and isinstance(c.get("description"), str)
-                          and all(isinstance(c.get(k), dict) for k in ("capacity", "saturation"))
+                          and all(rate_ok(c.get(k)) for k in ("capacity", "saturation"))
                           and isinstance(c.get("points"), list) and c["points"]
                           and all(point_ok(p) for p in c["points"]))
-    if not (isinstance(sweep, dict) and isinstance(sweep.get("curves"), dict)
+    if not (isinstance(sweep, dict) and isinstance(sweep.get("curves"), dict) and sweep["curves"]
+            and set(sweep["curves"]) <= set(CURVES)
             and all(isinstance(sweep.get(k), str) for k in ("device", "model", "memory"))
-            and all(number(sweep.get(k)) for k in ("seconds", "threshold"))
+            and all(number(sweep.get(k)) and sweep[k] > 0 for k in ("seconds", "threshold"))
             and all(curve_ok(c) for c in sweep["curves"].values())):
-        raise argparse.ArgumentTypeError(f"{text} is not the --json of latency_sweep.py run")
+        raise argparse.ArgumentTypeError(f"{text} is not the --json of latency_sweep.py run (its "
+                                         f"curves, each one of {', '.join(CURVES)}, their points "
+                                         f"and capacities, as `run` writes them)")
     sweep["path"] = text
     return sweep
 
@@ -132,7 +141,8 @@ MAX_SECONDS = 1e6  # of arrivals per point: R x T requests must stay a count
 
 
 def parse_arguments(argv=None):
-    p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=first_paragraph(__doc__),
+                                formatter_class=HelpFormatter)
     commands = p.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="measure the curves", formatter_class=HelpFormatter)
     run.add_argument("--curves", type=curve_list, default=DEFAULT_CURVES,
@@ -149,8 +159,8 @@ def parse_arguments(argv=None):
                      help="mean normalized latency (s/token) that defines capacity")
     run.add_argument("--model", choices=MODELS, default="8b",
                      help="random weights of these shapes")
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                     help="cuda:N, or cpu (with --model tiny: runs, no figure)")
+    run.add_argument("--device", type=device,
+                     default="cuda" if torch.cuda.is_available() else "cpu", help="cuda:N, or cpu (with --model tiny: runs, no figure)")
     run.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     run.add_argument("--kv-budget-gb", type=gigabytes, help="instead of --gpu-memory-utilization")
     run.add_argument("--seed", type=seed, default=0, help="of the weights and the arrivals")
@@ -177,7 +187,7 @@ def requests_at(rate: float, a) -> int:
 def curve_arguments(name: str, num_requests: int, a):
     """The curve's run as its script's command line would set it up."""
     script, flags, _ = CURVES[name]
-    argv = [str(num_requests), "--random-weights", "--model", a.model, "--device", a.device,
+    argv = [str(num_requests), "--random-weights", "--model", a.model, "--device", str(a.device),
             "--continuous", "--max-new-tokens", str(a.max_new_tokens), "--seed", str(a.seed),
             "--gpu-memory-utilization", str(a.gpu_memory_utilization), *flags]
     argv += ["--kv-budget-gb", str(a.kv_budget_gb)] if a.kv_budget_gb else []
@@ -275,7 +285,7 @@ def memory_label(a) -> str:
     """The memory the run had: for weights, activations and KV cache, or for KV alone."""
     if a.kv_budget_gb:
         return f"--kv-budget-gb {a.kv_budget_gb:g}"
-    if a.device.startswith("cuda"):
+    if a.device.type == "cuda":
         total = torch.cuda.get_device_properties(a.device).total_memory
         return (f"--gpu-memory-utilization {a.gpu_memory_utilization:g}: "
                 f"{a.gpu_memory_utilization * total / 1e9:.1f} of {total / 1e9:.1f} GB")
@@ -290,7 +300,7 @@ def run(a) -> dict:
                         f"and {PROMPTS_FILE.name} has {available:,}: lower --seconds or the "
                         f"highest of --rates.")
     base = load(curve_arguments("paged", most, a))  # the model, read by every curve
-    sweep = {"device": (torch.cuda.get_device_name(a.device) if a.device.startswith("cuda")
+    sweep = {"device": (torch.cuda.get_device_name(a.device) if a.device.type == "cuda"
                         else "CPU"),
              "memory": memory_label(a),
              "model": f"{a.model}, random weights", "seconds": a.seconds, "seed": a.seed,
@@ -409,7 +419,7 @@ def plot(sweeps: list[dict], output: Path) -> None:
 
 def main(argv=None) -> None:
     a = parse_arguments(argv)
-    with one_paragraph_errors("latency_sweep.py"):
+    with one_paragraph_errors(PROG):
         if a.command == "plot":
             refuse_output_over_input(a.output, [s["path"] for s in a.sweeps], "-o")
             panels = merged(a.sweeps)

@@ -16,6 +16,7 @@ the requests being served.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -43,11 +44,19 @@ def run_json(text: str) -> dict:
     if isinstance(run, dict) and "largest_batch_that_completes" in run:
         raise argparse.ArgumentTypeError(f"{text} is a --find-max-batch result, which has no "
                                          f"timeline; plot the --json of a single run")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     numbers = lambda record, fields: isinstance(record, dict) and all(
-        isinstance(record.get(f), (int, float)) for f in fields)
+        number(record.get(f)) for f in fields)
+    requests = run.get("requests", []) if isinstance(run, dict) else None
+    times_ok = lambda r: (isinstance(r, dict) and number(r.get("arrival_seconds", 0.0))
+                          and isinstance(r.get("token_seconds", []), list)
+                          and all(number(t) for t in r.get("token_seconds", [])))
     if not (isinstance(run, dict) and isinstance(run.get("timeline"), list)
             and numbers(run.get("memory"), MEMORY_FIELDS)
-            and all(numbers(s, TIMELINE_FIELDS) for s in run["timeline"])):
+            and all(numbers(s, TIMELINE_FIELDS) for s in run["timeline"])
+            and isinstance(run.get("arguments", {}), dict)
+            and isinstance(run.get("script", ""), str)
+            and isinstance(requests, list) and all(times_ok(r) for r in requests)):
         raise argparse.ArgumentTypeError(f"{text} is not the --json of a run of llama3_naive.py "
                                          f"or llama3_paged.py")
     if not run["timeline"] or not numbers(run["memory"].get("at_fullest_step"), FULLEST_FIELDS):

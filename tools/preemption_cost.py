@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c
 
-exit_quietly_on_ctrl_c("preemption_cost.py")  # before torch loads
+PROG = "preemption_cost.py"  # its name in messages, however it is started
+exit_quietly_on_ctrl_c(PROG)  # before torch loads
 
 import numpy as np
 import torch
@@ -44,10 +45,11 @@ from features.request_state import ServedRequest
 from features.swapping import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
-from plumbing.cli import (HelpFormatter, first_paragraph, format_bytes, one_paragraph_errors,
-                          positive_int, positive_int_list, writable_file)
+from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, device, first_paragraph, format_bytes,
+                          host_available_bytes, one_paragraph_errors, positive_int,
+                          positive_int_list, writable_file)
 from features.report import format_seconds
-from plumbing.inputs import DTYPES
+from plumbing.inputs import DTYPES, PRESETS
 from features.run import choose_attention
 from tools.shared import matmul_flops_per_second, median_cuda_seconds, write_and_print
 
@@ -55,7 +57,8 @@ BLOCK_SIZES = [16, 32, 64, 128, 256]
 
 
 def parse_arguments(argv=None):
-    p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=first_paragraph(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--requests", type=positive_int, default=8, help="requests preempted at once")
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens each has cached")
     p.add_argument("--block-sizes", type=positive_int_list, default=BLOCK_SIZES,
@@ -63,7 +66,8 @@ def parse_arguments(argv=None):
     p.add_argument("--repeats", type=positive_int, default=10, help="timings per figure (median)")
     p.add_argument("--model", choices=MODELS, default="8b",
                    help="random weights of these shapes")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda:N, or cpu (with --model tiny)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--attn", choices=["auto", "flash", "triton", "torch"], default="auto",
                    help="the recomputing prefill's kernel")
@@ -167,9 +171,29 @@ def measure_block_size(model, attention, block_size: int, a, timer) -> dict:
             "swap_seconds": figures["swap"], "recompute_seconds": figures["recompute"]}
 
 
+def check_the_kv_fits(a, device, dtype) -> None:
+    """The K/V this tool allocates, refused before the model loads if the device lacks it: a pool
+    twice the preempted requests' K/V for the largest block size (room to grow while holding) and
+    their copy in pinned host memory, which swapping needs."""
+    per_token = PRESETS[a.model].kv_bytes_per_token(dtype)
+    largest_block = max(a.block_sizes)
+    tokens = a.requests * -(-a.tokens // largest_block) * largest_block
+    pool, host = 2 * tokens * per_token, tokens * per_token
+    on_device = pool + (host if device.type == "cpu" else 0)
+    free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+            else host_available_bytes())
+    if on_device > free or host > host_available_bytes():
+        raise UserError(f"Out of memory: {a.requests:,} requests x {a.tokens:,} tokens of "
+                        f"{per_token // 1024} KiB of K/V each need a pool of {format_bytes(pool)} "
+                        f"on {device} and {format_bytes(host)} of host memory to swap to, and "
+                        f"{device} has {format_bytes(free)} free. Use fewer --requests or "
+                        f"--tokens, or a smaller --model.", OUT_OF_MEMORY)
+
+
 def measure(a) -> dict:
-    device = torch.device(a.device)
+    device = a.device
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    check_the_kv_fits(a, device, dtype)
     model = random_model(Llama, a.model, device, dtype, a.tokens + 1)
     attention = choose_attention(a.attn, device)
     timer = Timer(device)
@@ -207,9 +231,7 @@ def print_table(r: dict) -> None:
 
 def main(argv=None) -> None:
     a = parse_arguments(argv)
-    with one_paragraph_errors("preemption_cost.py"):
-        if a.device != "cpu" and not torch.cuda.is_available():
-            raise UserError(f"--device {a.device}: CUDA is not available here; use --device cpu.")
+    with one_paragraph_errors(PROG):
         write_and_print(measure(a), a.json, print_table)
 
 
