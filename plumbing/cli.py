@@ -69,7 +69,7 @@ def is_project_code(path: Path) -> bool:
     return PROJECT_ROOT in path.parents and path.suffix in PROJECT_CODE_SUFFIXES
 
 
-def writable_file(text: str) -> Path:
+def writable_file(text: str, claim: bool = True) -> Path:
     """Checked before the run, so that no result is computed only to be lost. (That it names no
     file the run reads is checked once every input is known: `refuse_output_over_input`.)"""
     if not text.strip():
@@ -84,7 +84,48 @@ def writable_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return claim_output(path) if claim else path
+
+
+CLAIMED_OUTPUTS: dict = {}  # path -> (its lock file, open; the lock's path), for this process
+
+
+def claim_output(path: Path) -> Path:
+    """Two runs writing one path at once would each say they wrote it while the file holds only
+    the last one's. So a run claims its output when it starts: an exclusive flock on a file beside
+    it, which the kernel releases however the process ends. A second run refused here has lost
+    nothing yet."""
+    import atexit
+    import fcntl
+    key = path.resolve()
+    if key in CLAIMED_OUTPUTS or (path.exists() and not path.is_file()):
+        return path  # this process's already, or a device or pipe (no file to lose)
+    lock_path = path.with_name(f".{path.name}.lock")
+    try:
+        lock = open(lock_path, "a")
+    except OSError:
+        return path  # no file can be made beside it: the write will say so, in one paragraph
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise argparse.ArgumentTypeError(f"{path}: another run is writing it now (it holds "
+                                         f"{lock_path}); wait for it to end, or name another "
+                                         f"file") from None
+    if not CLAIMED_OUTPUTS:
+        atexit.register(lambda: [release_output(Path(p)) for p in list(CLAIMED_OUTPUTS)])
+    CLAIMED_OUTPUTS[key] = (lock, lock_path)
     return path
+
+
+def release_output(path: Path) -> None:
+    """The claim's lock file removed and its lock released: the output is written (or never will
+    be)."""
+    claim = CLAIMED_OUTPUTS.pop(path.resolve(), None)
+    if claim:
+        lock, lock_path = claim
+        lock_path.unlink(missing_ok=True)
+        lock.close()
 
 
 IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
@@ -92,11 +133,11 @@ IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with 
 
 def image_file(text: str) -> Path:
     """A writable path whose suffix names a format matplotlib can draw."""
-    path = writable_file(text)
+    path = writable_file(text, claim=False)
     if path.suffix.lower() not in IMAGE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text}: name the picture's format with its suffix, one "
                                          f"of {', '.join(IMAGE_FORMATS)}")
-    return path
+    return claim_output(path)  # last: a refused path leaves no lock file behind
 
 
 def json_file(text: str):
@@ -109,6 +150,9 @@ def json_file(text: str):
         raise argparse.ArgumentTypeError(f"{text}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not a JSON file: {e}") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise argparse.ArgumentTypeError(f"{text} is nested too deeply to be a JSON file this "
+                                         f"program wrote") from None
 
 
 def refuse_output_over_input(output: Path | None, inputs: list, flag: str) -> None:
@@ -136,6 +180,8 @@ def write_atomically(path: Path, write) -> None:
         if not direct:
             temporary.unlink(missing_ok=True)
         raise UserError(f"Could not write {path}: {e.strerror or e}.") from e
+    finally:
+        release_output(path)
 
 
 def as_json_value(value):

@@ -385,7 +385,7 @@ def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"Could not read {path}: {e}") from e
 
 
@@ -442,6 +442,11 @@ class Tokenizer:
         if len(ranks) != NUM_BASE_TOKENS:
             raise UserError(f"{model_path} has {len(ranks):,} tokens; Llama 3's tokenizer.model "
                             f"has {NUM_BASE_TOKENS:,}.")
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:  # byte-pair encoding starts from single bytes: without them, a panic in Rust
+            raise UserError(f"{model_path} lacks {len(missing)} of the 256 single-byte tokens "
+                            f"byte-pair encoding starts from (byte {missing[0]} first), so some "
+                            f"text would have no encoding. Llama 3's tokenizer.model has them all.")
         self.special = {tok: len(ranks) + i for i, tok in enumerate(SPECIAL_TOKENS)}
         self.encoding = tiktoken.Encoding(
             name=Path(model_path).name, pat_str=SPLIT_PATTERN,
@@ -540,7 +545,7 @@ def read_records(path: Path) -> list:
         records = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise UserError(f"The prompts file {path} is missing. {REBUILD}") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"The prompts file {path} is damaged ({e}). {REBUILD}") from e
     if not isinstance(records, list):
         raise UserError(f"The prompts file {path} holds no list of conversations. {REBUILD}")

@@ -5,6 +5,8 @@ Ctrl-C. Most cases call a program's main() in this process (an exception that es
 test, as a traceback would); Ctrl-C needs a real process.
 """
 
+import base64
+import itertools
 import json
 import os
 import re
@@ -91,9 +93,15 @@ def checkpoints(tmp_path_factory):
     not_bpe.write_text("this is not base64 at all\n")
     short_bpe = root / "short_bpe.model"
     short_bpe.write_text("YQ== 0\nYg== 1\nYw== 2\n")  # a valid BPE file of 3 tokens
+    # 128,000 valid tokens of two and three bytes, none of one byte: the right count, no base.
+    no_single_bytes = root / "no_single_bytes.model"
+    tokens = itertools.islice(itertools.chain(itertools.product(range(256), repeat=2),
+                                              itertools.product(range(256), repeat=3)), 128_000)
+    no_single_bytes.write_text("".join(f"{base64.b64encode(bytes(t)).decode()} {rank}\n"
+                                for rank, t in enumerate(tokens)))
     return {name: path for name, path in locals().items() if name in (
         "truncated", "wrong_types", "not_json", "meta_list", "meta_truncated", "small_vocab",
-        "not_bpe", "short_bpe")}
+        "not_bpe", "short_bpe", "no_single_bytes")}
 
 
 # (script, arguments, exit code, a fragment of the message that names the cause)
@@ -166,6 +174,7 @@ DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the f
     ("small_vocab", "--ckpt-dir", "vocabulary has 512 tokens"),
     ("not_bpe", "--tokenizer", "is not a tiktoken BPE file"),
     ("short_bpe", "--tokenizer", "has 3 tokens"),
+    ("no_single_bytes", "--tokenizer", "lacks 256 of the 256 single-byte tokens"),
 ]
 
 
@@ -572,3 +581,23 @@ def test_set_up_after_the_scheduler_is_made_is_not_counted_as_waiting(tmp_path, 
     requests = json.loads(out.read_text())["requests"]
     first_token = [r["token_seconds"][0] - r["arrival_seconds"] for r in requests]
     assert max(first_token) < 0.9, first_token
+
+
+def test_a_second_run_writing_the_same_json_is_refused_while_the_first_goes_on(tmp_path):
+    out = tmp_path / "run.json"
+    first = subprocess.Popen([sys.executable, "llama3_paged.py", "7", *TINY, "--max-new-tokens",
+                              "300", "--json", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    seen = b""
+    while b"decode" not in seen:  # its progress bar: it has claimed the path and is running
+        chunk = os.read(first.stderr.fileno(), 4096)
+        assert chunk, "the first run ended early"
+        seen += chunk
+    second = subprocess.run([sys.executable, "llama3_paged.py", "2", *TINY, "--max-new-tokens", "2",
+                             "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert_one_paragraph(second.returncode, second.stderr, 2, "another run is writing it now")
+    assert first.poll() is None, "the first run is still going"
+    first.communicate(timeout=300)
+    assert first.returncode == 0
+    assert len(json.loads(out.read_text())["requests"]) == 7, "the file holds the first run's result"
+    assert not (tmp_path / ".run.json.lock").exists()
