@@ -87,45 +87,23 @@ def writable_file(text: str, claim: bool = True) -> Path:
     return claim_output(path) if claim else path
 
 
-CLAIMED_OUTPUTS: dict = {}  # path -> (its lock file, open; the lock's path), for this process
+OUTPUTS_AT_START: dict = {}  # resolved path -> the file as this run first saw it (file_identity)
+
+
+def file_identity(path: Path):
+    """What changes when someone writes a file: its inode, size and time; None if it is absent."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def claim_output(path: Path) -> Path:
-    """Two runs writing one path at once would each say they wrote it while the file holds only
-    the last one's. So a run claims its output when it starts: an exclusive flock on a file beside
-    it, which the kernel releases however the process ends. A second run refused here has lost
-    nothing yet."""
-    import atexit
-    import fcntl
-    key = path.resolve()
-    if key in CLAIMED_OUTPUTS or (path.exists() and not path.is_file()):
-        return path  # this process's already, or a device or pipe (no file to lose)
-    lock_path = path.with_name(f".{path.name}.lock")
-    try:
-        lock = open(lock_path, "a")
-    except OSError:
-        return path  # no file can be made beside it: the write will say so, in one paragraph
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise argparse.ArgumentTypeError(f"{path}: another run is writing it now (it holds "
-                                         f"{lock_path}); wait for it to end, or name another "
-                                         f"file") from None
-    if not CLAIMED_OUTPUTS:
-        atexit.register(lambda: [release_output(Path(p)) for p in list(CLAIMED_OUTPUTS)])
-    CLAIMED_OUTPUTS[key] = (lock, lock_path)
+    """Note the output as the run finds it, so that write_atomically can tell whether another run
+    wrote it in the meantime (two runs given the same --json)."""
+    OUTPUTS_AT_START.setdefault(path.resolve(), file_identity(path))
     return path
-
-
-def release_output(path: Path) -> None:
-    """The claim's lock file removed and its lock released: the output is written (or never will
-    be)."""
-    claim = CLAIMED_OUTPUTS.pop(path.resolve(), None)
-    if claim:
-        lock, lock_path = claim
-        lock_path.unlink(missing_ok=True)
-        lock.close()
 
 
 IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
@@ -175,13 +153,33 @@ def write_atomically(path: Path, write) -> None:
     try:
         write(temporary)
         if not direct:
-            os.replace(temporary, path)
+            replace_unless_rewritten(temporary, path)
     except OSError as e:
         if not direct:
             temporary.unlink(missing_ok=True)
         raise UserError(f"Could not write {path}: {e.strerror or e}.") from e
-    finally:
-        release_output(path)
+
+
+def replace_unless_rewritten(temporary: Path, path: Path) -> None:
+    """Rename temporary to path, unless another run wrote path since this one started: then this
+    run's result goes beside it, under a name of its own, and the run says so. Neither is lost.
+    The check and the rename hold an flock beside path, so two runs ending at once take turns."""
+    import fcntl
+    lock_path = path.with_name(f".{path.name}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            key = path.resolve()
+            target = path
+            if key in OUTPUTS_AT_START and file_identity(path) != OUTPUTS_AT_START[key]:
+                target = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
+                print(f"{path} was written by another run while this one went on; this run's "
+                      f"result is in {target} instead.", file=sys.stderr)
+            os.replace(temporary, target)
+            if target == path:
+                OUTPUTS_AT_START[key] = file_identity(path)  # this run's own, if it writes again
+        finally:
+            lock_path.unlink(missing_ok=True)
 
 
 def as_json_value(value):

@@ -64,7 +64,8 @@ from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
 from features.llm import SCRIPTS, allocate_kv_cache, parse_script_arguments
-from tools.shared import copy_bandwidth, matmul_flops_per_second, median_cuda_seconds
+from tools.kernel_profile import profile_engine
+from tools.shared import copy_bandwidth, matmul_flops_per_second, median_cuda_seconds, write_profile
 
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
@@ -230,6 +231,8 @@ def parse_arguments(argv=None):
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: K/V in float8, decoded by the Triton kernel")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
+    p.add_argument("--profile", type=writable_file, metavar="PATH",
+                   help="kernel time by class, to PATH (tools/kernel_profile.py)")
     a = p.parse_args(argv)
     for name, value in WORKLOADS[a.workload].items():
         if getattr(a, name) is None:
@@ -337,6 +340,10 @@ def bench(a) -> dict:
     if result.num_generated_tokens != sum(budgets):
         raise UserError(f"{result.num_generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
+    if a.profile:  # after the timed run, on the workload's first requests
+        generated = lambda prompts, budgets: run(prompts, budgets).num_generated_tokens
+        write_profile(a.profile, f"ours ({a.script})", a.workload, profile_engine(
+            generated, prompts, budgets))
 
     # The paged attention kernel alone, halfway through: each request at its prompt + half its
     # tokens. (The virtual cache's rows are not blocks: its step time says what its kernel costs.)
@@ -372,7 +379,8 @@ def bench(a) -> dict:
     prefill_share = flops / result.prefill_seconds / matmul_rate if exact else None
     floor = {"prefill_seconds": flops / matmul_rate, "decode_seconds": sum(floors)}
     return {
-        "workload": vars(a) | {"json": str(a.json) if a.json else None},
+        "workload": vars(a) | {"json": str(a.json) if a.json else None,
+                               "profile": str(a.profile) if a.profile else None},
         "device": torch.cuda.get_device_name(device),
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
@@ -490,6 +498,8 @@ def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("bench.py"):
         refuse_output_over_input(a.json, [PROMPTS_FILE, a.system_prompt_file], "--json")
+        refuse_output_over_input(a.profile, [PROMPTS_FILE, a.system_prompt_file, a.json],
+                                 "--profile")
         if a.decode_kernel != "flash" and a.script != "paged":
             raise UserError(f"--decode-kernel chooses the kernel that reads paged blocks; the "
                             f"{a.script} cache has none to choose: drop it, or bench paged.")

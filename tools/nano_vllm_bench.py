@@ -52,6 +52,8 @@ def parse_arguments(argv=None):
                    help="a system turn before every prompt, as tools/bench.py's")
     p.set_defaults(system_prompt=None)  # the file is the only way in here, as features/run.py reads it
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
+    p.add_argument("--profile", type=writable_file, metavar="PATH",
+                   help="kernel time by class, to PATH (tools/kernel_profile.py)")
     a = p.parse_args(argv)
     for name, value in WORKLOADS[a.workload].items():
         if getattr(a, name, None) is None:
@@ -117,6 +119,16 @@ def run(a, prompts: list[list[int]], budgets: list[int]) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start  # nano-vllm shuts itself down at exit
+        if a.profile:  # after the timed run, on the workload's first requests, as bench.py's
+            def generated(prompts, budgets):
+                params = [SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=b)
+                          for b in budgets]
+                return sum(len(o["token_ids"]) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False))
+            from tools.kernel_profile import profile_engine
+            from tools.shared import write_profile
+            write_profile(a.profile, "nano-vllm", a.workload,
+                          profile_engine(generated, prompts, budgets))
     generated = sum(len(o["token_ids"]) for o in outputs)
     return {"workload": a.workload, "num_requests": len(prompts), "device": torch.cuda.get_device_name(),
             "num_prompt_tokens": sum(map(len, prompts)), "num_generated_tokens": generated,
@@ -128,6 +140,8 @@ def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("nano_vllm_bench.py"):
         refuse_output_over_input(a.json, [PROMPTS_FILE, a.system_prompt_file], "--json")
+        refuse_output_over_input(a.profile, [PROMPTS_FILE, a.system_prompt_file, a.json],
+                                 "--profile")
         tokenizer = load_tokenizer(None, None)
         system = system_prompt(a)
         prompts, budgets = workload_requests(load_prompts(a.num_requests, tokenizer, system),

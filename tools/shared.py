@@ -51,6 +51,14 @@ def as_graph(fn):
     return graph.replay
 
 
+def write_profile(path, engine: str, workload: str, profile: dict) -> None:
+    """A --profile JSON (tools/kernel_profile.py reads it)."""
+    record = {"engine": engine, "workload": workload, "device": torch.cuda.get_device_name(),
+              "profile": profile}
+    text = standard_json(record)
+    write_atomically(path, lambda p: p.write_text(text))
+
+
 def write_and_print(result: dict, json_path, print_table) -> None:
     """--json first, if asked for, so that a closed pipe cutting the table short loses nothing."""
     if json_path:

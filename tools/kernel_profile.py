@@ -1,0 +1,131 @@
+"""Where a step's GPU time goes, kernel class by kernel class, ours beside nano-vllm's.
+
+    python tools/bench.py paged --profile ours.json              # ours: W's first 256 requests
+    python tools/nano_vllm_bench.py NANO_VLLM_DIR --profile nano.json
+    python tools/kernel_profile.py ours.json nano.json           # the table, side by side
+
+Each engine's profile is two runs of the same requests under torch.profiler (CUDA activities):
+prefill only (one new token each, which prefill computes) and the whole run (at most
+PROFILE_NEW_TOKENS new tokens each, as many profiled steps as the trace can hold). Every kernel
+is put in a class by its name (KERNEL_CLASSES); the decode part of a class is the whole run's
+time less the prefill-only run's, per decoded token, so that two engines stepping differently
+are compared per unit of work. "gaps" is the wall time the GPU ran no kernel: waiting for the
+host. Kernels replayed inside CUDA graphs are traced one by one, as eager ones are.
+"""
+
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+
+from plumbing.cli import exit_quietly_on_ctrl_c
+
+exit_quietly_on_ctrl_c("kernel_profile.py")  # before torch loads
+
+import argparse
+
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph, json_file,
+                          one_paragraph_errors)
+
+PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of W2 would not fit
+PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run
+KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the first match wins
+    ("fused (torch.compile)", r"^triton_(poi|red|per|tem)_"),  # inductor's generated kernels
+    ("attention", r"flash|fmha|paged_decode|attention"),
+    ("matmul", r"gemm|cutlass|xmma|cublas|nvjet|sm90_|sm80_|matmul"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rotary|rope|complex"),
+    ("cache write", r"index_copy|store_kvcache|index_put|scatter"),
+    ("sampling", r"argmax|softmax|multinomial|topk|sort|exponential|distribution|gumbel"),
+    ("copies", r"memcpy|memset|copy"),
+    ("elementwise", r"elementwise|vectorized|reduce|cat_|fill|silu|mul|add"),
+]
+CLASS_ORDER = [name for name, _ in KERNEL_CLASSES] + ["other", "gaps"]
+
+
+def kernel_class(name: str) -> str:
+    name = name.lower()
+    return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, name)), "other")
+
+
+def profile_seconds(run) -> dict:
+    """run() under torch.profiler: GPU seconds by kernel class, "gaps" (wall time with no kernel
+    running), and the wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    seconds = dict.fromkeys(CLASS_ORDER, 0.0)
+    for event in trace.key_averages():
+        own = getattr(event, "self_device_time_total", None)
+        if own is None:  # torch before 2.4 said cuda
+            own = event.self_cuda_time_total
+        if own > 0:
+            seconds[kernel_class(event.key)] += own / 1e6
+    seconds["gaps"] = max(wall - sum(seconds.values()), 0.0)
+    return {"seconds": seconds, "wall_seconds": wall}
+
+
+def profile_engine(generate, prompts: list, budgets: list) -> dict:
+    """The two profiled runs of `generate(prompts, budgets)` (which returns how many tokens it
+    generated): prefill only, then the whole, and the decode part per decoded token."""
+    prompts = prompts[:PROFILE_REQUESTS]
+    budgets = [min(b, PROFILE_NEW_TOKENS) for b in budgets[:PROFILE_REQUESTS]]
+    prefill = profile_seconds(lambda: generate(prompts, [1] * len(prompts)))
+    whole = profile_seconds(lambda: generate(prompts, budgets))
+    decoded = sum(budgets) - len(prompts)  # the first token of each came from prefill
+    return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+            "decoded_tokens": decoded, "prefill": prefill, "whole": whole,
+            "decode_seconds_per_token": {c: max(whole["seconds"][c] - prefill["seconds"][c], 0.0)
+                                         / max(decoded, 1) for c in CLASS_ORDER}}
+
+
+def profile_json(text: str) -> dict:
+    record = json_file(text)
+    if not (isinstance(record, dict) and isinstance(record.get("profile"), dict)
+            and all(isinstance(record["profile"].get(k), dict)
+                    for k in ("prefill", "decode_seconds_per_token"))):
+        raise argparse.ArgumentTypeError(f"{text} is no --profile JSON of tools/bench.py or "
+                                         f"tools/nano_vllm_bench.py")
+    return record | {"path": text}
+
+
+def print_side_by_side(records: list[dict]) -> None:
+    names = [r.get("engine", r["path"]) for r in records]
+    profiles = [r["profile"] for r in records]
+    joined = lambda key: ", ".join(f"{p[key]:,}" for p in profiles)
+    devices = ", ".join(f"{n} on {r.get('device', '?')}" for n, r in zip(names, records))
+    print(f"Kernel time by class: {devices}")
+    print(f"  requests {joined('requests')}; prompt tokens {joined('prompt_tokens')}; decoded "
+          f"tokens {joined('decoded_tokens')}")
+    head = "".join(f"{n[:12]:>14}" for n in names)
+    print(f"\n  {'class':22} prefill, ms{head}   decode, us per token{head}")
+    for c in CLASS_ORDER:
+        pre = "".join(f"{1e3 * p['prefill']['seconds'][c]:>14,.1f}" for p in profiles)
+        dec = "".join(f"{1e6 * p['decode_seconds_per_token'][c]:>14,.2f}" for p in profiles)
+        print(f"  {c:22} {'':11}{pre}   {'':20}{dec}")
+    pre = "".join(f"{1e3 * p['prefill']['wall_seconds']:>14,.1f}" for p in profiles)
+    dec = "".join(f"{1e6 * sum(p['decode_seconds_per_token'].values()):>14,.2f}" for p in profiles)
+    print(f"  {'all (wall)':22} {'':11}{pre}   {'':20}{dec}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="kernel_profile.py", description=first_paragraph(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("profiles", nargs="+", type=profile_json,
+                   help="--profile JSON files of tools/bench.py or tools/nano_vllm_bench.py")
+    a = p.parse_args(argv)
+    with one_paragraph_errors("kernel_profile.py"):
+        if len(a.profiles) > 4:
+            raise UserError("At most 4 profiles side by side; give fewer files.")
+        print_side_by_side(a.profiles)
+
+
+if __name__ == "__main__":
+    main()
