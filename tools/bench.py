@@ -205,13 +205,15 @@ def parse_arguments(argv=None):
                    help="with --continuous: mixed steps of at most this many tokens")
     p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
                    help="with --continuous: requests arrive at R per second (Poisson)")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="share of the GPU for weights, activations and K/V")
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--layout", choices=["per-token", "per-layer"], default="per-token",
                    help="virtual only")
     p.add_argument("--sync-mapping", action="store_true",
                    help="virtual only: map pages in the loop, not ahead on a background thread")
-    p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash")
+    p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash",
+                   help="the attention kernels (triton: ours for prefill and decode)")
     p.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
                    help="paged with --attn flash: the kernel of decode steps")
     p.add_argument("--eager", action="store_true",
@@ -227,7 +229,8 @@ def parse_arguments(argv=None):
                    help="paged, with a system prompt: read its blocks once a step")
     p.add_argument("--model", choices=MODELS, default="8b",
                    help="random weights of these shapes; smollm2: its real weights")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
+                   help="of the weights and the K/V")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: K/V in float8, decoded by the Triton kernel")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")

@@ -71,7 +71,8 @@ def build(num_records: int = NUM_RECORDS) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=first_paragraph(__doc__),
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--output", type=writable_file, default=str(PROMPTS_FILE))
+    parser.add_argument("--output", type=writable_file, default=str(PROMPTS_FILE),
+                        help="where to write them (default: the repository's own file, rebuilt)")
     args = parser.parse_args(argv)
     with one_paragraph_errors("build_prompts.py"):
         text = build()

@@ -42,7 +42,8 @@ def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--prefix-tokens", type=positive_int_list, default=[256, 512, 1024, 2048],
                    help=f"shared prefix lengths, multiples of {BLOCK_SIZE}")
-    p.add_argument("--batches", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--batches", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                   help="comma-separated batch sizes to time")
     p.add_argument("--own-tokens", type=positive_int, default=300,
                    help="mean tokens a request holds after the prefix")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")

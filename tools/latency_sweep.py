@@ -161,7 +161,8 @@ def parse_arguments(argv=None):
                      help="random weights of these shapes")
     run.add_argument("--device", type=device,
                      default="cuda" if torch.cuda.is_available() else "cpu", help="cuda:N, or cpu (with --model tiny: runs, no figure)")
-    run.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    run.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                     help="share of the GPU for weights, activations and K/V")
     run.add_argument("--kv-budget-gb", type=gigabytes, help="instead of --gpu-memory-utilization")
     run.add_argument("--seed", type=seed, default=0, help="of the weights and the arrivals")
     run.add_argument("--json", type=writable_file, metavar="PATH", required=True,

@@ -47,7 +47,8 @@ def parse_arguments(argv=None):
                    help="nano-vllm's most sequences per step")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=16384,
                    help="nano-vllm's most tokens per step")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="nano-vllm's: share of the GPU it may use")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt, as tools/bench.py's")
     p.set_defaults(system_prompt=None)  # the file is the only way in here, as features/run.py reads it
