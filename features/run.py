@@ -12,6 +12,7 @@ while the GPU computes the one before (features/overlap.py; --no-overlap).
 import argparse
 import dataclasses
 import importlib
+import os
 from pathlib import Path
 import math
 import time
@@ -241,8 +242,8 @@ def kv_budget_bytes(run: Run) -> float:
 
 def sampling_peak_bytes(run) -> int:
     """Sampling's own memory (softmax, sort, sums), measured on one batch of rows."""
-    if run.args.temperature < GREEDY_BELOW:
-        return 0  # greedy: an argmax
+    if run.args.temperature < GREEDY_BELOW or run.device.type != "cuda":
+        return 0  # greedy: an argmax; on the CPU the KV budget is a fixed share (no peak to read)
     sampler = make_sampler(run.args)
     from features.sampling import ROWS_AT_ONCE
     rows = min(run.num_sequences, ROWS_AT_ONCE)
@@ -484,7 +485,15 @@ def main(script: str, argv=None) -> None:
     module, add_pool_arguments, allocate = SCRIPTS[script]
     with one_paragraph_errors(script):
         parser = argument_parser_with_features(script, module.__doc__, add_pool_arguments)
-        run = load(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        tp = int(os.environ.get("WORLD_SIZE", "1"))  # processes started by torchrun
+        if tp > 1:
+            from features import tensor_parallel
+            rank = tensor_parallel.start(args.device)
+            args.json = args.json if rank == 0 else None  # rank 0 writes, as it prints
+        run = load(args)
+        if tp > 1:
+            tensor_parallel.shard_model(run.model, rank, tp)
         if run.args.beam_width > 1:
             return run_beam_search(run, *allocate(run))
         if run.args.find_max_batch:
@@ -492,6 +501,9 @@ def main(script: str, argv=None) -> None:
         cache, manager = allocate(run)
         from features.report import report
         report(run, cache, manager, generate(run, cache, manager))
+        if tp > 1:
+            print(tensor_parallel.report_line(run, tp))
+            tensor_parallel.stop()
 
 
 PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"

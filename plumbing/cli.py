@@ -472,7 +472,8 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
         args, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
         return True
-    return bool(others) or args.device.type == "cuda"
+    # torchrun's processes (WORLD_SIZE) split the model: features/tensor_parallel.py
+    return bool(others) or args.device.type == "cuda" or os.environ.get("WORLD_SIZE", "1") != "1"
 
 
 @contextlib.contextmanager

@@ -604,3 +604,16 @@ def test_two_runs_writing_one_json_keep_both_results(tmp_path):
     assert len(json.loads(out.read_text())["requests"]) == 2, "the second run's result, kept"
     assert len(json.loads(beside.read_text())["requests"]) == 7, "the first run's, beside it"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run.json", beside.name])
+
+
+def test_sampling_on_the_cpu_runs_and_repeats_with_its_seed(tmp_path, capsys):
+    # It ended in a traceback: the sampler's memory was measured with CUDA's counters on the CPU.
+    outputs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.json"
+        code, _, err = run_main(SCRIPTS["paged"], ["3", *TINY, "--max-new-tokens", "8",
+                                                   "--temperature", "0.8", "--seed", "3",
+                                                   "--json", out], capsys)
+        assert code == 0, err
+        outputs.append([r["output_tokens"] for r in json.loads(out.read_text())["requests"]])
+    assert outputs[0] == outputs[1]
