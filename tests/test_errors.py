@@ -617,3 +617,9 @@ def test_sampling_on_the_cpu_runs_and_repeats_with_its_seed(tmp_path, capsys):
         assert code == 0, err
         outputs.append([r["output_tokens"] for r in json.loads(out.read_text())["requests"]])
     assert outputs[0] == outputs[1]
+
+
+def test_the_tools_shared_module_run_by_mistake_says_what_it_is():
+    done = subprocess.run([sys.executable, "tools/shared.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "imported by the tools, not run" in done.stdout, done.stderr

@@ -7,9 +7,21 @@ script's command line would set them up (features/llm.py's `parse_script_argumen
 and the matmul rate, measured on this GPU, timed with CUDA events after a warm-up, as medians.
 """
 
+import os
 import statistics
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # a module the tools import, not a program: say so, and what it holds
+    try:
+        print(f"tools/shared.py is imported by the tools, not run.\n\n{__doc__}", flush=True)
+    except BrokenPipeError:  # `| head` read what it wanted: nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 from plumbing.cli import write_atomically, standard_json
 
