@@ -305,11 +305,6 @@ class Generation:
         return max(self.timeline, key=lambda s: s.filled_slots, default=KVSnapshot(0, 0, 0, 0))
 
 
-def greedy(logits, rows, positions) -> torch.Tensor:
-    """The likeliest next token, [B, vocab] -> [B] (a sampler also reads who draws where)."""
-    return logits.argmax(-1)
-
-
 def packed_passes(sizes: list[int], tokens_per_pass: int):
     """Consecutive ranges of prompts of at most tokens_per_pass tokens in all (one at least)."""
     start = 0
@@ -323,15 +318,17 @@ def packed_passes(sizes: list[int], tokens_per_pass: int):
 class Decoder:
     """One decode step, kernel by kernel from Python."""
 
-    def __init__(self, model, cache, block_table, sampler=greedy):
-        self.model, self.cache, self.block_table, self.sampler = model, cache, block_table, sampler
+    def __init__(self, model, cache, block_table):
+        self.model, self.cache, self.block_table = model, cache, block_table
 
     def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
-        """One token for each of B requests: tokens, positions, rows, slots are [B] on device."""
+        """The likeliest next token of B requests: tokens, positions, rows, slots [B] on device."""
+        return self.logits(tokens, positions, rows, slots, max_cache_seqlen).argmax(-1)  # [B]
+
+    def logits(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
         batch = DecodeBatch(slot_mapping=slots, block_table=self.block_table[rows],  # their rows
                             cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
-        logits = self.model(tokens, positions, self.cache, batch)  # [B, vocab]
-        return self.sampler(logits, rows, positions + 1)  # [B]
+        return self.model(tokens, positions, self.cache, batch)  # [B, vocab]
 
     def step(self, tokens, positions, rows, slots) -> torch.Tensor:
         """The same, but positions, rows and slots are host arrays."""
@@ -343,7 +340,7 @@ class Engine:
     tokens_per_pass = inputs.TOKENS_PER_PASS
 
     def __init__(self, model, cache, manager: BlockManager):
-        self.model, self.cache, self.manager, self.sampler = model, cache, manager, greedy
+        self.model, self.cache, self.manager = model, cache, manager
         self.decoder = Decoder(model, cache, manager.block_table)
         self.device = manager.block_table.device
 
@@ -394,6 +391,9 @@ class Engine:
                           for p in packed_passes(list(map(len, prompts)), self.tokens_per_pass)])
 
     def _prefill_pass(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
+        return self.prefill_logits(rows, prompts).argmax(-1)  # [B]: each one's likeliest next
+
+    def prefill_logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         lengths = np.array([len(p) for p in prompts])
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
@@ -401,9 +401,8 @@ class Engine:
         slots = self.manager.slots(np.repeat(rows, lengths), positions)  # as decode finds them
         batch = PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
                              cu_seqlens.tolist(), int(lengths.max()))
-        logits = self.model(on_device(np.concatenate(prompts)), on_device(positions), self.cache,
-                            batch, logits_at=on_device(cu_seqlens[1:] - 1))  # each prompt's last
-        return self.sampler(logits, on_device(rows), on_device(lengths))  # [B, vocab] -> [B]
+        return self.model(on_device(np.concatenate(prompts)), on_device(positions), self.cache,
+                          batch, logits_at=on_device(cu_seqlens[1:] - 1))  # [B, vocab]: each last
 
 
 def append_tokens(requests: list[Request], new_tokens: np.ndarray, stop_ids) -> list:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from block_manager import to_device
 from features.request_state import ClockedScheduler, ServedRequest, Status
 from llama3_paged import (Decoder, Engine, FlashAttention, Generation, KVCache, KVSnapshot,
-                          PrefillBatch, Step, TorchAttention, greedy, packed_passes)
+                          PrefillBatch, Step, TorchAttention, packed_passes)
 
 
 @dataclass
@@ -131,6 +131,25 @@ class CachingScheduler(ClockedScheduler):
         return self.manager.allocate(request)
 
 
+def greedy(logits, rows, lengths) -> torch.Tensor:
+    """The likeliest token, [B, vocab] -> [B]: the sampler of a run that samples nothing. A
+    sampler (features/sampling.py) reads each row and its length, to seed its draw."""
+    return logits.argmax(-1)
+
+
+class SamplingDecoder(Decoder):
+    """The lesson's decode step with the next tokens chosen by `sampler` (greedy, sampled,
+    beams), inside the step, so that CUDA graphs record it too."""
+
+    def __init__(self, model, cache, block_table, sampler=greedy):
+        super().__init__(model, cache, block_table)
+        self.sampler = sampler
+
+    def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
+        logits = self.logits(tokens, positions, rows, slots, max_cache_seqlen)  # [B, vocab]
+        return self.sampler(logits, rows, positions + 1)  # [B]
+
+
 class CachedPrefixEngine(Engine):
     """The lesson's loop, and the parts features choose: how tokens are drawn (`sampler`,
     features/sampling.py) and how a decode step runs (`decoder`: features/cuda_graphs.py's
@@ -139,7 +158,7 @@ class CachedPrefixEngine(Engine):
     def __init__(self, model, cache, manager, sampler=greedy, decoder=None):
         super().__init__(model, cache, manager)
         self.sampler = sampler
-        self.decoder = decoder or Decoder(model, cache, manager.block_table, sampler)
+        self.decoder = decoder or SamplingDecoder(model, cache, manager.block_table, sampler)
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
 
     def generate(self, scheduler, stop_ids=frozenset(), progress=True) -> ServedGeneration:
@@ -167,11 +186,12 @@ class CachedPrefixEngine(Engine):
 
     def _prefill_pass(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
         """One forward pass over new_tokens[i], request rows[i]'s tokens from position starts[i]."""
-        if not starts.any():
-            return super()._prefill_pass(rows, new_tokens)
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         new = np.array([len(t) for t in new_tokens])
         lengths = starts + new  # each one's tokens, cached and new
+        if not starts.any():  # the lesson's pass, with this run's sampler
+            return self.sampler(self.prefill_logits(rows, new_tokens), on_device(rows),
+                                on_device(lengths))
         cu_seqlens, cu_seqlens_k = (np.concatenate([[0], np.cumsum(n)]) for n in (new, lengths))
         # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)

@@ -32,6 +32,7 @@ import llama3_naive
 import llama3_paged
 import llama3_virtual
 from features import run as features
+from features.cached_prefix import SamplingDecoder, greedy
 from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
 from features.sampling import uniform
@@ -192,9 +193,9 @@ class LLMEngine:
         # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
         # the per-row sampler (a graph would have recorded one path for every row forever).
         self.graphs = features.make_decoder(self.run, self.cache, self.manager,
-                                            llama3_paged.greedy, max_num_seqs, progress=False)
-        self.eager = llama3_paged.Decoder(self.run.model, self.cache,
-                                              self.manager.block_table, self.sampler)
+                                            greedy, max_num_seqs, progress=False)
+        self.eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table,
+                                     self.sampler)
         self.engine = features.make_engine(self.run, self.cache, self.manager, self.sampler,
                                            self.graphs)
         self.scheduler = features.make_scheduler(self.run, self.cache, self.manager, [])

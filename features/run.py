@@ -24,7 +24,8 @@ import llama3_paged as lesson
 from features.request_state import ServedRequest
 from features.sharing import SharingBlockManager
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
-                                    KVCacheAfterPrefix, TorchAttentionAfterPrefix)
+                                    KVCacheAfterPrefix, SamplingDecoder, TorchAttentionAfterPrefix,
+                                    greedy)
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, needs_features,
@@ -301,7 +302,7 @@ def arrival_times(args, n: int) -> list[float]:
 
 def make_sampler(args):
     if args.temperature < GREEDY_BELOW:
-        return lesson.greedy
+        return greedy
     from features.sampling import Sampler
     return Sampler(args.temperature, args.top_p, args.seed)
 
@@ -375,7 +376,7 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
     if shared_prefix and run.args.cascade != "off":  # a system prompt, cached
         from features.cascade import cascade_for
         cascade = cascade_for(run, cache, manager)  # before the graphs record attention
-    eager = decoder = lesson.Decoder(run.model, cache, manager.block_table, sampler)
+    eager = decoder = SamplingDecoder(run.model, cache, manager.block_table, sampler)
     if decodes_with_graphs(run):
         from features.cuda_graphs import GraphDecoder
         start = time.perf_counter()

@@ -86,7 +86,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     scheduled before the last one's tokens are recorded (features/overlap.py)."""
     from features.timed_engine import TimedEngine
     from features.request_state import ServedRequest
-    from llama3_paged import Decoder, greedy
+    from features.cached_prefix import SamplingDecoder, greedy
     from features.cached_prefix import CachingScheduler
     from features.continuous import ContinuousScheduler
     requests = [ServedRequest(r, p, min(b, max_seq_len - len(p)))
@@ -103,7 +103,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if hasattr(manager, "watch_queue"):  # as features/run.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
-    decoder = Decoder(model, cache, manager.block_table, sampler)
+    decoder = SamplingDecoder(model, cache, manager.block_table, sampler)
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))

@@ -11,7 +11,8 @@ from block_manager import BlockManager
 from conftest import tokens
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from features.request_state import ServedRequest
-from llama3_paged import Decoder, greedy
+from features.cached_prefix import greedy
+from llama3_paged import Decoder
 from features.arrivals import latency_report, poisson_arrival_times
 from features.continuous import ContinuousScheduler
 from features.timed_engine import TimedEngine

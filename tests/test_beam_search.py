@@ -8,8 +8,8 @@ import torch
 from conftest import tiny_hf_model
 
 from block_manager import BlockManager
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import Decoder
+from features.cached_prefix import (CachedPrefixEngine, KVCacheAfterPrefix, SamplingDecoder,
+                                    TorchAttentionAfterPrefix)
 from features.beam_search import BeamSampler, beam_search
 from features.sharing import SharingBlockManager
 from plumbing.inputs import load_model
@@ -28,7 +28,7 @@ def our_beams(model, prompts, width, new_tokens, stop_ids, sharing=True, block_s
                else BlockManager(num_blocks, block_size, n, max_blocks))
     sampler = BeamSampler(width)
     engine = CachedPrefixEngine(model, cache, manager, sampler,
-                    Decoder(model, cache, manager.block_table, sampler))
+                    SamplingDecoder(model, cache, manager.block_table, sampler))
     result = beam_search(engine, prompts, width, [new_tokens] * len(prompts), stop_ids,
                          progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks, "a block leaked"

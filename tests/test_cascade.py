@@ -12,7 +12,8 @@ import torch
 from features.request_state import ServedRequest
 
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from llama3_paged import Decoder, greedy
+from features.cached_prefix import greedy
+from llama3_paged import Decoder
 from llama3_paged import DecodeBatch
 from features.cascade import CascadeAttention, CascadeDecoder
 from features.continuous import ContinuousScheduler

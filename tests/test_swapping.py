@@ -9,7 +9,8 @@ import torch
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
 from features.request_state import ServedRequest
-from llama3_paged import Decoder, greedy
+from features.cached_prefix import greedy
+from llama3_paged import Decoder
 from features.swapping import HostBlocks, SwappingScheduler
 from plumbing.inputs import random_model
 from llama3_paged import Llama

@@ -47,7 +47,8 @@ import torch
 
 from block_manager import BlockManager
 from features.request_state import ServedRequest
-from llama3_paged import Decoder, append_tokens, greedy
+from features.cached_prefix import greedy
+from llama3_paged import Decoder, append_tokens
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
 from features.arrivals import latency_report

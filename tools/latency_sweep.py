@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 import llama3_virtual
 from features.request_state import ServedRequest
-from llama3_paged import greedy
+from features.cached_prefix import greedy
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, device, first_paragraph, fraction, gigabytes, image_file,
                           json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
