@@ -69,7 +69,7 @@ def is_project_code(path: Path) -> bool:
     return PROJECT_ROOT in path.parents and path.suffix in PROJECT_CODE_SUFFIXES
 
 
-def writable_file(text: str, claim: bool = True) -> Path:
+def writable_file(text: str) -> Path:
     """Checked before the run, so that no result is computed only to be lost. (That it names no
     file the run reads is checked once every input is known: `refuse_output_over_input`.)"""
     if not text.strip():
@@ -84,10 +84,16 @@ def writable_file(text: str, claim: bool = True) -> Path:
         raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: not writable")
-    return claim_output(path) if claim else path
+    return claim_output(path)
 
 
 OUTPUTS_AT_START: dict = {}  # resolved path -> the file as this run first saw it (file_identity)
+
+
+def finite_number(value) -> bool:
+    """A JSON number a tool can draw or divide by: not a bool, not NaN or infinite."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def file_identity(path: Path):
@@ -111,11 +117,11 @@ IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with 
 
 def image_file(text: str) -> Path:
     """A writable path whose suffix names a format matplotlib can draw."""
-    path = writable_file(text, claim=False)
+    path = writable_file(text)
     if path.suffix.lower() not in IMAGE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text}: name the picture's format with its suffix, one "
                                          f"of {', '.join(IMAGE_FORMATS)}")
-    return claim_output(path)  # last: a refused path leaves no lock file behind
+    return path
 
 
 def json_file(text: str):

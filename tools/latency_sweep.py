@@ -50,9 +50,9 @@ import llama3_virtual
 from features.request_state import ServedRequest
 from features.cached_prefix import greedy
 from features.arrivals import latency_report
-from plumbing.cli import (HelpFormatter, device, first_paragraph, fraction, gigabytes, image_file,
-                          json_file, one_paragraph_errors, positive_int, refuse_output_over_input,
-                          seed, writable_file, write_atomically)
+from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph, fraction,
+                          gigabytes, image_file, json_file, one_paragraph_errors, positive_int,
+                          refuse_output_over_input, seed, writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
@@ -113,8 +113,7 @@ def rates_of(name: str, a) -> list[float]:
 def sweep_json(text: str) -> dict:
     """A `run --json` file, read and checked before anything is drawn (exit 2)."""
     sweep = json_file(text)
-    # Finite numbers (not bools, not NaN), where `plot` draws them or divides by them.
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    number = finite_number  # where `plot` draws them or divides by them
     rate_ok = lambda r: (isinstance(r, dict) and (r.get("rate") is None or number(r.get("rate")))
                          and isinstance(r.get("at_least"), bool))
     point_ok = lambda p: (isinstance(p, dict) and all(number(p.get(k)) for k in POINT_FIELDS)

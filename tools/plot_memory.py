@@ -16,15 +16,14 @@ the requests being served.
 """
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph, format_bytes,
-                          image_file, json_file, one_paragraph_errors, refuse_output_over_input,
-                          write_atomically)
+from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, finite_number,
+                          first_paragraph, format_bytes, image_file, json_file,
+                          one_paragraph_errors, refuse_output_over_input, write_atomically)
 
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
@@ -44,7 +43,7 @@ def run_json(text: str) -> dict:
     if isinstance(run, dict) and "largest_batch_that_completes" in run:
         raise argparse.ArgumentTypeError(f"{text} is a --find-max-batch result, which has no "
                                          f"timeline; plot the --json of a single run")
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    number = finite_number
     numbers = lambda record, fields: isinstance(record, dict) and all(
         number(record.get(f)) for f in fields)
     requests = run.get("requests", []) if isinstance(run, dict) else None
