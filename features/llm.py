@@ -31,7 +31,7 @@ import torch
 import llama3_naive
 import llama3_paged
 import llama3_virtual
-from features import run as features
+from features import run as features, tensor_parallel
 from features.cached_prefix import SamplingDecoder, greedy
 from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
@@ -186,6 +186,9 @@ class LLMEngine:
 
     def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
                  **options):
+        if tensor_parallel.launched():  # each process would serve, none would split
+            raise UserError("The Python API and serve.py run in one process for now, not under "
+                            "torchrun: run them without it.")
         args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)
         self.run = dataclasses.replace(features.load(args), num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(cache, self.run)

@@ -23,6 +23,10 @@ def report(run, cache, manager, generation) -> None:
     that a reader who stops reading the output early (`| head`) still gets it."""
     args = run.args
     memory = memory_report(run, cache, manager, generation)
+    split = hasattr(run.model, "whole_args")  # over torchrun's processes: features/tensor_parallel.py
+    if split:
+        from features.tensor_parallel import report_line, summed_over_processes
+        memory["summed_over_processes"] = summed_over_processes(memory, run.device)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
     sharing = sharing_report(run, manager, generation)
@@ -47,6 +51,8 @@ def report(run, cache, manager, generation) -> None:
     print_answers(run.prompts, generation.output_tokens, run.tokenizer, args.show_all, args.samples)
     print_report(args.script, memory, throughput, scheduling, sharing, latency,
                  lengths_note(run, generation.requests))
+    if split:
+        print(report_line(memory, run.model))
 
 
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:

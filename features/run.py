@@ -12,7 +12,6 @@ while the GPU computes the one before (features/overlap.py; --no-overlap).
 import argparse
 import dataclasses
 import importlib
-import os
 from pathlib import Path
 import math
 import time
@@ -26,6 +25,7 @@ from features.sharing import SharingBlockManager
 from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
                                     KVCacheAfterPrefix, SamplingDecoder, TorchAttentionAfterPrefix,
                                     greedy)
+from features import tensor_parallel
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, needs_features,
@@ -149,17 +149,21 @@ def load(args) -> Run:
                         f"project runs at most {MAX_SEQUENCES:,} at once.")
     refuse_output_over_input(args.json, [*inputs.inputs_of(args), args.system_prompt_file],
                              "--json")
+    model_class = lesson.Llama
+    if tensor_parallel.launched():  # torchrun's processes split the model
+        tensor_parallel.start(args)
+        model_class = tensor_parallel.SplitLlama
     decode_kernel = args.decode_kernel
     if args.kv_cache_dtype == "fp8":
         refuse_fp8_combinations(args, no_system_prompt)
         if args.device.type == "cuda" and (args.attn == "flash" or args.attn == "auto"
                                            and importable("flash_attn")):
             decode_kernel = "triton"  # flash-attn 2 reads no float8: Triton decodes, flash prefills
-    attention = choose_attention(args.attn, args.device, decode_kernel)
+    attention = choose_attention(args.attn, args.device, decode_kernel, args.dtype)
     if args.compile is None:
         args.compile = compiles_by_default(args, attention)
     sequences = args.samples * args.beam_width
-    run = inputs.load_run(args, lesson.Llama, attention, system_prompt(args), sequences)
+    run = inputs.load_run(args, model_class, attention, system_prompt(args), sequences)
     if args.kv_cache_dtype == "fp8":
         from features.fp8_cache import FP8
         run = dataclasses.replace(run, kv_cache_dtype=FP8)
@@ -207,13 +211,18 @@ def importable(module: str) -> bool:
         return False
 
 
-def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash"):
+def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash",
+                     dtype: str | None = None):
     """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
-    PyTorch reference. decode_kernel "triton" (llama3_paged.py) decodes through the Triton
-    kernel beside flash-attn's prefill."""
+    PyTorch reference; for --dtype fp32 the reference, as both kernels read fp16 and bf16 only.
+    decode_kernel "triton" (llama3_paged.py) decodes through the Triton kernel beside
+    flash-attn's prefill."""
     if name == "auto":
-        name = ("torch" if device.type != "cuda" else "flash" if importable("flash_attn")
-                else "triton" if importable("triton") else "torch")
+        name = ("torch" if device.type != "cuda" or dtype == "fp32" else
+                "flash" if importable("flash_attn") else "triton" if importable("triton") else "torch")
+    if name != "torch" and dtype == "fp32":
+        raise UserError(f"--attn {name} reads fp16 and bf16 only: with --dtype fp32 use --attn "
+                        f"torch (the PyTorch reference), or --dtype bf16.")
     if decode_kernel == "triton" and name != "flash":
         raise UserError(f"--decode-kernel triton pairs the Triton decode kernel with flash-attn's "
                         f"prefill, and this run attends with --attn {name}: use --attn flash "
@@ -487,14 +496,7 @@ def main(script: str, argv=None) -> None:
     with one_paragraph_errors(script):
         parser = argument_parser_with_features(script, module.__doc__, add_pool_arguments)
         args = parser.parse_args(argv)
-        tp = int(os.environ.get("WORLD_SIZE", "1"))  # processes started by torchrun
-        if tp > 1:
-            from features import tensor_parallel
-            rank = tensor_parallel.start(args.device)
-            args.json = args.json if rank == 0 else None  # rank 0 writes, as it prints
         run = load(args)
-        if tp > 1:
-            tensor_parallel.shard_model(run.model, rank, tp)
         if run.args.beam_width > 1:
             return run_beam_search(run, *allocate(run))
         if run.args.find_max_batch:
@@ -502,9 +504,6 @@ def main(script: str, argv=None) -> None:
         cache, manager = allocate(run)
         from features.report import report
         report(run, cache, manager, generate(run, cache, manager))
-        if tp > 1:
-            print(tensor_parallel.report_line(run, tp))
-            tensor_parallel.stop()
 
 
 PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"

@@ -1,6 +1,7 @@
 """Tensor parallelism: one model split over the processes `torchrun` starts (Megatron-style).
 
     torchrun --nproc-per-node 2 llama3_paged.py 7 --random-weights --model tiny --device cpu
+    torchrun --nproc-per-node 2 llama3_paged.py 49 --random-weights    # two GPUs, over NCCL
 
 Each process (rank) holds a slice of every layer: its share of the query heads and of the K/V
 heads (wqkv's rows, by head), of the feed-forward's hidden units (w_gate_up's rows), and the
@@ -9,15 +10,23 @@ is split by vocabulary and its slices gathered. The embedding is whole on every 
 KV cache holds n_kv_heads / tp heads of every token: half the bytes per token on two ranks, and
 the same memory holds twice the tokens. The block manager and its table do not change at all.
 
+No rank ever holds the whole model: it is built with the slice's shapes (SplitLlama), and
+plumbing/inputs.py cuts each checkpoint tensor to this rank's share as it copies it in
+(`share_of`), one tensor at a time. Random weights are drawn whole, one tensor at a time, and cut
+the same way (`keep_share`), so that the processes compute with the one process's numbers.
+
 One scheduler, the same decisions on every rank (SPMD, as gpt-fast runs): each rank runs the
 whole program, with the same requests, the same block manager and the same scheduler. The logits
 are gathered whole on every rank, so every rank picks the same tokens (a sampler draws from the
 same seeds), and every later decision follows the same. Nothing is broadcast but activations.
-Only rank 0 prints and writes --json.
+Only rank 0 prints and writes --json. (The other design, rank 0 schedules and broadcasts each
+step, as vLLM does, costs a broadcast a step; SPMD costs nothing but determinism, which the
+scheduler has anyway.)
 
-This first step runs on the CPU over gloo; a CUDA device is refused until NCCL on two GPUs has
-been measured. Weights are loaded whole on each rank, then sliced: a checkpoint loader that reads
-only a rank's slice is still to come.
+The transport: NCCL when each process has a GPU of its own; gloo on the CPU, and when the
+processes share one GPU (NCCL refuses two ranks on one device). Gloo's collectives run on the
+host, which a CUDA graph cannot capture: processes sharing a GPU decode without graphs. A rank
+that stops answering ends the others after COLLECTIVE_TIMEOUT (gloo's timeout, NCCL's watchdog).
 """
 
 import dataclasses
@@ -27,114 +36,163 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from plumbing.cli import UserError
+import llama3_paged as lesson
+from plumbing.cli import UserError, format_bytes, per_token
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that stops answering ends the others
 
 
-def world_size() -> int:
-    """The processes torchrun started (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def launched() -> bool:
+    """Whether torchrun started this process: it sets WORLD_SIZE, to 1 for one process too."""
+    return "WORLD_SIZE" in os.environ
 
 
-def start(device: torch.device) -> int:
-    """Join the process group torchrun describes; this process's rank. Ranks other than 0 stay
-    quiet on stdout (rank 0 prints the one report)."""
-    if device.type != "cpu":
-        raise UserError("Tensor parallelism runs on the CPU (gloo) in this version; on CUDA it "
-                        "waits for NCCL on two GPUs. Use --device cpu, or run one process.")
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+def start(args) -> int:
+    """Join torchrun's process group over the transport the device calls for; this process's rank.
+    args.device becomes this rank's GPU; ranks other than 0 stay quiet on stdout (rank 0 prints
+    the one report) and write no --json."""
+    refuse_what_is_not_split_yet(args)
+    backend, local_size = "gloo", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.device.type == "cuda":
+        if args.device.index is not None:
+            raise UserError("Under torchrun each process takes the GPU its LOCAL_RANK names: pass "
+                            "--device cuda, without an index.")
+        if torch.cuda.device_count() >= local_size:  # a GPU each: NCCL, graphs can capture it
+            backend = "nccl"
+            args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(args.device)
+        else:  # the processes share one GPU, and its memory
+            args.device = torch.device("cuda", 0)
+            args.eager = True  # no CUDA graphs (nor compiled layers) over gloo
+            args.gpu_memory_utilization /= local_size
+    if args.compile is None:
+        args.compile = False  # compiled layers with collectives inside: not yet
+    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     rank = dist.get_rank()
     if rank != 0:
         sys.stdout = open(os.devnull, "w")
+        args.json = None
     return rank
 
 
-class RowParallelLinear(nn.Module):
+def refuse_what_is_not_split_yet(args) -> None:
+    """Features not yet run over several processes end here, in one paragraph, before loading."""
+    why = ("--compile" if args.compile else
+           "--beam-width" if args.beam_width > 1 else
+           "--find-max-batch" if args.find_max_batch else
+           "--kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else None)
+    if why:
+        raise UserError(f"{why} does not run under torchrun yet (tensor parallelism): run it in "
+                        f"one process, or drop the flag.")
+
+
+class RowParallelLinear(nn.Linear):
     """A linear layer over this rank's slice of the input features; the all-reduce adds the
     ranks' partial outputs into the whole output."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.linear = linear
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(x)  # [T, out]: this rank's share of the sum
+        out = super().forward(x)  # [T, out]: this rank's share of the sum
         dist.all_reduce(out)
         return out
 
 
 class VocabParallelHead(nn.Module):
-    """The output head over this rank's slice of the vocabulary; the gather puts the ranks'
-    logits side by side: [T, vocab / tp] -> [T, vocab]."""
+    """The output head over this rank's slice of the vocabulary, `rows` of `weight` (its own
+    slice, or, where the model ties head and embedding, the embedding's rows); the gather puts
+    the ranks' logits side by side: [T, vocab / tp] -> [T, vocab]."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: nn.Parameter, rows: slice):
         super().__init__()
-        self.linear = linear
+        self.weight, self.rows = weight, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = self.linear(x).contiguous()
+        part = F.linear(x, self.weight[self.rows])  # [T, vocab / tp]
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, part)
         return torch.cat(parts, dim=-1)
 
 
-def rows(weight: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """Rank's share of the rows: [n, ...] -> [n / tp, ...]."""
-    share = weight.shape[0] // tp
-    return weight[rank * share:(rank + 1) * share]
+class SplitLlama(lesson.Llama):
+    """llama3_paged.py's Llama with this rank's slice of every layer. Its `args` are the slice's
+    shapes (the KV cache is sized from them: n_kv_heads / tp heads); `whole_args` the model's."""
+
+    def __init__(self, args, dtype: torch.dtype):
+        rank, tp = dist.get_rank(), dist.get_world_size()
+        for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            if getattr(args, name) % tp:
+                raise UserError(f"The model's {name} ({getattr(args, name):,}) does not split over "
+                                f"{tp} processes; run a number of processes that divides it.")
+        super().__init__(dataclasses.replace(
+            args, n_heads=args.n_heads // tp, n_kv_heads=args.n_kv_heads // tp,
+            ffn_dim=args.ffn_dim // tp, head_dim=args.head_dim), dtype)
+        self.rank, self.tp, self.whole_args = rank, tp, args
+        for layer in self.layers:
+            wo, w_down = layer.attention.wo, layer.feed_forward.w_down
+            layer.attention.wo = RowParallelLinear(wo.in_features, wo.out_features, bias=False,
+                                                   dtype=dtype)
+            layer.feed_forward.w_down = RowParallelLinear(w_down.in_features, w_down.out_features,
+                                                          bias=False, dtype=dtype)
+        share = args.vocab_size // tp
+        if args.tie_embeddings:  # the embedding's rows, no copy (plumbing/inputs.py ties them)
+            self.output = VocabParallelHead(self.tok_embeddings.weight,
+                                            slice(rank * share, (rank + 1) * share))
+        else:
+            self.output = VocabParallelHead(nn.Parameter(torch.empty(share, args.dim, dtype=dtype)),
+                                            slice(None))
+        with torch.device("meta"):  # the whole model's shapes, for drawing random weights
+            self.whole_shapes = {name: p.shape for name, p in
+                                 lesson.Llama(args, dtype).named_parameters()}
+
+    def share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's share of one whole tensor of parameter `name` (or of one part of a merged
+        one: q, k or v of wqkv, gate or up of w_gate_up), as a checkpoint holds it."""
+        if name.endswith(("wo.weight", "w_down.weight")):  # row-parallel: its input features
+            return tensor.tensor_split(self.tp, dim=1)[self.rank]
+        if name.endswith(("wqkv.weight", "w_gate_up.weight", "output.weight")):  # heads, units, words
+            return tensor.tensor_split(self.tp, dim=0)[self.rank]
+        return tensor  # the embedding and the norms: whole on every rank
+
+    def keep_share(self, name: str, whole: torch.Tensor) -> None:
+        """Copy this rank's share of the one-process model's parameter `name` into its slice."""
+        parts = [whole]
+        if name.endswith("wqkv.weight"):  # cut q, k and v each by heads
+            a = self.whole_args
+            parts = whole.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
+                                 a.n_kv_heads * a.head_dim])
+        elif name.endswith("w_gate_up.weight"):
+            parts = whole.chunk(2)
+        self.get_parameter(name).copy_(torch.cat([self.share_of(name, p) for p in parts]))
 
 
-def sliced_linear(weight: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype,
-                       device=weight.device)
-    linear.weight.data.copy_(weight)
-    return linear
+def transport(device: torch.device) -> str:
+    where = ("each on a GPU of its own" if dist.get_backend() == "nccl" else
+             "sharing one GPU" if torch.device(device).type == "cuda" else "on the CPU")
+    return f"{dist.get_backend()}, {where}"
 
 
-def shard_model(model, rank: int, tp: int) -> None:
-    """Keep this rank's slice of every layer of `model` (llama3_paged.py's Llama), in place."""
-    args = model.args
-    for name, count in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
-                        ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
-        if count % tp:
-            raise UserError(f"The model's {name} ({count:,}) does not split over {tp} processes; "
-                            f"run a number of processes that divides it.")
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    with torch.no_grad():
-        for layer in model.layers:
-            attention, ffn = layer.attention, layer.feed_forward
-            wq, wk, wv = attention.wqkv.weight.split([q, kv, kv])  # by head, in head order
-            attention.wqkv = sliced_linear(torch.cat([rows(w, rank, tp) for w in (wq, wk, wv)]))
-            attention.wo = RowParallelLinear(sliced_linear(rows(attention.wo.weight.T, rank, tp).T))
-            attention.n_heads, attention.n_kv_heads = args.n_heads // tp, args.n_kv_heads // tp
-            gate, up = ffn.w_gate_up.weight.chunk(2)
-            ffn.w_gate_up = sliced_linear(torch.cat([rows(gate, rank, tp), rows(up, rank, tp)]))
-            ffn.w_down = RowParallelLinear(sliced_linear(rows(ffn.w_down.weight.T, rank, tp).T))
-        model.output = VocabParallelHead(sliced_linear(rows(model.output.weight, rank, tp)))
-    # The shapes this rank holds: the KV cache and its bytes per token are sized from them.
-    model.args = dataclasses.replace(args, n_heads=args.n_heads // tp,
-                                     n_kv_heads=args.n_kv_heads // tp, ffn_dim=args.ffn_dim // tp,
-                                     head_dim=args.head_dim)
+def summed_over_processes(memory: dict, device: torch.device) -> dict:
+    """The report's memory figures of every process (features/report.py's), added up: each holds
+    its own pool, and its own unfilled slots."""
+    names = ["weights_bytes", "kv_pool_bytes", "fragmented_bytes"]
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # where the transport reads tensors
+    totals = torch.tensor([float(memory[n]) for n in names], dtype=torch.float64, device=on)
+    dist.all_reduce(totals)
+    return {"processes": dist.get_world_size(), "transport": transport(device),
+            **{n: int(v) for n, v in zip(names, totals.tolist())}}
 
 
-def stop() -> None:
-    """Leave the process group once every rank is done (a barrier first: no rank leaves while
-    another still waits on it)."""
-    dist.barrier()
-    dist.destroy_process_group()
+def report_line(memory: dict, model) -> str:
+    """What each process holds, and the sums, for rank 0's report."""
+    summed, a = memory["summed_over_processes"], model.whole_args
+    n = summed["processes"]
+    return (f"Tensor parallel over {n} process{'es' if n > 1 else ''} ({summed['transport']}): each "
+            f"holds {format_bytes(memory['weights_bytes'])} of weights, "
+            f"{per_token(memory['kv_bytes_per_token'])} of K/V per token ({model.args.n_kv_heads} "
+            f"of {a.n_kv_heads} K/V heads) in {memory['kv_pool_blocks']:,} {memory['kv_pool_unit']}; "
+            f"summed over the processes: weights {format_bytes(summed['weights_bytes'])}, KV pool "
+            f"{format_bytes(summed['kv_pool_bytes'])}, Fragmented Memory "
+            f"{format_bytes(summed['fragmented_bytes'])} (the figures above are one process's)")
 
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def report_line(run, tp: int) -> str:
-    """What each process holds, for rank 0's report."""
-    from plumbing.cli import format_bytes
-    return (f"Tensor parallel over {tp} processes: each holds {format_bytes(weight_bytes(run.model))}"
-            f" of weights and {run.kv_bytes_per_token // 1024} KiB of K/V per token "
-            f"({run.model.args.n_kv_heads} of {run.model.args.n_kv_heads * tp} K/V heads); the "
-            f"report's KV figures are one process's, every process's the same")

@@ -27,6 +27,7 @@ OUT_OF_MEMORY = 1  # the run itself did not fit: fewer requests or a smaller cac
 DRIVER_ERROR = 3  # a CUDA driver call failed (llama3_virtual.py's page mapping)
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
 BROKEN_PIPE = 141  # the reader of the output went away, as a shell reports SIGPIPE
+PEER_FAILED = 4  # another of torchrun's processes failed or stopped answering
 
 
 class UserError(Exception):
@@ -277,6 +278,7 @@ def decode_progress(scheduler, manager, enabled: bool = True):
         return max((r.max_new_tokens - len(r.output_tokens)
                     for r in [*scheduler.running, *scheduler.waiting]), default=0)
 
+    enabled = enabled and os.environ.get("RANK", "0") == "0"  # torchrun's: rank 0's bar only
     with tqdm(desc="decode", unit="step", total=steps_left(), disable=not enabled,
               leave=False) as bar:
         def advance() -> None:
@@ -478,8 +480,9 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
         args, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
         return True
-    # torchrun's processes (WORLD_SIZE) split the model: features/tensor_parallel.py
-    return bool(others) or args.device.type == "cuda" or os.environ.get("WORLD_SIZE", "1") != "1"
+    # torchrun (which sets WORLD_SIZE) starts processes that split the model:
+    # features/tensor_parallel.py
+    return bool(others) or args.device.type == "cuda" or "WORLD_SIZE" in os.environ
 
 
 @contextlib.contextmanager
@@ -492,6 +495,11 @@ def one_paragraph_errors(script: str):
     try:
         yield
         sys.stdout.flush()  # a full or closed output is found here, not at exit
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # torchrun's processes (features/tensor_parallel.py) ended well: they leave their
+            # group together, so that none leaves while another still waits on it
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     except BrokenPipeError:  # the reader went away (`| head`): --json is written already
         silence_stdout()
         sys.exit(BROKEN_PIPE)
@@ -511,6 +519,10 @@ def one_paragraph_errors(script: str):
                      f"beside it. Try fewer requests, or leave more room "
                      f"(--gpu-memory-utilization).", OUT_OF_MEMORY)
     except (MemoryError, RuntimeError) as e:
+        if in_a_collective(e):
+            fail(script, f"Another of this run's processes failed or stopped answering (its own "
+                         f"message says why), so this one stops too. ({str(e).splitlines()[0]})",
+                 PEER_FAILED)
         if not isinstance(e, MemoryError) and "allocate" not in str(e):
             raise  # not an allocator's failure: a bug, which should show where it is
         fail(script, f"Out of memory: the CPU's allocator refused ({str(e).splitlines()[0]}). "
@@ -523,6 +535,15 @@ def one_paragraph_errors(script: str):
         fail(script, f"Could not write {where}: {e.strerror or e}.", USAGE)
 
 
+def in_a_collective(error: BaseException) -> bool:
+    """Whether `error` came out of torch.distributed (an all-reduce whose peer is gone): the
+    innermost frame of its traceback is there."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "torch/distributed/" in tb.tb_frame.f_code.co_filename
+
+
 def silence_stdout() -> None:
     """Point standard output at /dev/null, so that flushing it at exit cannot fail again."""
     try:
@@ -532,5 +553,7 @@ def silence_stdout() -> None:
 
 
 def fail(script: str, message: str, exit_code: int):
+    if "WORLD_SIZE" in os.environ:  # one of torchrun's processes: say which
+        script += f" (process {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']})"
     print(f"\n{script}: {message}", file=sys.stderr)
     sys.exit(exit_code)

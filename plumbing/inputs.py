@@ -171,13 +171,20 @@ def random_model(model_class, preset: str, device, dtype, max_positions: int, se
     args = PRESETS[preset]
     model = build_model(model_class, args, device, dtype, max_positions)
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    # A model split over processes (features/tensor_parallel.py) draws each whole tensor, as one
+    # process does, and keeps its share.
+    split = getattr(model, "whole_shapes", None)
+    for name, shape in (split or {n: p.shape for n, p in params.items()}).items():
+        whole = params[name] if split is None else torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            whole.fill_(1.0)
         elif name == "tok_embeddings.weight":
-            param.normal_(0.0, 1.0, generator=generator)
+            whole.normal_(0.0, 1.0, generator=generator)
         else:
-            param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+            whole.normal_(0.0, shape[1] ** -0.5, generator=generator)
+        if split is not None:
+            model.keep_share(name, whole)
     return model
 
 
@@ -365,11 +372,13 @@ def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
         raise UserError(f"{source} is missing {len(missing)} tensors, e.g. {missing[:3]}; "
                         f"is it a Llama 3 checkpoint?\n" + DOWNLOAD_HINT)
     params = dict(model.named_parameters(remove_duplicate=False))
+    # A model split over processes (features/tensor_parallel.py) takes its share of each tensor.
+    share_of = getattr(model, "share_of", lambda ours, tensor: tensor)
     for name, (ours, part) in names.items():
         tensor = get_tensor(name)
         if not isinstance(tensor, torch.Tensor):
             raise UserError(f"{source}: {name} is a {type(tensor).__name__}, not a tensor.")
-        target = params[ours]
+        tensor, target = share_of(ours, tensor), params[ours]
         if ours.endswith("wqkv.weight"):
             a = model.args
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]

@@ -493,3 +493,48 @@ def test_sampling_draws_the_same_tokens_with_and_without_sharing_on_the_gpu():
     assert shared.num_copied_blocks > 0 and sum(shared.first_cached_tokens) > 0
     assert len({tuple(t) for t in shared.output_tokens}) == 12, "every sample its own tokens"
     assert shared.output_tokens == unshared.output_tokens
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+
+
+def tokens_of_run(launcher: list[str], argv: list[str], out) -> list:
+    done = subprocess.run([*launcher, *argv, "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [r["output_tokens"] for r in json.loads(out.read_text())["requests"]], done.stdout
+
+
+TP_RUN = ["49", "--random-weights", "--model", "1b"]
+
+
+@pytest.mark.parametrize("script", ["llama3_paged.py", "llama3_naive.py"])
+def test_two_processes_sharing_the_gpu_give_the_one_process_tokens_in_float32(script, tmp_path):
+    """In float32 (the PyTorch attention: flash-attn reads bf16) the all-reduced partial sums
+    round too little to change a token; two processes share the GPU over gloo."""
+    argv = [script, *TP_RUN, "--dtype", "fp32"]
+    one, _ = tokens_of_run([sys.executable], argv, tmp_path / "one.json")
+    two, stdout = tokens_of_run([*TORCHRUN, "2"], argv, tmp_path / "two.json")
+    assert two == one
+    assert "Tensor parallel over 2 processes (gloo, sharing one GPU)" in stdout
+
+
+def test_two_processes_give_the_same_tokens_through_the_three_caches_with_flash_attn(tmp_path):
+    """bf16, flash-attn with 4 of the 8 K/V heads in each process: naive == paged == virtual, as
+    in one process (bf16 partial sums round otherwise than one process's whole sums, so the
+    tokens are held to each other, not to the one-process run's)."""
+    runs = {script: tokens_of_run([*TORCHRUN, "2"], [script, *TP_RUN], tmp_path / f"{script}.json")
+            for script in ("llama3_paged.py", "llama3_naive.py", "llama3_virtual.py")}
+    tokens = [t for t, _ in runs.values()]
+    assert tokens[0] == tokens[1] == tokens[2] and sum(map(len, tokens[0])) > 49
+    assert all("4 of 8 K/V heads" in stdout for _, stdout in runs.values())
+
+
+def test_nccl_collectives_captured_in_cuda_graphs_give_the_one_process_tokens(tmp_path):
+    """One process under torchrun: NCCL, its all-reduces inside the decode step's graphs, and
+    sums over one rank that change nothing: the tokens of one process with graphs, bf16."""
+    argv = ["llama3_paged.py", *TP_RUN]
+    one, _ = tokens_of_run([sys.executable], [*argv, "--no-compile"], tmp_path / "one.json")
+    nccl, stdout = tokens_of_run([*TORCHRUN, "1"], argv, tmp_path / "nccl.json")
+    assert nccl == one
+    assert "Captured" in stdout and "(nccl, each on a GPU of its own)" in stdout

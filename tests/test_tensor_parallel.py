@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU: torchrun's two processes over gloo give the one process's tokens,
-each holding half of every token's K/V."""
+each holding half of every token's K/V, and no process holds the whole model."""
 
 import json
 import os
@@ -11,66 +11,175 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
-from features.tensor_parallel import shard_model
+from conftest import ROOT, hf_to_meta, tiny_hf_model
+from features import tensor_parallel
 from llama3_paged import KVCache, Llama, TorchAttention
-from plumbing.inputs import random_model
+from plumbing.inputs import load_model, random_model
 
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 def run(argv, out, processes: int) -> dict:
     """A script's --json, run in one process or over torchrun's two."""
     launcher = TORCHRUN if processes == 2 else [sys.executable]
     done = subprocess.run([*launcher, *argv, "--json", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                          text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()) | {"stdout": done.stdout}
 
 
-@pytest.mark.parametrize("flags", [
-    [],  # a static batch
-    ["--continuous", "--num-blocks", "10"],  # too few blocks: preemption and recompute
-    ["--samples", "2"],  # forks that share their prompt's blocks
-], ids=["static", "continuous-preempting", "samples"])
-def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(flags, tmp_path):
-    argv = ["llama3_paged.py", "4", *TINY, "--max-new-tokens", "40", *flags]
+SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in it
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("llama3_paged.py", []),  # a static batch
+    ("llama3_paged.py", ["--continuous", "--num-blocks", "10"]),  # preemption and recompute
+    ("llama3_paged.py", ["--samples", "2"]),  # forks that share their prompt's blocks
+    pytest.param("llama3_paged.py", ["--continuous", "--system-prompt", "You answer in one short "
+                 "sentence, and you never give advice."], marks=SLOW),  # the prefix cache
+    pytest.param("llama3_naive.py", [], marks=SLOW),
+], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive"])
+def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(script, flags,
+                                                                              tmp_path):
+    argv = [script, "4", *TINY, "--max-new-tokens", "40", *flags]
     one = run(argv, tmp_path / "one.json", 1)
     two = run(argv, tmp_path / "two.json", 2)
     assert [r["output_tokens"] for r in two["requests"]] == [r["output_tokens"] for r in one["requests"]]
     assert two["memory"]["kv_bytes_per_token"] * 2 == one["memory"]["kv_bytes_per_token"]
-    assert two["stdout"].count("Fragmented Memory") == 1, "rank 0 alone reports"
+    assert two["stdout"].count("Fragmented Memory:") == 1, "rank 0 alone reports"
+    summed = two["memory"]["summed_over_processes"]
+    assert summed["processes"] == 2 and "gloo, on the CPU" in summed["transport"]
+    # Each process held the same blocks, each block half the heads: the sum is the one process's.
+    assert summed["fragmented_bytes"] == one["memory"]["fragmented_bytes"] > 0
     assert "Tensor parallel over 2 processes" in two["stdout"]
-    if "--continuous" in flags:
+    if "--continuous" in flags and "10" in flags:
         assert two["preemptions"] == one["preemptions"] > 0
 
 
-def test_each_ranks_slices_together_are_the_whole_layer_and_hold_half_the_kv_heads():
-    whole = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=3)
-    ranks = [random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=3) for _ in range(2)]
-    for rank, model in enumerate(ranks):
-        shard_model(model, rank, 2)
+def as_rank(monkeypatch, rank: int, tp: int) -> None:
+    """This process plays rank `rank` of `tp` while a model is built and loaded."""
+    monkeypatch.setattr(tensor_parallel.dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(tensor_parallel.dist, "get_world_size", lambda: tp)
+
+
+def assert_slices_make_the_whole(whole, ranks) -> None:
+    """Each rank's parameters are its slice, and the slices side by side are the whole model."""
     args = whole.args
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    wq, wk, wv = whole.layers[0].attention.wqkv.weight.split([q, kv, kv])
-    parts = [m.layers[0].attention.wqkv.weight.split([q // 2, kv // 2, kv // 2]) for m in ranks]
-    for i, w in enumerate((wq, wk, wv)):
-        assert torch.equal(torch.cat([p[i] for p in parts]), w)
-    assert torch.equal(torch.cat([m.layers[0].attention.wo.linear.weight for m in ranks], dim=1),
-                       whole.layers[0].attention.wo.weight)
-    assert torch.equal(torch.cat([m.output.linear.weight for m in ranks]), whole.output.weight)
+    for i, layer in enumerate(whole.layers):
+        wq, wk, wv = layer.attention.wqkv.weight.split([q, kv, kv])
+        parts = [m.layers[i].attention.wqkv.weight.split([q // 2, kv // 2, kv // 2]) for m in ranks]
+        for j, w in enumerate((wq, wk, wv)):
+            assert torch.equal(torch.cat([p[j] for p in parts]), w)
+        gates_ups = [m.layers[i].feed_forward.w_gate_up.weight.chunk(2) for m in ranks]
+        for j, w in enumerate(layer.feed_forward.w_gate_up.weight.chunk(2)):
+            assert torch.equal(torch.cat([p[j] for p in gates_ups]), w)
+        for name in ("attention.wo", "feed_forward.w_down"):
+            assert torch.equal(torch.cat([m.layers[i].get_submodule(name).weight for m in ranks],
+                                         dim=1), layer.get_submodule(name).weight)
+        for m in ranks:
+            assert torch.equal(m.layers[i].attention_norm.weight, layer.attention_norm.weight)
+    heads = [m.output.weight[m.output.rows] for m in ranks]
+    assert torch.equal(torch.cat(heads), whole.output.weight)
+    assert all(torch.equal(m.tok_embeddings.weight, whole.tok_embeddings.weight) for m in ranks)
+    matrices = lambda model: sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
+    assert all(matrices(m) * 2 == matrices(whole) for m in ranks), "the layers' matrices: half each"
+
+
+def test_random_weights_drawn_whole_give_each_rank_its_slice(monkeypatch):
+    whole = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=3)
+    ranks = []
+    for rank in range(2):
+        as_rank(monkeypatch, rank, 2)
+        ranks.append(random_model(tensor_parallel.SplitLlama, "tiny", "cpu", torch.float32, 64,
+                                  seed=3))
+    assert_slices_make_the_whole(whole, ranks)
     cache = KVCache(ranks[0].args, 4, 16, torch.float32, "cpu", TorchAttention())
-    assert cache.block_shape == (4, 16, args.n_kv_heads // 2, args.head_dim)
+    assert cache.block_shape == (4, 16, whole.args.n_kv_heads // 2, whole.args.head_dim)
+
+
+@pytest.mark.parametrize("layout", ["hugging-face", "meta"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoint_loads_each_ranks_slice(monkeypatch, tmp_path, layout, tied):
+    hf = tiny_hf_model(rope_scaling=False, tied=tied, original_context=8192)
+    if layout == "meta":
+        ckpt = hf_to_meta(hf, tmp_path)
+    else:
+        hf.save_pretrained(tmp_path)
+        ckpt = tmp_path
+    whole = load_model(Llama, ckpt, "cpu", torch.float32, 64)
+    ranks = []
+    for rank in range(2):
+        as_rank(monkeypatch, rank, 2)
+        ranks.append(load_model(tensor_parallel.SplitLlama, ckpt, "cpu", torch.float32, 64))
+    assert_slices_make_the_whole(whole, ranks)
+
+
+def test_a_real_checkpoint_over_two_processes_gives_the_one_process_tokens(tmp_path):
+    """Loaded slice by slice, stopping at end-of-text as real weights do."""
+    hf = tiny_hf_model(rope_scaling=True, tied=False, vocab_size=128_256)
+    hf.save_pretrained(tmp_path / "ckpt")
+    argv = ["llama3_paged.py", "3", "--ckpt-dir", str(tmp_path / "ckpt"), "--device", "cpu",
+            "--max-new-tokens", "24"]  # the packaged tokenizer
+    one = run(argv, tmp_path / "one.json", 1)
+    two = run(argv, tmp_path / "two.json", 2)
+    assert [r["output_tokens"] for r in two["requests"]] == [r["output_tokens"] for r in one["requests"]]
+
+
+def before_torchruns_summary(stderr: str) -> str:
+    """What the processes wrote, before torchrun's own log lines and traceback of who failed."""
+    return stderr.split("/elastic/")[0]
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["llama3_paged.py", "3", *TINY, "--find-max-batch"], "--find-max-batch does not run under "
+                                                          "torchrun yet"),
+    (["serve.py", *TINY], "serve.py run in one process for now"),
+], ids=["find-max-batch", "serve"])
+def test_what_is_not_split_yet_is_refused_in_one_paragraph(argv, why):
+    done = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=ENV)
+    assert done.returncode != 0
+    assert why in done.stderr
+    assert "Traceback" not in before_torchruns_summary(done.stderr)
+
+
+RANK_ONE_FAILS = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+from features import run
+from plumbing.cli import UserError
+if os.environ["RANK"] == "1":  # one process meets a failure the other does not
+    def fails(*args, **kwargs):
+        raise UserError("this process alone failed")
+    run.make_engine = fails
+run.main("llama3_paged.py", sys.argv[1:])
+"""
+
+
+def test_a_rank_that_raises_ends_both_processes_with_its_paragraph(tmp_path):
+    script = tmp_path / "rank_one_fails.py"
+    script.write_text(RANK_ONE_FAILS)
+    start = time.monotonic()
+    done = subprocess.run([*TORCHRUN, str(script), "3", *TINY], cwd=ROOT, capture_output=True,
+                          text=True, timeout=150, env=ENV)
+    assert time.monotonic() - start < 120, "no process waited out a hang"
+    assert done.returncode != 0
+    assert "llama3_paged.py (process 1 of 2): this process alone failed" in done.stderr
+    ours = before_torchruns_summary(done.stderr)
+    assert "Traceback" not in ours
+    assert "llama3_paged.py (process 0 of 2): Another of this run's processes failed" in ours
 
 
 def test_a_killed_rank_ends_the_other_within_bounded_time(tmp_path):
     launcher = subprocess.Popen([*TORCHRUN, "llama3_paged.py", "7", *TINY, "--max-new-tokens",
                                  "2000"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True, env=ENV)
     deadline = time.monotonic() + 120
     seen = b""
-    while b"decode" not in seen and time.monotonic() < deadline:  # both ranks are decoding
+    while b"decode" not in seen and time.monotonic() < deadline:  # rank 0 is decoding
         seen += os.read(launcher.stderr.fileno(), 4096)
     children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
                               text=True).stdout.split()

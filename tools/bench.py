@@ -316,10 +316,11 @@ def nano_vllm_requests(num_requests: int) -> tuple[list[list[int]], list[int]]:
 
 
 def bench(a) -> dict:
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    matmul_rate = matmul_flops_per_second(device, DTYPES[a.dtype])
-    setup = load(script_arguments(a))
+    setup = load(script_arguments(a))  # under torchrun: this process's GPU and slice of the model
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        a.json = a.profile = None  # rank 0 writes, as it prints
+    bandwidth = copy_bandwidth(setup.device)
+    matmul_rate = matmul_flops_per_second(setup.device, DTYPES[a.dtype])
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(a.script, setup)
     decoder = make_decoder(setup, cache, manager, greedy,
@@ -385,7 +386,7 @@ def bench(a) -> dict:
     return {
         "workload": vars(a) | {"json": str(a.json) if a.json else None,
                                "profile": str(a.profile) if a.profile else None},
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(setup.device),
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
         "cuda_graphs": not isinstance(decoder, Decoder),
