@@ -623,3 +623,15 @@ def test_the_tools_shared_module_run_by_mistake_says_what_it_is():
     done = subprocess.run([sys.executable, "tools/shared.py", "--help"], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0 and "imported by the tools, not run" in done.stdout, done.stderr
+
+
+def test_float32_on_cuda_attends_with_the_reference_and_refuses_a_bf16_kernel():
+    """flash-attn and the Triton kernel read fp16 and bf16 only: `auto` picks the PyTorch
+    reference for --dtype fp32 (a crash inside flash-attn before), an explicit kernel is refused."""
+    from features.run import choose_attention
+    from features.cached_prefix import TorchAttentionAfterPrefix
+    cuda = torch.device("cuda")  # only named: nothing runs on it
+    assert isinstance(choose_attention("auto", cuda, "flash", "fp32"), TorchAttentionAfterPrefix)
+    for kernel in ("flash", "triton"):
+        with pytest.raises(plumbing.cli.UserError, match="reads fp16 and bf16 only"):
+            choose_attention(kernel, cuda, "flash", "fp32")
