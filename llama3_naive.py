@@ -9,11 +9,11 @@ after 300 tokens still holds all 8,192 of its slots, which is why this script ru
 at a small batch.
 """
 
-import sys
-
-if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
-    from plumbing.cli import exit_quietly_on_ctrl_c
+if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
+    from plumbing.interrupt import exit_quietly_on_ctrl_c
     exit_quietly_on_ctrl_c("llama3_naive.py")
+
+import sys
 
 import llama3_paged as lesson
 from block_manager import BlockManager

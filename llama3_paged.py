@@ -7,15 +7,15 @@ the pool the moment it finishes. block_manager.py says who holds which block; th
 kernel follows its block table, so a request's blocks need not be contiguous.
 """
 
+if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
+    from plumbing.interrupt import exit_quietly_on_ctrl_c
+    exit_quietly_on_ctrl_c("llama3_paged.py")
+
 import math
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
-    from plumbing.cli import exit_quietly_on_ctrl_c
-    exit_quietly_on_ctrl_c("llama3_paged.py")
 
 import numpy as np
 import torch

@@ -17,8 +17,9 @@ start-up (features/mapping_ahead.py, vAttention's way).
 """
 
 SCRIPT = "llama3_virtual.py"
-if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
-    from plumbing.cli import exit_quietly_on_ctrl_c
+
+if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
+    from plumbing.interrupt import exit_quietly_on_ctrl_c
     exit_quietly_on_ctrl_c(SCRIPT)
 
 from features.mapping_ahead import (BackgroundMapper, MappingAheadManager, MappingFailed,

@@ -13,8 +13,8 @@ scripts take for the model, cache and pool (--model, --random-weights, --block-s
 here too.
 """
 
-if __name__ == "__main__":  # first, so that Ctrl-C while torch loads ends in one line too
-    from plumbing.cli import exit_quietly_on_ctrl_c
+if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
+    from plumbing.interrupt import exit_quietly_on_ctrl_c
     exit_quietly_on_ctrl_c("serve.py")
 
 import argparse

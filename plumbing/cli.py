@@ -3,15 +3,14 @@
 Every failure a user can cause or hit ends the program with one paragraph and an exit code,
 never a traceback: `one_paragraph_errors` words the errors of the layers below in flags.
 
-This module imports nothing heavy: a script installs `exit_quietly_on_ctrl_c` before it imports
-torch, so that Ctrl-C during the imports ends in one line too.
+This module imports nothing heavy (the scripts import it before torch); Ctrl-C is handled before
+it, by plumbing/interrupt.py.
 """
 
 import argparse
 import contextlib
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +24,6 @@ SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent.parent / "system_prompt.txt
 USAGE = 2  # bad arguments, missing or damaged files: fix the command and run again
 OUT_OF_MEMORY = 1  # the run itself did not fit: fewer requests or a smaller cache
 DRIVER_ERROR = 3  # a CUDA driver call failed (llama3_virtual.py's page mapping)
-INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
 BROKEN_PIPE = 141  # the reader of the output went away, as a shell reports SIGPIPE
 PEER_FAILED = 4  # another of torchrun's processes failed or stopped answering
 
@@ -237,34 +235,6 @@ def format_bytes(n: float) -> str:
 def per_token(n: int) -> str:
     """A token's K/V: in KiB, as the README counts them (128 KiB for 8B in bf16), else bytes."""
     return f"{n // 1024} KiB" if n % 1024 == 0 else f"{n:,} bytes"
-
-
-def fill_closed_streams() -> None:
-    """A program started with its output or error stream closed (`>&-`, `2>&-`) writes them to
-    /dev/null instead, and ends with its usual code. The file descriptors are filled too: a file
-    the run opens later must not become descriptor 1 or 2, where library code still writes."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: often fd itself
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(fd, "w", closefd=False))
-
-
-def exit_quietly_on_ctrl_c(program: str) -> None:
-    """Ctrl-C at any moment (importing, loading, inside the decode loop) prints one line and
-    exits 130. os._exit, not an exception: no half-finished `finally` can print a traceback.
-    Every program calls this first, so it also fills closed standard streams."""
-    fill_closed_streams()
-    def interrupted(signum, frame):
-        sys.stdout.flush()
-        print(f"\n{program}: interrupted (Ctrl-C).", file=sys.stderr, flush=True)
-        os._exit(INTERRUPTED)
-    signal.signal(signal.SIGINT, interrupted)
 
 
 @contextlib.contextmanager

@@ -399,6 +399,38 @@ def test_ctrl_c_at_any_moment_prints_one_line_and_exits_130(argv, when):
     assert "interrupted (Ctrl-C)" in err.splitlines()[-1] and "Traceback" not in err
 
 
+WATCH_IMPORTS = """
+import runpy, signal, sys, tempfile
+sys.path.insert(0, ".")
+script = sys.argv[1]
+with tempfile.NamedTemporaryFile("w", suffix=".py") as empty:  # runpy's own imports, done
+    runpy.run_path(empty.name)
+before = []  # what the program imported while Ctrl-C still raised Python's KeyboardInterrupt
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            before.append(name)
+sys.meta_path.insert(0, Watch())
+sys.argv = [script, "--help"]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit:
+    pass
+print(before, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("script", ["llama3_paged.py", "llama3_naive.py", "llama3_virtual.py",
+                                    "serve.py"])
+def test_ctrl_c_is_the_programs_before_it_imports_anything_else(script):
+    """From the first line on: only the small module that installs the handler comes before it
+    (Ctrl-C during Python's own start-up, before that line, is Python's)."""
+    done = subprocess.run([sys.executable, "-c", WATCH_IMPORTS, script], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(eval(done.stderr.splitlines()[-1])) <= {"plumbing", "plumbing.interrupt"}
+
+
 def test_ctrl_c_while_the_plot_imports_or_draws_exits_130(one_run, tmp_path):
     # Twelve panels: seconds of work, so that Ctrl-C lands before the program is done.
     code, err = interrupt(["tools/plot_memory.py", *[one_run / "run.json"] * 12,

@@ -90,10 +90,10 @@ finally:
 """
 
 
-def test_a_plain_cpu_run_executes_the_lesson_and_three_files_beside_it():
+def test_a_plain_cpu_run_executes_the_lesson_and_four_files_beside_it():
     result = subprocess.run([sys.executable, "-c", WALK], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     executed = {line for line in result.stderr.splitlines() if line.endswith(".py")}
-    assert executed == {"llama3_paged.py", "block_manager.py", "plumbing/cli.py",
-                        "plumbing/inputs.py"}, executed
+    assert executed == {"llama3_paged.py", "block_manager.py", "plumbing/interrupt.py",
+                        "plumbing/cli.py", "plumbing/inputs.py"}, executed

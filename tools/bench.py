@@ -38,9 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c, writable_file
-
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("bench.py")  # before torch loads
+
+from plumbing.cli import MODELS, UserError, writable_file
 
 import numpy as np
 import torch

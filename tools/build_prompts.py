@@ -14,11 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
-                          one_paragraph_errors, writable_file, write_atomically)
-
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("build_prompts.py")
 
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph,
+                          one_paragraph_errors, writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, load_tokenizer
 
 NUM_RECORDS = 4000  # enough that a paged run on a 141 GB GPU runs out of memory first

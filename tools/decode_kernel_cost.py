@@ -20,9 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import UserError, exit_quietly_on_ctrl_c
-
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("decode_kernel_cost.py")  # before torch loads
+
+from plumbing.cli import UserError
 
 import torch
 

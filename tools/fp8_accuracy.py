@@ -18,10 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (MODELS, HelpFormatter, exit_quietly_on_ctrl_c, first_paragraph,
-                          one_paragraph_errors, positive_int, write_json, writable_file)
-
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("fp8_accuracy.py")  # before torch loads
+
+from plumbing.cli import (MODELS, HelpFormatter, first_paragraph,
+                          one_paragraph_errors, positive_int, write_json, writable_file)
 
 
 def parse_arguments(argv=None):

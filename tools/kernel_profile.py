@@ -22,8 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import exit_quietly_on_ctrl_c
-
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("kernel_profile.py")  # before torch loads
 
 import argparse

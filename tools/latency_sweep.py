@@ -38,10 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c
-
 PROG = "latency_sweep.py"  # its name in messages, however it is started
+
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c(PROG)  # before torch loads
+
+from plumbing.cli import MODELS, UserError
 
 import torch
 from tqdm import tqdm

@@ -25,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import UserError, exit_quietly_on_ctrl_c, writable_file
-
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("nano_vllm_bench.py")  # before torch loads
+
+from plumbing.cli import UserError, writable_file
 
 from plumbing.inputs import PRESETS
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction, one_paragraph_errors,

@@ -21,11 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (GB, HelpFormatter, exit_quietly_on_ctrl_c, finite_number,
+from plumbing.interrupt import exit_quietly_on_ctrl_c
+exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
+
+from plumbing.cli import (GB, HelpFormatter, finite_number,
                           first_paragraph, format_bytes, image_file, json_file,
                           one_paragraph_errors, refuse_output_over_input, write_atomically)
-
-exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
 import matplotlib
 

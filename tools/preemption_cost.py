@@ -31,10 +31,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import MODELS, UserError, exit_quietly_on_ctrl_c
-
 PROG = "preemption_cost.py"  # its name in messages, however it is started
+
+from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c(PROG)  # before torch loads
+
+from plumbing.cli import MODELS, UserError
 
 import numpy as np
 import torch

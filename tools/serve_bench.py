@@ -26,11 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
-from plumbing.cli import (HelpFormatter, UserError, exit_quietly_on_ctrl_c, first_paragraph,
+from plumbing.interrupt import exit_quietly_on_ctrl_c
+exit_quietly_on_ctrl_c("serve_bench.py")  # before the openai package loads
+
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph,
                           one_paragraph_errors, positive_int, request_rate, seed, write_json,
                           writable_file)
-
-exit_quietly_on_ctrl_c("serve_bench.py")  # before the openai package loads
 
 
 def parse_arguments(argv=None):
