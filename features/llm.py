@@ -13,6 +13,8 @@ What serving adds to the scripts' runs:
 - Rows come back. A script's request r owns row r of the block table for the whole run; a server
   sees requests without end. Here a request takes a free row when it is added and gives it back
   when it finishes or is aborted, as its blocks go back to the free list.
+- A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
+  paged cache: the samples after the first fork (features/sharing.py), as `--samples` does.
 - Each request samples with its own parameters (`RowSampler`), and ends at its own stop strings,
   at end-of-text unless `ignore_eos`, or at `max_tokens`. Those checks run on the host between
   steps, so the engine runs without overlapped steps (features/overlap.py), which would have the
@@ -55,6 +57,8 @@ def allocate_kv_cache(cache: str, run):
     """The script's KV cache and block manager, as its command line with features makes them."""
     if cache == "virtual":
         return llama3_virtual.allocate_kv_cache(run)
+    if cache == "paged":  # a request's n samples share their prompt's blocks, as --samples's do
+        return features.allocate_paged(run, samples=True)
     return features.SCRIPTS[f"llama3_{cache}.py"][2](run)
 
 

@@ -445,16 +445,17 @@ def find_max_batch(run: Run, allocate_kv_cache) -> None:
 
 # --- The scripts' caches, with the features that change them ---------------------------------
 
-def allocate_paged(run: Run):
+def allocate_paged(run: Run, samples: bool = False):
     """llama3_paged.py's pool. Blocks are shared where requests begin with the same tokens:
-    samples of one prompt, beams, or prompts after one system prompt (the prefix cache).
-    Elsewhere the prefix cache would find next to nothing (1% of W2's prompt tokens), and the
-    lesson's block manager runs."""
+    samples of one prompt (--samples; `samples`: a server's requests may ask for n), beams, or
+    prompts after one system prompt (the prefix cache). Elsewhere the prefix cache would find next
+    to nothing (1% of W2's prompt tokens), and the lesson's block manager runs."""
     args = run.args
     num_blocks, block_size = lesson.pool_size(run, kv_budget_bytes(run))
     cache, max_blocks = kv_cache(run, num_blocks, block_size), math.ceil(args.max_seq_len / block_size)
     prefix_caching = run.system_prompt is not None and not args.no_prefix_cache
-    if args.no_sharing or not (args.samples > 1 or args.beam_width > 1 or prefix_caching):
+    samples = samples or args.samples > 1
+    if args.no_sharing or not (samples or args.beam_width > 1 or prefix_caching):
         return cache, lesson.BlockManager(num_blocks, block_size, run.num_sequences, max_blocks,
                                           run.device)
     from features.sharing import SharingBlockManager

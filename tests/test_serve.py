@@ -120,6 +120,20 @@ def test_seeded_samples_are_reproducible_and_n_gives_n_choices(client):
     assert len({c.text for c in first.choices}) > 1, "three samples, not one copied"
 
 
+def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_tokens():
+    """The samples after the first fork: they take the prompt's blocks (features/sharing.py). Top-k
+    keeps each draw far from a boundary that rounding could move (random weights' full
+    distributions are flat), so the tokens are those of the same samples without sharing."""
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=5, seed=11, n=4, ignore_eos=True)
+    engine = dict(model="tiny", random_weights=True, device="cpu", block_size=16, max_num_seqs=8)
+    shared, unshared = LLM(**engine), LLM(**engine, no_sharing=True)
+    tokens = lambda llm: [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], params)]
+    answers = tokens(shared)
+    assert answers == tokens(unshared)
+    assert shared.engine.manager.num_shared > 0, "the forks took the prompt's blocks"
+    assert len({tuple(t) for t in answers[0]}) > 1, "four samples, not one copied"
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
             "ignore_eos": True, "stream": True}
