@@ -323,17 +323,21 @@ def build_app(engine, model_name: str, api_key: str | None):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "finish_reason": None} for i in range(params.n)])
                 while finished < params.n:
-                    update = await updates.get()
-                    if update is None:
+                    waiting = [await updates.get()]
+                    while not updates.empty():  # all that wait: when the loop falls behind the
+                        waiting.append(updates.get_nowait())  # engine, one event per sample
+                    if None in waiting:  # the engine stopped
                         yield "data: " + json.dumps({"error": {"message": "The engine stopped: "
                                                     f"{state['thread'].failed}"}}) + "\n\n"
                         return
-                    index, text, tokens[index], reason = update
-                    delta, sent[index] = text[len(sent[index]):], text
-                    finished += reason is not None
-                    body = ({"delta": {"content": delta}} if chat else {"text": delta})
-                    yield chunk([{"index": index, **body, "finish_reason": reason,
-                                  "logprobs": None}])
+                    events_now = []
+                    for index, text, tokens[index], reason in {u[0]: u for u in waiting}.values():
+                        delta, sent[index] = text[len(sent[index]):], text  # newest per sample
+                        finished += reason is not None
+                        body = ({"delta": {"content": delta}} if chat else {"text": delta})
+                        events_now.append(chunk([{"index": index, **body, "finish_reason": reason,
+                                                  "logprobs": None}]))
+                    yield "".join(events_now)
                 if options.get("include_usage"):
                     yield chunk([], usage=usage(tokens))
                 yield "data: [DONE]\n\n"
