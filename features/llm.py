@@ -215,6 +215,17 @@ class LLMEngine:
         self.num_generated_tokens = self.num_finished = 0
         self._steps = None
         self._ids = itertools.count()
+        if self.run.args.compile:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """One short request, run to its end and forgotten. Compiled layers compile for prefill
+        on the first one (tens of seconds; decode compiled as its CUDA graphs were captured),
+        which would otherwise fall on the first clients' time to first token."""
+        self.add_request([1] * 32, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        self.num_generated_tokens = self.num_finished = 0
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -134,6 +134,28 @@ def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_toke
     assert len({tuple(t) for t in answers[0]}) > 1, "four samples, not one copied"
 
 
+def test_the_warm_up_leaves_no_trace():
+    """serve.py's engine runs one request before it serves (compiled layers compile on it, on a
+    GPU): afterwards every row and block is free, the counters are zero, and answers are those
+    of an engine that never warmed up."""
+    from features.llm import LLMEngine
+    params = SamplingParams(max_tokens=12, temperature=0)
+
+    def answer(warm: bool) -> list:
+        engine = LLMEngine("paged", 8, model="tiny", random_weights=True, device="cpu",
+                           block_size=16)
+        if warm:
+            engine.warm_up()
+            assert not engine.has_unfinished() and len(engine.free_rows) == 8
+            assert engine.manager.num_used_blocks == 0 and engine.num_generated_tokens == 0
+        engine.add_request(engine.tokenizer.encode(PROMPTS[3]), params)
+        finished = []
+        while engine.has_unfinished():
+            finished += [s.request.output_tokens for s in engine.step() if s.finish_reason]
+        return finished
+    assert answer(warm=True) == answer(warm=False)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
             "ignore_eos": True, "stream": True}
