@@ -50,10 +50,10 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def start(args) -> int:
-    """Join torchrun's process group over the transport the device calls for; this process's rank.
-    args.device becomes this rank's GPU; ranks other than 0 stay quiet on stdout (rank 0 prints
-    the one report) and write no --json."""
+def start(args) -> None:
+    """Join torchrun's process group over the transport the device calls for. args.device becomes
+    this rank's GPU; ranks other than 0 stay quiet on stdout (rank 0 prints the one report) and
+    write no --json."""
     refuse_what_is_not_split_yet(args)
     backend, local_size = "gloo", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.device.type == "cuda":
@@ -71,11 +71,9 @@ def start(args) -> int:
     if args.compile is None:
         args.compile = False  # compiled layers with collectives inside: not yet
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    rank = dist.get_rank()
-    if rank != 0:
+    if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")
         args.json = None
-    return rank
 
 
 def refuse_what_is_not_split_yet(args) -> None:

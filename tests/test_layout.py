@@ -72,11 +72,14 @@ def test_the_lesson_imports_the_block_manager_and_two_support_modules_only():
 
 WALK = """
 import os, runpy, sys
-seen = []
+seen, checked = [], set()
 def hook(frame, event, arg):
+    if event != "call" or frame.f_code in checked:  # each function once: torch calls many
+        return
+    checked.add(frame.f_code)
     name = os.path.abspath(frame.f_code.co_filename)
     here = os.path.relpath(name) if name.startswith(os.getcwd()) and os.path.isfile(name) else None
-    if event == "call" and here and not here.startswith(".") and here not in seen:
+    if here and not here.startswith(".") and here not in seen:
         seen.append(here)  # the project's own files, not a virtual environment inside it
 sys.argv = ["llama3_paged.py", "3", "--random-weights", "--model", "tiny", "--device", "cpu",
             "--max-new-tokens", "4"]
