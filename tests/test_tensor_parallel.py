@@ -58,6 +58,21 @@ def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(sc
         assert two["preemptions"] == one["preemptions"] > 0
 
 
+@SLOW
+def test_four_processes_split_8_kv_heads_two_each_and_give_the_one_process_tokens(tmp_path):
+    argv = ["llama3_paged.py", "2", "--random-weights", "--model", "1b", "--device", "cpu",
+            "--max-new-tokens", "8", "--max-seq-len", "1024", "--json"]
+    one = subprocess.run([sys.executable, *argv, str(tmp_path / "one.json")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    four = subprocess.run([*TORCHRUN[:-1], "4", *argv, str(tmp_path / "four.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert one.returncode == four.returncode == 0, four.stderr[-3000:]
+    tokens = [[r["output_tokens"] for r in json.loads((tmp_path / f"{n}.json").read_text())
+               ["requests"]] for n in ("one", "four")]
+    assert tokens[0] == tokens[1]
+    assert "(2 of 8 K/V heads)" in four.stdout
+
+
 def as_rank(monkeypatch, rank: int, tp: int) -> None:
     """This process plays rank `rank` of `tp` while a model is built and loaded."""
     monkeypatch.setattr(tensor_parallel.dist, "get_rank", lambda: rank)
@@ -133,14 +148,15 @@ def before_torchruns_summary(stderr: str) -> str:
     return stderr.split("/elastic/")[0]
 
 
-@pytest.mark.parametrize("argv, why", [
-    (["llama3_paged.py", "3", *TINY, "--find-max-batch"], "--find-max-batch does not run under "
-                                                          "torchrun yet"),
-    (["serve.py", *TINY], "serve.py run in one process for now"),
-], ids=["find-max-batch", "serve"])
-def test_what_is_not_split_yet_is_refused_in_one_paragraph(argv, why):
-    done = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=ENV)
+@pytest.mark.parametrize("processes, argv, why", [
+    ("2", ["llama3_paged.py", "3", *TINY, "--find-max-batch"], "--find-max-batch does not run "
+                                                               "under torchrun yet"),
+    ("2", ["serve.py", *TINY], "serve.py run in one process for now"),
+    ("4", ["llama3_paged.py", "3", *TINY], "n_kv_heads (2) does not split over 4 processes"),
+], ids=["find-max-batch", "serve", "heads"])
+def test_what_is_not_split_yet_is_refused_in_one_paragraph(processes, argv, why):
+    done = subprocess.run([*TORCHRUN[:-1], processes, *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=ENV)
     assert done.returncode != 0
     assert why in done.stderr
     assert "Traceback" not in before_torchruns_summary(done.stderr)
