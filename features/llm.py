@@ -33,13 +33,13 @@ import torch
 import llama3_naive
 import llama3_paged
 import llama3_virtual
-from features import run as features, tensor_parallel
+from features import run as features
 from features.cached_prefix import SamplingDecoder, greedy
 from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
 from features.sampling import uniform
 from features.timed_engine import StepTimer
-from plumbing.cli import UserError
+from plumbing.cli import UserError, torchrun_process
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}  # by cache
 
@@ -190,7 +190,7 @@ class LLMEngine:
 
     def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
                  **options):
-        if tensor_parallel.launched():  # each process would serve, none would split
+        if torchrun_process() is not None:  # each process would serve, none would split
             raise UserError("The Python API and serve.py run in one process for now, not under "
                             "torchrun: run them without it.")
         args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)

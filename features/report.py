@@ -14,6 +14,7 @@ import torch
 
 from features.mapping_ahead import MappingAheadManager
 from features.page_manager import PageManager
+from features.tensor_parallel import SplitLlama, report_line, summed_over_processes
 from plumbing.cli import format_bytes, per_token, write_json
 from plumbing.inputs import device_total_bytes, lengths_note, print_answers
 
@@ -23,9 +24,8 @@ def report(run, cache, manager, generation) -> None:
     that a reader who stops reading the output early (`| head`) still gets it."""
     args = run.args
     memory = memory_report(run, cache, manager, generation)
-    split = hasattr(run.model, "whole_args")  # over torchrun's processes: features/tensor_parallel.py
+    split = isinstance(run.model, SplitLlama)  # over torchrun's processes
     if split:
-        from features.tensor_parallel import report_line, summed_over_processes
         memory["summed_over_processes"] = summed_over_processes(memory, run.device)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)

@@ -30,7 +30,7 @@ from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, needs_features,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
-                          request_rate, temperature, writable_file, write_json)
+                          request_rate, temperature, torchrun_process, writable_file, write_json)
 from plumbing import inputs
 from plumbing.inputs import Run
 
@@ -150,7 +150,7 @@ def load(args) -> Run:
     refuse_output_over_input(args.json, [*inputs.inputs_of(args), args.system_prompt_file],
                              "--json")
     model_class = lesson.Llama
-    if tensor_parallel.launched():  # torchrun's processes split the model
+    if torchrun_process() is not None:  # torchrun's processes split the model
         tensor_parallel.start(args)
         model_class = tensor_parallel.SplitLlama
     decode_kernel = args.decode_kernel

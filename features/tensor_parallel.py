@@ -45,11 +45,6 @@ from plumbing.cli import UserError, format_bytes, per_token
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that stops answering ends the others
 
 
-def launched() -> bool:
-    """Whether torchrun started this process: it sets WORLD_SIZE, to 1 for one process too."""
-    return "WORLD_SIZE" in os.environ
-
-
 def start(args) -> None:
     """Join torchrun's process group over the transport the device calls for. args.device becomes
     this rank's GPU; ranks other than 0 stay quiet on stdout (rank 0 prints the one report) and

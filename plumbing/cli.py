@@ -168,23 +168,23 @@ def write_atomically(path: Path, write) -> None:
 def replace_unless_rewritten(temporary: Path, path: Path) -> None:
     """Rename temporary to path, unless another run wrote path since this one started: then this
     run's result goes beside it, under a name of its own, and the run says so. Neither is lost.
-    The check and the rename hold an flock beside path, so two runs ending at once take turns."""
+    The check and the rename hold an flock on path's folder, so two runs ending at once take
+    turns (a lock file beside path, removed after, would let a third run lock a new one)."""
     import fcntl
-    lock_path = path.with_name(f".{path.name}.lock")
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            key = path.resolve()
-            target = path
-            if key in OUTPUTS_AT_START and file_identity(path) != OUTPUTS_AT_START[key]:
-                target = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
-                print(f"{path} was written by another run while this one went on; this run's "
-                      f"result is in {target} instead.", file=sys.stderr)
-            os.replace(temporary, target)
-            if target == path:
-                OUTPUTS_AT_START[key] = file_identity(path)  # this run's own, if it writes again
-        finally:
-            lock_path.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        key = path.resolve()
+        target = path
+        if key in OUTPUTS_AT_START and file_identity(path) != OUTPUTS_AT_START[key]:
+            target = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
+            print(f"{path} was written by another run while this one went on; this run's "
+                  f"result is in {target} instead.", file=sys.stderr)
+        os.replace(temporary, target)
+        if target == path:
+            OUTPUTS_AT_START[key] = file_identity(path)  # this run's own, if it writes again
+    finally:
+        os.close(folder)  # and with it the lock
 
 
 def as_json_value(value):
@@ -248,7 +248,8 @@ def decode_progress(scheduler, manager, enabled: bool = True):
         return max((r.max_new_tokens - len(r.output_tokens)
                     for r in [*scheduler.running, *scheduler.waiting]), default=0)
 
-    enabled = enabled and os.environ.get("RANK", "0") == "0"  # torchrun's: rank 0's bar only
+    process = torchrun_process()
+    enabled = enabled and (process is None or process[0] == 0)  # under torchrun, rank 0's bar
     with tqdm(desc="decode", unit="step", total=steps_left(), disable=not enabled,
               leave=False) as bar:
         def advance() -> None:
@@ -441,7 +442,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
     """Whether a command line asks for more than the lesson's flags (argument_parser's, and
     `add_arguments`'): --help (which lists every flag), a flag they do not define (a feature's),
-    or a CUDA device, where CUDA graphs, compiled layers and overlapped steps run by default. features/run.py then
+    or a CUDA device, where CUDA graphs, compiled layers and overlapped steps run by default.
+    features/run.py then
     builds the run."""
     if {"-h", "--help"} & set(argv):
         return True
@@ -450,9 +452,8 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
         args, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
         return True
-    # torchrun (which sets WORLD_SIZE) starts processes that split the model:
-    # features/tensor_parallel.py
-    return bool(others) or args.device.type == "cuda" or "WORLD_SIZE" in os.environ
+    # torchrun's processes split the model: features/tensor_parallel.py
+    return bool(others) or args.device.type == "cuda" or torchrun_process() is not None
 
 
 @contextlib.contextmanager
@@ -505,6 +506,14 @@ def one_paragraph_errors(script: str):
         fail(script, f"Could not write {where}: {e.strerror or e}.", USAGE)
 
 
+def torchrun_process() -> tuple[int, int] | None:
+    """(rank, processes) when torchrun started this process (it sets RANK and WORLD_SIZE, for one
+    process too); None otherwise."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+
+
 def in_a_collective(error: BaseException) -> bool:
     """Whether `error` came out of torch.distributed (an all-reduce whose peer is gone): the
     innermost frame of its traceback is there."""
@@ -523,7 +532,8 @@ def silence_stdout() -> None:
 
 
 def fail(script: str, message: str, exit_code: int):
-    if "WORLD_SIZE" in os.environ:  # one of torchrun's processes: say which
-        script += f" (process {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']})"
+    process = torchrun_process()
+    if process is not None:  # one of torchrun's processes: say which
+        script += f" (process {process[0]} of {process[1]})"
     print(f"\n{script}: {message}", file=sys.stderr)
     sys.exit(exit_code)

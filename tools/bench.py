@@ -60,7 +60,7 @@ from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, REBUILD, read_records
-from plumbing.cli import GB
+from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
 from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
@@ -318,7 +318,8 @@ def nano_vllm_requests(num_requests: int) -> tuple[list[list[int]], list[int]]:
 
 def bench(a) -> dict:
     setup = load(script_arguments(a))  # under torchrun: this process's GPU and slice of the model
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    process = torchrun_process()
+    if process is not None and process[0] != 0:
         a.json = a.profile = None  # rank 0 writes, as it prints
     bandwidth = copy_bandwidth(setup.device)
     matmul_rate = matmul_flops_per_second(setup.device, DTYPES[a.dtype])
