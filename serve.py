@@ -6,8 +6,9 @@
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
 /v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
-filled and unfilled bytes, live). One engine thread runs continuous batching (features/llm.py's
-LLMEngine); the HTTP handlers only queue requests and read their tokens. A client that goes away
+filled and unfilled bytes, live). The engine runs continuous batching in a process of its own
+(features/engine_process.py: features/llm.py's LLMEngine, stepped without waiting for HTTP); the
+handlers only send it requests and read their tokens. A client that goes away
 mid-stream has its request aborted: its blocks and row are free at the next step. Every flag the
 scripts take for the model, cache and pool (--model, --random-weights, --block-size, ...) works
 here too.
@@ -21,13 +22,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import queue
 import secrets
 import sys
-import threading
 import time
-import traceback
-from concurrent.futures import Future
 
 from plumbing.cli import HelpFormatter, UserError, first_paragraph, format_bytes, one_paragraph_errors, positive_int
 
@@ -43,93 +40,7 @@ class BadRequest(Exception):
         self.param, self.status = param, status
 
 
-# --- The engine thread ---------------------------------------------------------------------------
-
-class EngineThread(threading.Thread):
-    """Owns the LLMEngine: adds and aborts requests from the handlers' commands, steps while
-    there is work, and hands each request's new text to its asyncio queue."""
-
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
-        super().__init__(name="engine", daemon=True)
-        self.engine, self.loop = engine, loop
-        self.commands: queue.Queue = queue.Queue()
-        self.listeners: dict[str, asyncio.Queue] = {}  # request id -> its handler's queue
-        self.metrics = self.snapshot()
-        self.failed = None  # what stopped the engine, if anything did
-
-    def add(self, prompt_tokens, params, request_id) -> tuple[Future, asyncio.Queue]:
-        done, updates = Future(), asyncio.Queue()
-        self.commands.put(("add", (prompt_tokens, params, request_id, updates), done))
-        return done, updates
-
-    def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id, None))
-
-    def run(self) -> None:
-        try:
-            self._serve()
-        except Exception as e:  # a bug or a device failure: say so once, end every request
-            traceback.print_exc()
-            self.failed = f"{type(e).__name__}: {e}"
-            for listener in self.listeners.values():
-                self.loop.call_soon_threadsafe(listener.put_nowait, None)
-
-    def _serve(self) -> None:
-        while True:
-            self._take_commands(block=not self.engine.has_unfinished())
-            updates = [(self.listeners[s.request_id], (s.index, s.text, len(s.request.output_tokens),
-                                                       s.finish_reason))
-                       for s in self.engine.step() if s.request_id in self.listeners]
-            if updates:  # one wake-up of the event loop a step, not one a request
-                self.loop.call_soon_threadsafe(deliver, updates)
-            unfinished = {s.request_id for s in self.engine.sequences.values()}
-            for request_id in [r for r in self.listeners if r not in unfinished]:
-                del self.listeners[request_id]  # every sample has had its last update
-            self.metrics = self.snapshot()
-
-    def _take_commands(self, block: bool) -> None:
-        while True:
-            try:
-                kind, payload, done = self.commands.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if kind == "abort":
-                self.engine.abort(payload)
-                self.listeners.pop(payload, None)
-                continue
-            prompt_tokens, params, request_id, updates = payload
-            try:
-                self.engine.add_request(prompt_tokens, params, request_id)
-                self.listeners[request_id] = updates
-                done.set_result(request_id)
-            except Exception as e:  # ValueError, QueueFull: the handler answers them
-                done.set_exception(e)
-
-    def snapshot(self) -> dict:
-        """The figures /metrics serves, taken on this thread between steps."""
-        e = self.engine
-        manager, per_token = e.manager, e.kv_bytes_per_token
-        reserved, unfilled = manager.num_reserved_slots, manager.num_unfilled_slots
-        return {
-            "num_requests_running": len(e.scheduler.running),
-            "num_requests_waiting": len(e.scheduler.waiting),
-            "kv_blocks_used": manager.num_used_blocks,
-            "kv_blocks_free": manager.num_free_blocks,
-            "kv_reserved_bytes": reserved * per_token,
-            "kv_filled_bytes": (reserved - unfilled) * per_token,
-            "kv_unfilled_bytes": unfilled * per_token,
-            "num_preemptions_total": getattr(e.scheduler, "num_preemptions", 0),
-            "generation_tokens_total": e.num_generated_tokens,
-            "request_success_total": e.num_finished,
-        }
-
-
-def deliver(updates: list) -> None:
-    """On the event loop: each update to its handler's queue."""
-    for listener, update in updates:
-        listener.put_nowait(update)
-
+# --- Metrics: the engine's figures (features/engine_process.snapshot) in Prometheus text ------
 
 METRICS_HELP = {
     "num_requests_running": ("gauge", "requests in the running batch"),
@@ -167,12 +78,12 @@ def field(body: dict, name: str, kinds, default=None, check=None, why: str = "")
     return value
 
 
-def sampling_params(body: dict, max_n: int):
-    from features.llm import SamplingParams
+def sampling_params(body: dict, max_n: int) -> dict:
+    """features/llm.py's SamplingParams, by name (the engine's process builds it)."""
     stop = field(body, "stop", (str, list), [], lambda s: isinstance(s, str) or (
         len(s) <= 4 and all(isinstance(x, str) and x for x in s)), "a string or up to 4 strings")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return SamplingParams(
+    return dict(
         max_tokens=field({"max_tokens": max_tokens}, "max_tokens", int, 16, lambda v: v >= 1,
                          "a whole number of at least 1"),
         temperature=float(field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
@@ -186,20 +97,20 @@ def sampling_params(body: dict, max_n: int):
         ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"))
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
+def completion_prompt(body: dict) -> dict:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return tokenizer.encode_prompt(prompt)
+        return {"text": prompt}
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
-        return prompt
+        return {"ids": prompt}
     raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt "
                      "per request)", "prompt")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
@@ -208,22 +119,21 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
                 and isinstance(m.get("content"), str)):
             raise BadRequest("each message needs a 'role' (system, user or assistant) and a "
                              "string 'content'", "messages")
-    return tokenizer.chat(messages)
+    return {"messages": messages}
 
 
 # --- The HTTP application ------------------------------------------------------------------------
 
 def build_app(engine, model_name: str, api_key: str | None):
+    """engine: features/engine_process.py's EngineClient, the server's end of the engine."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    state = {}
-    max_n = min(MAX_N, len(engine.sampler.samples))
+    max_n = min(MAX_N, engine.info["max_num_seqs"])
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["thread"] = EngineThread(engine, asyncio.get_running_loop())
-        state["thread"].start()
+        engine.attach(asyncio.get_running_loop())
         yield
 
     app = FastAPI(title="llama3 paged server", lifespan=lifespan)
@@ -263,56 +173,58 @@ def build_app(engine, model_name: str, api_key: str | None):
                              f"serves '{model_name}'.", "model")
         return body
 
-    async def submit(prompt_tokens, params) -> tuple[str, asyncio.Queue]:
-        from features.llm import QueueFull
+    async def submit(prompt: dict, params: dict) -> tuple[str, int, asyncio.Queue]:
         request_id = f"cmpl-{secrets.token_hex(12)}"
-        done, updates = state["thread"].add(prompt_tokens, params, request_id)
         try:
-            await asyncio.wrap_future(done)
-        except QueueFull as e:
+            num_prompt_tokens, updates = await engine.add(request_id, prompt, params)
+        except OverflowError as e:
             raise BadRequest(f"The server is full ({e}); retry shortly.", status=503) from e
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        return request_id, updates
+        except RuntimeError as e:
+            raise BadRequest(f"The engine stopped: {e}", status=500) from e
+        return request_id, num_prompt_tokens, updates
 
     async def serve(request: Request, chat: bool):
         if refused(request):
             return refused(request)
         try:
             body = await read_body(request)
-            prompt = (chat_prompt if chat else completion_prompt)(body, engine.tokenizer)
+            prompt = (chat_prompt if chat else completion_prompt)(body)
             params = sampling_params(body, max_n)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
-            request_id, updates = await submit(prompt, params)
+            request_id, num_prompt_tokens, updates = await submit(prompt, params)
         except BadRequest as e:
             headers = {"Retry-After": "1"} if e.status == 503 else None
-            return error(str(e), e.status, e.param, headers=headers)
+            kind = "server_error" if e.status == 500 else "invalid_request_error"
+            return error(str(e), e.status, e.param, kind, headers=headers)
         kind = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
-        usage = lambda tokens: {"prompt_tokens": len(prompt), "completion_tokens": sum(tokens),
-                                "total_tokens": len(prompt) + sum(tokens)}
+        created, n = int(time.time()), params["n"]
+        usage = lambda tokens: {"prompt_tokens": num_prompt_tokens, "completion_tokens": sum(tokens),
+                                "total_tokens": num_prompt_tokens + sum(tokens)}
         if not stream:
-            texts, tokens, reasons = [""] * params.n, [0] * params.n, [None] * params.n
+            texts, tokens, reasons = [""] * n, [0] * n, [None] * n
             try:
                 while None in reasons:
                     update = await updates.get()
                     if update is None:
-                        return error(f"The engine stopped: {state['thread'].failed}", 500,
+                        return error(f"The engine stopped: {engine.failed}", 500,
                                      kind="server_error")
                     index, texts[index], tokens[index], reason = update
                     reasons[index] = reason or reasons[index]
             except asyncio.CancelledError:
-                state["thread"].abort(request_id)
+                engine.abort(request_id)
                 raise
+            engine.forget(request_id)
             choices = [{"index": i, "finish_reason": reasons[i], "logprobs": None,
                         **({"message": {"role": "assistant", "content": texts[i]}} if chat
-                           else {"text": texts[i]})} for i in range(params.n)]
+                           else {"text": texts[i]})} for i in range(n)]
             return {"id": request_id, "object": kind, "created": created, "model": model_name,
                     "choices": choices, "usage": usage(tokens)}
 
         async def events():
-            sent, tokens, finished = [""] * params.n, [0] * params.n, 0
+            sent, tokens, finished = [""] * n, [0] * n, 0
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             def chunk(choices, **extra):
                 return "data: " + json.dumps({"id": request_id, "object": chunk_kind,
@@ -321,14 +233,14 @@ def build_app(engine, model_name: str, api_key: str | None):
             try:
                 if chat:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "finish_reason": None} for i in range(params.n)])
-                while finished < params.n:
+                                  "finish_reason": None} for i in range(n)])
+                while finished < n:
                     waiting = [await updates.get()]
                     while not updates.empty():  # all that wait: when the loop falls behind the
                         waiting.append(updates.get_nowait())  # engine, one event per sample
                     if None in waiting:  # the engine stopped
                         yield "data: " + json.dumps({"error": {"message": "The engine stopped: "
-                                                    f"{state['thread'].failed}"}}) + "\n\n"
+                                                    f"{engine.failed}"}}) + "\n\n"
                         return
                     events_now = []
                     for index, text, tokens[index], reason in {u[0]: u for u in waiting}.values():
@@ -342,8 +254,10 @@ def build_app(engine, model_name: str, api_key: str | None):
                     yield chunk([], usage=usage(tokens))
                 yield "data: [DONE]\n\n"
             finally:
-                if finished < params.n:  # the client went away: free its blocks and rows
-                    state["thread"].abort(request_id)
+                if finished < n:  # the client went away: free its blocks and rows
+                    engine.abort(request_id)
+                else:
+                    engine.forget(request_id)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -361,17 +275,16 @@ def build_app(engine, model_name: str, api_key: str | None):
             return refused(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "owned_by": "llama3-paged",
-                                            "max_model_len": engine.max_seq_len}]}
+                                            "max_model_len": engine.info["max_seq_len"]}]}
 
     @app.get("/health")
     async def health():
-        alive = state.get("thread") is not None and state["thread"].is_alive()
-        alive = alive and state["thread"].failed is None
+        alive = engine.alive
         return PlainTextResponse("ok" if alive else "engine stopped", status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(state["thread"].metrics, model_name),
+        return PlainTextResponse(prometheus_text(engine.metrics, model_name),
                                  media_type="text/plain; version=0.0.4")
 
     return app
@@ -398,12 +311,11 @@ def main(argv=None) -> None:
         args, engine_argv = argument_parser().parse_known_args(argv)
         if not 0 < args.port < 65536:
             raise UserError(f"--port {args.port}: expected 1 to 65535.")
-        from features.llm import LLMEngine
-        engine = LLMEngine(args.cache, args.max_num_seqs, argv=engine_argv)
-        name = args.served_model_name or engine.run.args.model
-        m = engine.manager
-        print(f"KV pool: {m.num_blocks:,} blocks x {m.block_size:,} tokens = "
-              f"{format_bytes(engine.cache.nbytes)} ({args.cache}); up to {args.max_num_seqs:,} "
+        from features.engine_process import EngineClient
+        engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
+        name, info = args.served_model_name or engine.info["model"], engine.info
+        print(f"KV pool: {info['num_blocks']:,} blocks x {info['block_size']:,} tokens = "
+              f"{format_bytes(info['pool_bytes'])} ({args.cache}); up to {args.max_num_seqs:,} "
               f"sequences. Serving '{name}' on http://{args.host}:{args.port}", flush=True)
         import uvicorn
         uvicorn.run(build_app(engine, name, args.api_key), host=args.host, port=args.port,

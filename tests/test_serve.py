@@ -2,6 +2,8 @@
 random model in float32 on the CPU, a server on 127.0.0.1 and a free port, stopped by the test."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -250,3 +252,56 @@ def test_serve_bench_replays_the_workload_through_http(server, tmp_path):
     assert record["requests"] == 6 and record["output_tokens"] == 6 * 5  # every reply is longer
     assert 0 < record["ttft_seconds"]["median"] <= record["ttft_seconds"]["p99"]
     assert "TTFT" in out.stdout
+
+
+def engine_pid(server: subprocess.Popen) -> int:
+    """The engine's process: serve.py's child that runs spawn_main (features/engine_process.py;
+    the other child is multiprocessing's resource tracker)."""
+    from pathlib import Path
+    children = [int(pid) for task in Path(f"/proc/{server.pid}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    engines = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    return state != "Z"  # a zombie has ended; only its exit code waits to be read
+
+
+def wait_until(condition, seconds: float = 20) -> bool:
+    for _ in range(int(seconds * 10)):
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_server_takes_its_engine_process_with_it():
+    """SIGKILL leaves no time to clean up: the engine ends on its own when the pipe closes, and
+    does not hold the GPU's memory as an orphan."""
+    process, url = start_server()
+    engine = engine_pid(process)
+    process.kill()
+    process.wait(timeout=30)
+    assert wait_until(lambda: not alive(engine)), "the engine outlived its server"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_engine_that_dies_makes_the_server_say_so():
+    """/health answers 503 and a request an OpenAI error with status 500, not a hang."""
+    process, url = start_server()
+    try:
+        os.kill(engine_pid(process), signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 503)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert response.status_code == 500 and "engine" in response.json()["error"]["message"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
