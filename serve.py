@@ -211,7 +211,8 @@ def build_app(engine, model_name: str, api_key: str | None):
                     if update is None:
                         return error(f"The engine stopped: {engine.failed}", 500,
                                      kind="server_error")
-                    index, texts[index], tokens[index], reason = update
+                    index, delta, tokens[index], reason = update
+                    texts[index] += delta
                     reasons[index] = reason or reasons[index]
             except asyncio.CancelledError:
                 engine.abort(request_id)
@@ -224,7 +225,7 @@ def build_app(engine, model_name: str, api_key: str | None):
                     "choices": choices, "usage": usage(tokens)}
 
         async def events():
-            sent, tokens, finished = [""] * n, [0] * n, 0
+            tokens, finished = [0] * n, 0
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             def chunk(choices, **extra):
                 return "data: " + json.dumps({"id": request_id, "object": chunk_kind,
@@ -242,10 +243,13 @@ def build_app(engine, model_name: str, api_key: str | None):
                         yield "data: " + json.dumps({"error": {"message": "The engine stopped: "
                                                     f"{engine.failed}"}}) + "\n\n"
                         return
+                    deltas, reasons = [""] * n, {}
+                    for index, delta, tokens[index], reason in waiting:
+                        deltas[index] += delta
+                        reasons[index] = reason
                     events_now = []
-                    for index, text, tokens[index], reason in {u[0]: u for u in waiting}.values():
-                        delta, sent[index] = text[len(sent[index]):], text  # newest per sample
-                        finished += reason is not None
+                    for index, reason in reasons.items():  # one event per sample that moved
+                        finished, delta = finished + (reason is not None), deltas[index]
                         body = ({"delta": {"content": delta}} if chat else {"text": delta})
                         events_now.append(chunk([{"index": index, **body, "finish_reason": reason,
                                                   "logprobs": None}]))

@@ -14,12 +14,15 @@ Two pipes carry pickled messages, small and few:
     engine -> server   ("ready", info)                       once, after the model and the pool
                        ("exit", code)                        the engine could not start (said why)
                        ("added", request_id, num_prompt_tokens, error_kind, message)
-                       ("step", updates, metrics)            a step's new text, one message a step
+                       ("step", updates, metrics)            one message a step: each sample's
+                                                             new text, tokens so far, finish
                        ("failed", message)                   the engine stopped
 
 The engine side tokenizes (the server never loads the model's files) and detokenizes, as
 features/llm.py's LLMEngine does in process; a thread of the engine's process drains the
-server's pipe into a queue, so that the server never waits for a step to end to send.
+server's pipe into a queue, so that the server never waits for a step to end to send, and a
+thread of the server's process waits on the engine's pipe, so that the event loop never waits
+for a message to arrive whole.
 """
 
 import asyncio
@@ -72,10 +75,17 @@ def drain(commands, inbox: queue.Queue) -> None:
 
 
 def serve(engine, inbox: queue.Queue, results) -> None:
+    sent_chars = {}  # (request id, sample) -> characters of its text sent: only new text travels
     while True:
         took = take_commands(engine, inbox, results, block=not engine.has_unfinished())
-        updates = [(s.request_id, s.index, s.text, len(s.request.output_tokens), s.finish_reason)
-                   for s in engine.step()]
+        updates = []
+        for s in engine.step():
+            key = (s.request_id, s.index)
+            updates.append((*key, s.text[sent_chars.get(key, 0):], len(s.request.output_tokens),
+                            s.finish_reason))
+            sent_chars[key] = len(s.text)
+            if s.finish_reason is not None:
+                del sent_chars[key]
         if updates or took:  # one message a step, not one a request
             results.send(("step", updates, snapshot(engine)))
 
@@ -169,7 +179,7 @@ class EngineClient:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        loop.add_reader(self.results.fileno(), self._read)
+        threading.Thread(target=self._read, name="engine-results", daemon=True).start()
 
     async def add(self, request_id: str, prompt: dict, params: dict) -> tuple[int, asyncio.Queue]:
         """Returns the prompt's length in tokens and the queue its updates arrive on. Raises
@@ -195,28 +205,34 @@ class EngineClient:
         self.listeners.pop(request_id, None)
 
     def _read(self) -> None:
-        try:
-            while self.results.poll():
+        """On its own thread: each message, whole, to the event loop."""
+        while True:
+            try:
                 message = self.results.recv()
-                if message[0] == "step":
-                    for request_id, *update in message[1]:
-                        if request_id in self.listeners:
-                            self.listeners[request_id].put_nowait(tuple(update))
-                    self.metrics = message[2]
-                elif message[0] == "added":
-                    future = self.added.pop(message[1])
-                    if not future.done():
-                        future.set_result(message[2:])
-                elif message[0] == "failed":
-                    self._stop(message[1])
-        except (EOFError, OSError):
-            self.process.join(timeout=5)
-            self._stop(f"the engine's process ended (exit code {self.process.exitcode})")
+            except (EOFError, OSError):
+                self.process.join(timeout=5)
+                ended = ("" if self.process.exitcode is None
+                         else f" (exit code {self.process.exitcode})")
+                self.loop.call_soon_threadsafe(self._stop, f"the engine's process ended{ended}")
+                return
+            self.loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _dispatch(self, message: tuple) -> None:
+        if message[0] == "step":
+            for request_id, *update in message[1]:
+                if request_id in self.listeners:
+                    self.listeners[request_id].put_nowait(tuple(update))
+            self.metrics = message[2]
+        elif message[0] == "added":
+            future = self.added.pop(message[1])
+            if not future.done():
+                future.set_result(message[2:])
+        elif message[0] == "failed":
+            self._stop(message[1])
 
     def _stop(self, why: str) -> None:
         """Every waiting handler hears that the engine stopped."""
         self.failed = self.failed or why
-        self.loop.remove_reader(self.results.fileno())
         for future in self.added.values():
             if not future.done():
                 future.set_exception(RuntimeError(why))
