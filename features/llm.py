@@ -16,9 +16,10 @@ What serving adds to the scripts' runs:
 - A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
   paged cache: the samples after the first fork (features/sharing.py), as `--samples` does.
 - Each request samples with its own parameters (`RowSampler`), and ends at its own stop strings,
-  at end-of-text unless `ignore_eos`, or at `max_tokens`. Those checks run on the host between
-  steps, so the engine runs without overlapped steps (features/overlap.py), which would have the
-  next step in flight when a request ends.
+  at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are checked here, on the
+  host, between steps. On CUDA steps overlap (features/overlap.py) as in the scripts' runs: the
+  next step is in flight when a request is found to end, so the engine lets it go (`let_go`)
+  and throws away the token that step draws for it, as it does for a stop token.
 """
 
 import argparse
@@ -152,6 +153,22 @@ class RowSampler:
         return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], greedy)
 
 
+@dataclasses.dataclass
+class GreedyOrSampling:
+    """The engine's decoder. Greedy decode steps may be CUDA graphs; a step with a sampling row
+    runs eagerly, with the per-row sampler (a graph would have recorded one path for every row
+    forever). Chosen as each step is launched, which with overlapped steps is a step ahead of
+    the one LLMEngine.step returns."""
+
+    graphs: object
+    eager: SamplingDecoder
+    sampler: RowSampler
+
+    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
+        decoder = self.eager if self.sampler.any_samples(rows) else self.graphs
+        return decoder.step(tokens, positions, rows, slots)
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """One of a request's n samples: a row of the engine, and what the client has been sent."""
@@ -175,7 +192,7 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
     by their names with underscores (model="tiny", random_weights=True, block_size=16, ...)."""
     if cache not in SCRIPTS:
         raise UserError(f"cache {cache!r}: choose one of {', '.join(SCRIPTS)}.")
-    argv = ["1", "--continuous", "--no-overlap", *argv]
+    argv = ["1", "--continuous", *argv]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
@@ -197,14 +214,11 @@ class LLMEngine:
         self.run = dataclasses.replace(features.load(args), num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(cache, self.run)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
-        # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
-        # the per-row sampler (a graph would have recorded one path for every row forever).
-        self.graphs = features.make_decoder(self.run, self.cache, self.manager,
-                                            greedy, max_num_seqs, progress=False)
-        self.eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table,
-                                     self.sampler)
+        graphs = features.make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs,
+                                       progress=False)
+        eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table, self.sampler)
         self.engine = features.make_engine(self.run, self.cache, self.manager, self.sampler,
-                                           self.graphs)
+                                           GreedyOrSampling(graphs, eager, self.sampler))
         self.scheduler = features.make_scheduler(self.run, self.cache, self.manager, [])
         self.engine.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=self.run.device)
         self.engine.timeline = []
@@ -280,8 +294,6 @@ class LLMEngine:
             return []
         if self._steps is None:
             self._steps = self.engine.steps(self.scheduler, frozenset())  # stops: checked here
-        running = self.scheduler.rows
-        self.engine.decoder = self.eager if self.sampler.any_samples(running) else self.graphs
         self.engine.timer = StepTimer(self.run.device)  # one step's events, not a run's
         try:
             step = next(self._steps)
@@ -329,7 +341,7 @@ class LLMEngine:
             return
         sequence.finish_reason, request = reason, sequence.request
         if request.status == Status.RUNNING:
-            self.scheduler.finish([request])
+            self.engine.let_go(request, self.scheduler)
         elif request in self.scheduler.waiting:
             self.scheduler.waiting.remove(request)
             request.status = Status.FINISHED

@@ -46,15 +46,25 @@ class OverlappedEngine(TimedEngine):
         """Queue step t+1, then wait for step t's tokens and record them. Yields each step once
         its tokens are recorded."""
         self.stopped = set()  # requests that drew a stop token: their later tokens are thrown away
-        in_flight = None
-        while scheduler.has_work() or in_flight:
+        self.in_flight = None
+        while scheduler.has_work() or self.in_flight:
+            in_flight = self.in_flight
             if in_flight:
                 scheduler.finish(self._last_token_in_flight(in_flight))
             queued = self.launch(scheduler.schedule(), scheduler) if scheduler.has_work() else None
+            self.in_flight = queued
             if in_flight:
                 self._record(in_flight, scheduler, stop_ids)
                 yield in_flight.step
-            in_flight = queued
+            # the in-flight step is `queued` now (self.in_flight); None at the end
+
+    def let_go(self, request, scheduler) -> None:
+        """The host ends a running request between steps (features/llm.py: an abort, a stop
+        string): its blocks are free at once, and the token the step in flight draws for it,
+        if any, is thrown away."""
+        scheduler.finish([request])
+        if self.in_flight and request in self.in_flight.requests:
+            self.stopped.add(request)
 
     @staticmethod
     def _last_token_in_flight(in_flight: StepInFlight) -> list:
@@ -68,13 +78,13 @@ class OverlappedEngine(TimedEngine):
         tokens, drawing = self.wait_for_tokens(in_flight), in_flight.requests
         if self.stopped:
             kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
+            self.stopped.difference_update(drawing)  # stopped while this step ran: done with
             tokens, drawing = tokens[kept], [drawing[i] for i in kept]
         for request in append_tokens_at(drawing, tokens, stop_ids, scheduler.now()):
             if request.status is Status.FINISHED:
                 continue  # its last token: let go of already
-            self.stopped.add(request)
             if request.status is Status.WAITING:  # preempted while its stop token was in flight
                 scheduler.waiting.remove(request)
                 request.status = Status.FINISHED
             else:
-                scheduler.finish([request])
+                self.let_go(request, scheduler)

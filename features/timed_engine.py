@@ -107,6 +107,11 @@ class TimedEngine(CachedPrefixEngine):
                                               stop_ids, scheduler.now()))
             yield in_flight.step
 
+    def let_go(self, request, scheduler) -> None:
+        """The host ends a running request between steps (features/llm.py: an abort, a stop
+        string). Here no step is in flight: its blocks are free at once."""
+        scheduler.finish([request])
+
     def launch(self, step, scheduler) -> StepInFlight:
         """Queue one step on the device: its forward pass, its tokens stored as the requests'
         last tokens, and their copy to the host."""

@@ -108,7 +108,7 @@ def test_a_request_preempted_while_its_stop_token_is_in_flight_leaves_the_queue(
     def counted(self, launched, scheduler, stop_ids):
         waiting = set(scheduler.waiting)
         record(self, launched, scheduler, stop_ids)
-        left_the_queue.extend(r for r in waiting if r in self.stopped)
+        left_the_queue.extend(r for r in waiting if r.status.value == "finished")
     monkeypatch.setattr(overlap.OverlappedEngine, "_record", counted)
     core = run(model, prompts, 11, stop_ids=stops, continuous=True)
     overlapped = run(model, prompts, 11, stop_ids=stops, continuous=True, overlap=True)
