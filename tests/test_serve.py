@@ -242,10 +242,13 @@ def test_a_stop_string_ends_the_text_just_before_it(client, offline):
     assert whole.choices[0].finish_reason == "stop"
 
 
-def test_serve_bench_replays_the_workload_through_http(server, tmp_path):
+@pytest.mark.parametrize("clients", ["1", "3"])
+def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients):
+    """From one process or several (each every third request), the same requests."""
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "serve_bench.py"), "--base-url",
                           server + "/v1", "--api-key", KEY, "--num-prompts", "6", "--request-rate",
-                          "20", "--max-tokens", "5", "--json", str(tmp_path / "b.json")],
+                          "20", "--max-tokens", "5", "--json", str(tmp_path / "b.json"),
+                          "--clients", clients],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     record = json.loads((tmp_path / "b.json").read_text())

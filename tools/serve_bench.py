@@ -9,6 +9,9 @@ tokenizer and sent as token ids to /v1/completions, each asking for its ShareGPT
 (at most --max-tokens) with `ignore_eos`, greedy, streamed; arriving as a Poisson process at
 --request-rate per second (features/arrivals.py's times, drawn with --seed). These are the
 requests tools/latency_sweep.py serves in one process, so the two can be set side by side.
+The openai package parses each streamed chunk in Python: past a few thousand chunks a second one
+process falls behind, and its own delay would count as the server's. --clients K sends the same
+requests, at the same times, from K processes.
 
 Reported, as vLLM's `bench serve` reports them: request throughput and output tokens/s over the
 whole run; TTFT (send to first token), TPOT (the rest of the request's time over its other tokens)
@@ -46,6 +49,9 @@ def parse_arguments(argv=None):
     p.add_argument("--max-tokens", type=positive_int, default=2048,
                    help="most tokens a request asks for")
     p.add_argument("--seed", type=seed, default=0, help="of the arrival times")
+    p.add_argument("--clients", type=positive_int, default=1,
+                   help="processes that send the requests, each every K-th (one falls behind "
+                        "past a few thousand streamed chunks/s)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     return p.parse_args(argv)
 
@@ -77,14 +83,44 @@ async def one_request(client, model, prompt, max_tokens, arrival, start) -> dict
     return {"arrival": start + arrival, "sent": sent, "chunks": chunks, "done": done, "tokens": tokens}
 
 
-async def run_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float]:
+async def run_load(a, prompts, budgets, arrivals, start: float) -> list[dict]:
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=3600)
     model = a.model or (await client.models.list()).data[0].id
-    start = time.perf_counter()
-    results = await asyncio.gather(*[one_request(client, model, p, b, t, start)
-                                     for p, b, t in zip(prompts, budgets, arrivals)])
-    return results, time.perf_counter() - start
+    return await asyncio.gather(*[one_request(client, model, p, b, t, start)
+                                  for p, b, t in zip(prompts, budgets, arrivals)])
+
+
+def run_share(a, prompts, budgets, arrivals, start: float, k: int) -> list[dict] | str:
+    """Client process k's requests: every --clients-th from the k-th, at their own arrival
+    times after the shared `start` (perf_counter is the system's monotonic clock on Linux, the
+    same in every process). Returns the error's text instead of raising it across processes."""
+    import openai
+    share = slice(k, None, a.clients)
+    try:
+        return asyncio.run(run_load(a, prompts[share], budgets[share], arrivals[share], start))
+    except openai.APIConnectionError as e:
+        return (f"No server answers at {a.base_url} ({e}). Start one: python serve.py "
+                f"--random-weights")
+    except openai.APIStatusError as e:
+        return f"The server refused a request: {e}"
+
+
+def send_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float]:
+    """Every request's timings and the run's wall time, from --clients processes."""
+    start = time.perf_counter() + (0 if a.clients == 1 else 2.0)  # the processes' start-up
+    if a.clients == 1:
+        shares = [run_share(a, prompts, budgets, arrivals, start, 0)]
+    else:
+        import multiprocessing
+        with multiprocessing.get_context("fork").Pool(a.clients) as pool:
+            shares = pool.starmap(run_share, [(a, prompts, budgets, arrivals, start, k)
+                                              for k in range(a.clients)])
+    for share in shares:
+        if isinstance(share, str):
+            raise UserError(share)
+    results = sorted((r for share in shares for r in share), key=lambda r: r["arrival"])
+    return results, max(r["done"] for r in results) - start
 
 
 def summary(values: list[float]) -> dict:
@@ -119,14 +155,7 @@ def main(argv=None) -> None:
     with one_paragraph_errors("serve_bench.py"):
         a = parse_arguments(argv)
         prompts, budgets, arrivals = workload(a)
-        import openai
-        try:
-            results, wall = asyncio.run(run_load(a, prompts, budgets, arrivals))
-        except openai.APIConnectionError as e:
-            raise UserError(f"No server answers at {a.base_url} ({e}). Start one: python serve.py "
-                            f"--random-weights") from e
-        except openai.APIStatusError as e:
-            raise UserError(f"The server refused a request: {e}") from e
+        results, wall = send_load(a, prompts, budgets, arrivals)
         record = report(results, wall)
         if a.json:
             write_json(a, record)
