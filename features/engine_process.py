@@ -20,9 +20,9 @@ Two pipes carry pickled messages, small and few:
 
 The engine side tokenizes (the server never loads the model's files) and detokenizes, as
 features/llm.py's LLMEngine does in process; a thread of the engine's process drains the
-server's pipe into a queue, so that the server never waits for a step to end to send, and a
-thread of the server's process waits on the engine's pipe, so that the event loop never waits
-for a message to arrive whole.
+server's pipe into a queue, so that the server never waits for a step to end to send. The
+server's event loop reads the engine's pipe when it has data (no thread: a thread would wait up
+to Python's switch interval, 5 ms, for the event loop to let it run).
 """
 
 import asyncio
@@ -179,7 +179,11 @@ class EngineClient:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        threading.Thread(target=self._read, name="engine-results", daemon=True).start()
+        fd = self.results.fileno()
+        loop.add_reader(fd, self._read)
+        # uvloop (uvicorn's loop where installed) makes a watched descriptor non-blocking; a
+        # message that has only begun to arrive must be waited for, not taken as the pipe's end
+        os.set_blocking(fd, True)
 
     async def add(self, request_id: str, prompt: dict, params: dict) -> tuple[int, asyncio.Queue]:
         """Returns the prompt's length in tokens and the queue its updates arrive on. Raises
@@ -205,17 +209,15 @@ class EngineClient:
         self.listeners.pop(request_id, None)
 
     def _read(self) -> None:
-        """On its own thread: each message, whole, to the event loop."""
-        while True:
-            try:
-                message = self.results.recv()
-            except (EOFError, OSError):
-                self.process.join(timeout=5)
-                ended = ("" if self.process.exitcode is None
-                         else f" (exit code {self.process.exitcode})")
-                self.loop.call_soon_threadsafe(self._stop, f"the engine's process ended{ended}")
-                return
-            self.loop.call_soon_threadsafe(self._dispatch, message)
+        """On the event loop, when the engine's pipe has data: every message waiting."""
+        try:
+            while self.results.poll():
+                self._dispatch(self.results.recv())
+        except (EOFError, OSError):
+            self.loop.remove_reader(self.results.fileno())
+            self.process.join(timeout=5)
+            ended = "" if self.process.exitcode is None else f" (exit code {self.process.exitcode})"
+            self._stop(f"the engine's process ended{ended}")
 
     def _dispatch(self, message: tuple) -> None:
         if message[0] == "step":
