@@ -4,7 +4,7 @@
     llm = LLM(model="tiny", random_weights=True, device="cpu")
     outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16, temperature=0))
 
-`LLMEngine` is the incremental form that serve.py drives from its engine thread: `add_request`,
+`LLMEngine` is the incremental form that serve.py drives from its engine process: `add_request`,
 `step`, `abort`. Both build their engine with features/run.py's parts, from the same flags the
 scripts take, so a served request runs through the same continuous batching, CUDA graphs and
 cache as `llama3_paged.py N --continuous`.
@@ -203,7 +203,7 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
 
 
 class LLMEngine:
-    """Requests in, tokens out, one step at a time (serve.py's engine thread calls `step`)."""
+    """Requests in, tokens out, one step at a time (serve.py's engine process calls `step`)."""
 
     def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
                  **options):
