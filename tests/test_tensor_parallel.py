@@ -34,7 +34,7 @@ SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in 
 
 
 @pytest.mark.parametrize("script, flags", [
-    ("llama3_paged.py", []),  # a static batch
+    pytest.param("llama3_paged.py", [], marks=SLOW),  # a static batch: continuous's path too
     ("llama3_paged.py", ["--continuous", "--num-blocks", "10"]),  # preemption and recompute
     ("llama3_paged.py", ["--samples", "2"]),  # forks that share their prompt's blocks
     pytest.param("llama3_paged.py", ["--continuous", "--system-prompt", "You answer in one short "
