@@ -81,9 +81,10 @@ def serve(engine, inbox: queue.Queue, results) -> None:
         updates = []
         for s in engine.step():
             key = (s.request_id, s.index)
-            updates.append((*key, s.text[sent_chars.get(key, 0):], len(s.request.output_tokens),
+            text = s.sendable_text
+            updates.append((*key, text[sent_chars.get(key, 0):], len(s.request.output_tokens),
                             s.finish_reason))
-            sent_chars[key] = len(s.text)
+            sent_chars[key] = len(text)
             if s.finish_reason is not None:
                 del sent_chars[key]
         if updates or took:  # one message a step, not one a request

@@ -182,6 +182,16 @@ class Sequence:
     num_text_tokens: int = 0  # the tokens `text` decodes: up to the last whole character
     finish_reason: str | None = None
 
+    @property
+    def sendable_text(self) -> str:
+        """What a stream may show now. While the request runs, its last len(stop) - 1
+        characters wait: the next token may complete a stop string they begin, and a stop
+        string is never shown (vLLM holds them back too)."""
+        held = max(map(len, self.params.stop), default=1) - 1
+        if self.finish_reason is not None or not held:
+            return self.text
+        return self.text[:max(len(self.text) - held, 0)]
+
 
 class QueueFull(Exception):
     """Every row is taken: serve.py answers 503 with Retry-After."""

@@ -308,3 +308,19 @@ def test_an_engine_that_dies_makes_the_server_say_so():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_streamed_answer_never_shows_the_start_of_its_stop_string(client, offline):
+    """A stop string that begins in one token's text and ends in the next: the first token's
+    text must not be streamed before the second shows it is the stop string's start (vLLM holds
+    back the last len(stop) - 1 characters while a request runs)."""
+    [free] = offline.generate(PROMPTS[7], SamplingParams(max_tokens=24, temperature=0))
+    tokens, tokenizer = free.outputs[0].token_ids, offline.tokenizer
+    ends = [len(tokenizer.decode(tokens[:i + 1])) for i in range(len(tokens))]  # after token i
+    text = free.outputs[0].text
+    cut = next(e for e, after in zip(ends[3:], ends[4:])
+               if after > e and text.index(text[e - 1:e + 1]) == e - 1)  # first such boundary
+    stop = text[cut - 1:cut + 1]  # the last character of one token, the first of the next
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=24,
+                                       temperature=0, stop=[stop], stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == text[:cut - 1]
