@@ -6,7 +6,7 @@
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
 /v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
-filled and unfilled bytes, live). The engine runs continuous batching in a process of its own
+filled and unfilled bytes, live; histograms of the time to first and to last token). The engine runs continuous batching in a process of its own
 (features/engine_process.py: features/llm.py's LLMEngine, stepped without waiting for HTTP); the
 handlers only send it requests and read their tokens. A client that goes away
 mid-stream has its request aborted: its blocks and row are free at the next step. Every flag the
@@ -53,15 +53,24 @@ METRICS_HELP = {
     "num_preemptions_total": ("counter", "running requests sent back to the queue"),
     "generation_tokens_total": ("counter", "tokens generated"),
     "request_success_total": ("counter", "sequences finished or aborted"),
+    "time_to_first_token_seconds": ("histogram", "from arrival at the engine to the first token"),
+    "e2e_request_latency_seconds": ("histogram", "from arrival at the engine to the last token"),
 }
 
 
 def prometheus_text(metrics: dict, model: str) -> str:
-    lines = []
+    lines, label = [], f'model_name="{model}"'
     for name, value in metrics.items():
         kind, help_text = METRICS_HELP[name]
-        lines += [f"# HELP llama3:{name} {help_text}", f"# TYPE llama3:{name} {kind}",
-                  f'llama3:{name}{{model_name="{model}"}} {value}']
+        lines += [f"# HELP llama3:{name} {help_text}", f"# TYPE llama3:{name} {kind}"]
+        if kind != "histogram":
+            lines.append(f"llama3:{name}{{{label}}} {value}")
+            continue
+        for bound, count in value["buckets"]:
+            lines.append(f'llama3:{name}_bucket{{{label},le="{bound}"}} {count}')
+        lines += [f'llama3:{name}_bucket{{{label},le="+Inf"}} {value["count"]}',
+                  f"llama3:{name}_sum{{{label}}} {value['sum']}",
+                  f"llama3:{name}_count{{{label}}} {value['count']}"]
     return "\n".join(lines) + "\n"
 
 

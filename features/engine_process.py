@@ -36,6 +36,24 @@ import traceback
 from plumbing.cli import UserError
 
 START_TIMEOUT_S = 1800  # loading 8B from a slow disk and compiling: minutes, not hours
+LATENCY_BOUNDS_S = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """A Prometheus histogram: how many observations fell at or below each bound, their sum and
+    their count (vLLM's /metrics serves time to first token and end-to-end latency so)."""
+
+    def __init__(self, bounds=LATENCY_BOUNDS_S):
+        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
+
+    def observe(self, seconds: float) -> None:
+        self.sum, self.count = self.sum + seconds, self.count + 1
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+    def export(self) -> dict:
+        return {"buckets": list(zip(self.bounds, self.counts)), "sum": self.sum, "count": self.count}
 
 
 # --- The engine's side ---------------------------------------------------------------------------
@@ -76,19 +94,31 @@ def drain(commands, inbox: queue.Queue) -> None:
 
 def serve(engine, inbox: queue.Queue, results) -> None:
     sent_chars = {}  # (request id, sample) -> characters of its text sent: only new text travels
+    # From a request's arrival at the engine to its first and last token on the host, on the
+    # scheduler's clock: what tools/latency_sweep.py measures in one process
+    first_token, end_to_end = Histogram(), Histogram()
+
+    def metrics() -> dict:
+        return snapshot(engine) | {"time_to_first_token_seconds": first_token.export(),
+                                   "e2e_request_latency_seconds": end_to_end.export()}
+    results.send(("step", [], metrics()))  # /metrics serves every figure from the start
     while True:
         took = take_commands(engine, inbox, results, block=not engine.has_unfinished())
         updates = []
         for s in engine.step():
-            key = (s.request_id, s.index)
+            key, request = (s.request_id, s.index), s.request
             text = s.sendable_text
-            updates.append((*key, text[sent_chars.get(key, 0):], len(s.request.output_tokens),
+            updates.append((*key, text[sent_chars.get(key, 0):], len(request.output_tokens),
                             s.finish_reason))
+            if key not in sent_chars and request.token_times:
+                first_token.observe(request.token_times[0] - request.arrival_time)
             sent_chars[key] = len(text)
             if s.finish_reason is not None:
                 del sent_chars[key]
+                if request.token_times:
+                    end_to_end.observe(request.token_times[-1] - request.arrival_time)
         if updates or took:  # one message a step, not one a request
-            results.send(("step", updates, snapshot(engine)))
+            results.send(("step", updates, metrics()))
 
 
 def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:

@@ -255,6 +255,10 @@ def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients
     assert record["requests"] == 6 and record["output_tokens"] == 6 * 5  # every reply is longer
     assert 0 < record["ttft_seconds"]["median"] <= record["ttft_seconds"]["p99"]
     assert "TTFT" in out.stdout
+    # the server's own means, from its /metrics: inside the client's, which add the HTTP path
+    inside = record["server_mean_seconds"]
+    assert 0 < inside["time_to_first_token_seconds"] < record["ttft_seconds"]["mean"]
+    assert inside["time_to_first_token_seconds"] < inside["e2e_request_latency_seconds"]
 
 
 def engine_pid(server: subprocess.Popen) -> int:
@@ -324,3 +328,37 @@ def test_a_streamed_answer_never_shows_the_start_of_its_stop_string(client, offl
     stream = client.completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=24,
                                        temperature=0, stop=[stop], stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream) == text[:cut - 1]
+
+
+def histograms(url: str) -> dict:
+    """/metrics' histograms: name -> {"buckets": [(le, count), ...], "sum": s, "count": n}."""
+    found = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        name = line.partition("{")[0]
+        if line.startswith("#") or not name.endswith(("_bucket", "_sum", "_count")):
+            continue
+        value = float(line.split()[-1])
+        base, part = name.rsplit("_", 1)
+        entry = found.setdefault(base.split(":")[1], {"buckets": []})
+        if part == "bucket":
+            entry["buckets"].append((line.split('le="')[1].split('"')[0], value))
+        else:
+            entry[part] = value
+    return found
+
+
+def test_metrics_time_each_request_to_its_first_and_last_token(server, client):
+    """Prometheus histograms, as vLLM serves them: each finished request counted once in
+    each, cumulative buckets, and no first token later than the last."""
+    before = histograms(server)
+    for prompt in PROMPTS[:3]:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    after = histograms(server)
+    first, last = (after[name] for name in ("time_to_first_token_seconds",
+                                            "e2e_request_latency_seconds"))
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert after[name]["count"] - before.get(name, {"count": 0})["count"] == 3
+        counts = [count for _, count in after[name]["buckets"]]
+        assert counts == sorted(counts) and after[name]["buckets"][-1] == ("+Inf", after[name]["count"])
+    added = lambda h, name: h[name]["sum"] - before.get(name, {"sum": 0})["sum"]
+    assert 0 < added(after, "time_to_first_token_seconds") < added(after, "e2e_request_latency_seconds")

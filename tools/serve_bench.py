@@ -16,7 +16,9 @@ requests, at the same times, from K processes.
 Reported, as vLLM's `bench serve` reports them: request throughput and output tokens/s over the
 whole run; TTFT (send to first token), TPOT (the rest of the request's time over its other tokens)
 and ITL (gaps between streamed chunks), each as mean, median and p99; and latency_sweep's
-figure, the mean normalized latency (arrival to last token, over output tokens).
+figure, the mean normalized latency (arrival to last token, over output tokens). Where the server
+serves latency histograms on /metrics (serve.py, vLLM), their means over this run's requests
+too: the time inside the engine, so that the client's figures less the server's are HTTP's.
 """
 
 import argparse
@@ -106,6 +108,39 @@ def run_share(a, prompts, budgets, arrivals, start: float, k: int) -> list[dict]
         return f"The server refused a request: {e}"
 
 
+def server_latency_sums(base_url: str) -> dict | None:
+    """The server's own time-to-first-token and end-to-end histograms' sums and counts, from
+    its /metrics (serve.py's llama3:..., vLLM's vllm:...); None where it has no /metrics."""
+    import urllib.request
+    url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    except (OSError, ValueError):
+        return None
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{")[0].split()[0].rsplit(":", 1)[-1]  # no prefix, no labels
+        if name in ("time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+                    "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count"):
+            found[name] = found.get(name, 0.0) + float(line.split()[-1])
+    return found
+
+
+def server_means(before: dict | None, after: dict | None) -> dict | None:
+    """Mean seconds to first token and to last, as the server measured this run's requests."""
+    if before is None or after is None or len(after) < 4:
+        return None
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    means = {}
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        count = delta[f"{name}_count"]
+        means[name] = delta[f"{name}_sum"] / count if count else None
+    return means
+
+
 def send_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float]:
     """Every request's timings and the run's wall time, from --clients processes."""
     start = time.perf_counter() + (0 if a.clients == 1 else 2.0)  # the processes' start-up
@@ -149,14 +184,22 @@ def print_report(r: dict) -> None:
           f"requests/s, {r['output_tokens_per_second']:,.0f} output tokens/s")
     print(f"  TTFT  {ms(r['ttft_seconds'])}\n  TPOT  {ms(r['tpot_seconds'])}\n  ITL   {ms(r['itl_seconds'])}")
     print(f"  mean normalized latency {r['mean_normalized_latency']:.4f} s/token")
+    server = r.get("server_mean_seconds")
+    if server and server["time_to_first_token_seconds"] is not None:
+        print(f"  in the server (its /metrics, arrival at the engine on): mean TTFT "
+              f"{server['time_to_first_token_seconds'] * 1e3:.1f} ms, mean end-to-end "
+              f"{server['e2e_request_latency_seconds'] * 1e3:.1f} ms; the rest of the client's "
+              f"mean TTFT ({r['ttft_seconds']['mean'] * 1e3:.1f} ms) is the HTTP path")
 
 
 def main(argv=None) -> None:
     with one_paragraph_errors("serve_bench.py"):
         a = parse_arguments(argv)
         prompts, budgets, arrivals = workload(a)
+        before = server_latency_sums(a.base_url)
         results, wall = send_load(a, prompts, budgets, arrivals)
         record = report(results, wall)
+        record["server_mean_seconds"] = server_means(before, server_latency_sums(a.base_url))
         if a.json:
             write_json(a, record)
         print_report(record)
