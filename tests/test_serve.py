@@ -256,6 +256,7 @@ def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients
     assert 0 < record["ttft_seconds"]["median"] <= record["ttft_seconds"]["p99"]
     assert "TTFT" in out.stdout
     # the server's own means, from its /metrics: inside the client's, which add the HTTP path
+    assert 0 < record["busiest_client_cpu_share"] < 2  # CPU seconds over wall seconds
     inside = record["server_mean_seconds"]
     assert 0 < inside["time_to_first_token_seconds"] < record["ttft_seconds"]["mean"]
     assert inside["time_to_first_token_seconds"] < inside["e2e_request_latency_seconds"]

@@ -18,7 +18,8 @@ whole run; TTFT (send to first token), TPOT (the rest of the request's time over
 and ITL (gaps between streamed chunks), each as mean, median and p99; and latency_sweep's
 figure, the mean normalized latency (arrival to last token, over output tokens). Where the server
 serves latency histograms on /metrics (serve.py, vLLM), their means over this run's requests
-too: the time inside the engine, so that the client's figures less the server's are HTTP's.
+too: the time inside the engine, so that the client's figures less the engine's are HTTP's and
+the wait for the engine to take a request.
 """
 
 import argparse
@@ -37,6 +38,8 @@ exit_quietly_on_ctrl_c("serve_bench.py")  # before the openai package loads
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph,
                           one_paragraph_errors, positive_int, request_rate, seed, write_json,
                           writable_file)
+
+BUSY_CLIENT = 0.8  # of a core: past it a client process falls behind its own streams
 
 
 def parse_arguments(argv=None):
@@ -93,14 +96,16 @@ async def run_load(a, prompts, budgets, arrivals, start: float) -> list[dict]:
                                   for p, b, t in zip(prompts, budgets, arrivals)])
 
 
-def run_share(a, prompts, budgets, arrivals, start: float, k: int) -> list[dict] | str:
+def run_share(a, prompts, budgets, arrivals, start: float, k: int) -> tuple[list[dict], float] | str:
     """Client process k's requests: every --clients-th from the k-th, at their own arrival
     times after the shared `start` (perf_counter is the system's monotonic clock on Linux, the
-    same in every process). Returns the error's text instead of raising it across processes."""
+    same in every process), and the CPU seconds it spent. Returns the error's text instead of
+    raising it across processes."""
     import openai
-    share = slice(k, None, a.clients)
+    share, cpu_start = slice(k, None, a.clients), time.process_time()
     try:
-        return asyncio.run(run_load(a, prompts[share], budgets[share], arrivals[share], start))
+        results = asyncio.run(run_load(a, prompts[share], budgets[share], arrivals[share], start))
+        return results, time.process_time() - cpu_start
     except openai.APIConnectionError as e:
         return (f"No server answers at {a.base_url} ({e}). Start one: python serve.py "
                 f"--random-weights")
@@ -141,8 +146,9 @@ def server_means(before: dict | None, after: dict | None) -> dict | None:
     return means
 
 
-def send_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float]:
-    """Every request's timings and the run's wall time, from --clients processes."""
+def send_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float, float]:
+    """Every request's timings, the run's wall time, and the CPU seconds of the busiest client
+    process, from --clients processes."""
     start = time.perf_counter() + (0 if a.clients == 1 else 2.0)  # the processes' start-up
     if a.clients == 1:
         shares = [run_share(a, prompts, budgets, arrivals, start, 0)]
@@ -154,8 +160,8 @@ def send_load(a, prompts, budgets, arrivals) -> tuple[list[dict], float]:
     for share in shares:
         if isinstance(share, str):
             raise UserError(share)
-    results = sorted((r for share in shares for r in share), key=lambda r: r["arrival"])
-    return results, max(r["done"] for r in results) - start
+    results = sorted((r for share, _ in shares for r in share), key=lambda r: r["arrival"])
+    return results, max(r["done"] for r in results) - start, max(cpu for _, cpu in shares)
 
 
 def summary(values: list[float]) -> dict:
@@ -186,10 +192,14 @@ def print_report(r: dict) -> None:
     print(f"  mean normalized latency {r['mean_normalized_latency']:.4f} s/token")
     server = r.get("server_mean_seconds")
     if server and server["time_to_first_token_seconds"] is not None:
-        print(f"  in the server (its /metrics, arrival at the engine on): mean TTFT "
-              f"{server['time_to_first_token_seconds'] * 1e3:.1f} ms, mean end-to-end "
+        print(f"  in the engine (the server's /metrics, from when the engine took the request): "
+              f"mean TTFT {server['time_to_first_token_seconds'] * 1e3:.1f} ms, mean end-to-end "
               f"{server['e2e_request_latency_seconds'] * 1e3:.1f} ms; the rest of the client's "
-              f"mean TTFT ({r['ttft_seconds']['mean'] * 1e3:.1f} ms) is the HTTP path")
+              f"mean TTFT ({r['ttft_seconds']['mean'] * 1e3:.1f} ms) is HTTP and the wait for "
+              f"the engine to take it")
+    if r["busiest_client_cpu_share"] > BUSY_CLIENT:
+        print(f"  The busiest client process used {r['busiest_client_cpu_share']:.0%} of a core: "
+              f"its own delays count in these times. More --clients spread the load.")
 
 
 def main(argv=None) -> None:
@@ -197,8 +207,8 @@ def main(argv=None) -> None:
         a = parse_arguments(argv)
         prompts, budgets, arrivals = workload(a)
         before = server_latency_sums(a.base_url)
-        results, wall = send_load(a, prompts, budgets, arrivals)
-        record = report(results, wall)
+        results, wall, client_cpu = send_load(a, prompts, budgets, arrivals)
+        record = report(results, wall) | {"busiest_client_cpu_share": client_cpu / wall}
         record["server_mean_seconds"] = server_means(before, server_latency_sums(a.base_url))
         if a.json:
             write_json(a, record)
