@@ -371,34 +371,38 @@ class LLM:
         self.engine = LLMEngine(cache, model=model, **options)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """prompts: a text, token ids, or a list of either. Returns one RequestOutput each, in
-        order."""
-        params = sampling_params or SamplingParams()
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """prompts: a text, token ids, or a list of either; sampling_params: one SamplingParams
+        for all, or a list with one per prompt (as vLLM takes them). Returns one RequestOutput
+        each, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
                        for p in prompts]
-        return self._run(token_lists, params)
+        return self._run(token_lists, sampling_params)
 
-    def chat(self, conversations, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
         """conversations: lists of {"role", "content"} messages, formatted by the model's chat
-        template (Llama 3's, or SmolLM2's ChatML)."""
-        return self._run([self.tokenizer.chat(c) for c in conversations],
-                         sampling_params or SamplingParams())
+        template (Llama 3's, or SmolLM2's ChatML); sampling_params as generate's."""
+        return self._run([self.tokenizer.chat(c) for c in conversations], sampling_params)
 
-    def _run(self, token_lists, params) -> list[RequestOutput]:
+    def _run(self, token_lists, sampling_params) -> list[RequestOutput]:
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params or SamplingParams()] * len(token_lists))
+        if len(params) != len(token_lists):
+            raise ValueError(f"{len(params)} SamplingParams for {len(token_lists)} prompts: give "
+                             f"one for all, or one each")
         outputs = {}
         pending = deque(enumerate(token_lists))
         while pending or self.engine.has_unfinished():
             while pending:  # as many as there are free rows; the rest join as rows come back
                 i, tokens = pending[0]
                 try:
-                    request_id = self.engine.add_request(tokens, params, f"offline-{i}")
+                    request_id = self.engine.add_request(tokens, params[i], f"offline-{i}")
                 except QueueFull:
                     break
                 pending.popleft()
-                outputs[request_id] = RequestOutput(request_id, tokens, [None] * params.n)
+                outputs[request_id] = RequestOutput(request_id, tokens, [None] * params[i].n)
             for sequence in self.engine.step():
                 if sequence.finish_reason is not None:
                     outputs[sequence.request_id].outputs[sequence.index] = CompletionOutput(

@@ -52,3 +52,4 @@ def test_an_abort_while_a_step_is_in_flight_frees_its_request_and_spares_the_oth
     assert len(overlapped) == 3, "the aborted request is not reported as finished by a step"
     assert engine.manager.num_used_blocks == 0 and len(engine.free_rows) == 4
     assert not engine.engine.stopped
+

@@ -363,3 +363,19 @@ def test_metrics_time_each_request_to_its_first_and_last_token(server, client):
         assert counts == sorted(counts) and after[name]["buckets"][-1] == ("+Inf", after[name]["count"])
     added = lambda h, name: h[name]["sum"] - before.get(name, {"sum": 0})["sum"]
     assert 0 < added(after, "time_to_first_token_seconds") < added(after, "e2e_request_latency_seconds")
+
+
+def test_one_sampling_params_per_prompt_gives_each_prompt_its_own_answer(offline):
+    """LLM.generate(prompts, [params, ...]) as vLLM takes it: each prompt's output is the one it
+    gets alone with its own parameters, though they run in one batch."""
+    each = [SamplingParams(max_tokens=4, temperature=0),
+            SamplingParams(max_tokens=9, temperature=0.8, top_k=5, seed=1, n=2),
+            SamplingParams(max_tokens=6, temperature=0, stop=["e"])]
+    answers = lambda results: [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
+                               for o in results]
+    together = answers(offline.generate(PROMPTS[:3], each))
+    alone = [answers(offline.generate(p, params))[0] for p, params in zip(PROMPTS, each)]
+    assert together == alone
+    assert [len(o[0][0]) for o in alone[:2]] == [4, 9] and len(alone[1]) == 2
+    with pytest.raises(ValueError, match="one for all, or one each"):
+        offline.generate(PROMPTS[:3], each[:2])
