@@ -216,12 +216,19 @@ class LLMEngine:
     """Requests in, tokens out, one step at a time (serve.py's engine process calls `step`)."""
 
     def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
-                 **options):
+                 run=None, **options):
+        """The model and flags from argv and options, or `run`: a model loaded already, with the
+        flags it was loaded for (tools/latency_sweep.py's, whose curves share one model)."""
         if torchrun_process() is not None:  # each process would serve, none would split
             raise UserError("The Python API and serve.py run in one process for now, not under "
                             "torchrun: run them without it.")
-        args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)
-        self.run = dataclasses.replace(features.load(args), num_sequences=max_num_seqs)
+        if run is None:
+            run = features.load(engine_arguments(cache, {"max_running": max_num_seqs, **options},
+                                                 argv))
+        elif run.args.max_running is None:  # the scripts' "all at once": here, every row
+            run = dataclasses.replace(run, args=argparse.Namespace(
+                **vars(run.args) | {"max_running": max_num_seqs}))
+        self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(cache, self.run)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
         graphs = features.make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs,
@@ -234,7 +241,7 @@ class LLMEngine:
         self.engine.timeline = []
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row
-        self.tokenizer, self.max_seq_len = self.run.tokenizer, args.max_seq_len
+        self.tokenizer, self.max_seq_len = self.run.tokenizer, self.run.args.max_seq_len
         self.stop_ids = self.tokenizer.stop_ids
         self.num_generated_tokens = self.num_finished = 0
         self._steps = None
@@ -256,9 +263,10 @@ class LLMEngine:
         return self.run.kv_bytes_per_token
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request's n samples; raises ValueError for one that cannot run, QueueFull
-        when there are not n free rows."""
+        when there are not n free rows. arrival_time: when it arrived on the scheduler's clock
+        (a replayed trace's time; by default now), from which its latencies count."""
         params.check()
         request_id = request_id or f"req-{next(self._ids)}"
         if not prompt_token_ids or len(prompt_token_ids) >= self.max_seq_len:
@@ -273,9 +281,10 @@ class LLMEngine:
             raise QueueFull(f"{len(self.sequences)} sequences queued or running; no free row")
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        arrived = self.scheduler.now() if arrival_time is None else arrival_time
         rows = [self.free_rows.popleft() for _ in range(params.n)]
-        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens,
-                                  arrival_time=self.scheduler.now()) for row in rows]
+        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived)
+                    for row in rows]
         try:
             for request in requests:
                 self.scheduler._refuse_if_larger_than_the_pool(request)

@@ -75,10 +75,11 @@ def sweep(tmp_path, *flags) -> dict:
 
 
 def test_a_cpu_sweep_serves_every_request_after_it_arrives_and_plots(tmp_path, capsys):
-    result = sweep(tmp_path, "--curves", "naive-2048,paged", "--rates", "60",
+    result = sweep(tmp_path, "--curves", "naive-2048,paged,paged-api", "--rates", "60",
                    "--rates", "paged=20,80", "--threshold", "10")
-    assert list(result["curves"]) == ["naive-2048", "paged"]
-    for name, rates in (("naive-2048", [60]), ("paged", [20, 80])):
+    assert list(result["curves"]) == ["naive-2048", "paged", "paged-api"]
+    # paged-api: the same requests added one by one to the Python API's engine as they arrive
+    for name, rates in (("naive-2048", [60]), ("paged", [20, 80]), ("paged-api", [60])):
         points = result["curves"][name]["points"]
         assert [p["rate"] for p in points] == rates
         for p in points:

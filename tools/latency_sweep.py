@@ -26,6 +26,9 @@ Two capacities per curve:
 
 The model is loaded once; each curve makes its own cache in the memory the model leaves, as its
 script would (`plot` reads what `run` wrote, so curves of several runs share one picture).
+`paged-api` serves the paged curve's requests through the Python API (features/llm.py's
+LLMEngine: serve.py's engine, without HTTP), each added as it arrives: beside `paged`, what the
+API's engine costs; beside tools/serve_bench.py, what HTTP does.
 """
 
 import argparse
@@ -34,6 +37,7 @@ import gc
 import math
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
@@ -59,7 +63,7 @@ from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.run import choose_attention, load, make_decoder, make_engine, make_requests, make_scheduler
-from features.llm import allocate_kv_cache, parse_script_arguments
+from features.llm import LLMEngine, SamplingParams, allocate_kv_cache, parse_script_arguments
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
 # the longest a request may grow, Oracle exactly what each will use. Every request of
@@ -75,7 +79,10 @@ CURVES = {
                     "paged, blocks of 256, mixed steps of 2,048 tokens"),
     "paged-mixed-1024": ("paged", ["--block-size", "256", "--max-batched-tokens", "1024"],
                          "paged, blocks of 256, mixed steps of 1,024 tokens"),
+    "paged-api": ("paged", ["--block-size", "256"],
+                  "paged, blocks of 256, through the Python API (serve.py's engine, no HTTP)"),
 }
+THROUGH_THE_API = {"paged-api"}  # served by features/llm.py's LLMEngine, request by request
 DEFAULT_CURVES = ["naive-8192", "naive-2048", "paged", "paged-triton", "virtual"]
 DEFAULT_RATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
 POINT_FIELDS = ["rate", "requests", "wall_seconds", "normalized_latency"]  # what `plot` reads
@@ -147,7 +154,7 @@ def parse_arguments(argv=None):
     commands = p.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="measure the curves", formatter_class=HelpFormatter)
     run.add_argument("--curves", type=curve_list, default=DEFAULT_CURVES,
-                     help="comma-separated curves (default: all but the mixed ones)")
+                     help="comma-separated curves (default: all but the mixed and API ones)")
     run.add_argument("--rates", type=rate_list, action="append", metavar="[CURVE=]R1,R2,...",
                      help="requests per second, rising, for all curves or CURVE; repeatable")
     run.add_argument("--seconds", type=float, default=20.0, metavar="T",
@@ -204,20 +211,27 @@ def run_curve(base, name: str, a, bar, save) -> dict:
     setup = dataclasses.replace(base, args=args, attention=choose_attention(args.attn, base.device))
     if script == "virtual":
         llama3_virtual.require_cuda_and_flash_attn(setup)
-    cache, manager = allocate_kv_cache(script, setup)
-    try:
+    if name in THROUGH_THE_API:
+        engine = LLMEngine(script, len(setup.prompts), run=setup)  # a row for every request
+        engine.warm_up()
+        cache, manager = engine.cache, engine.manager
+        serve = lambda rate, n: run_point_through_the_api(engine, setup, rate, n)
+    else:
+        cache, manager = allocate_kv_cache(script, setup)
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
         decoder = make_decoder(setup, cache, manager, greedy, largest_batch, progress=False)
         engine = make_engine(setup, cache, manager, greedy, decoder)
         warm_up(engine, setup, cache, manager)
+        serve = lambda rate, n: run_point(engine, setup, cache, manager, rate, n)
+    try:
         curve = {"description": f"{CURVES[name][2]}; attention: {setup.attention.name}",
                  "kv_cache_bytes": cache.nbytes, "points": []}
         rates = rates_of(name, a)
         for i, rate in enumerate(rates):
             bar.set_postfix_str(f"{name} at {rate:g}/s")
             points = curve["points"]
-            points.append(run_point(engine, setup, cache, manager, rate, requests_at(rate, a)))
+            points.append(serve(rate, requests_at(rate, a)))
             curve |= {"capacity": capacity(points, a.threshold), "saturation": saturation(points)}
             save(curve)
             bar.update()
@@ -253,6 +267,41 @@ def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> 
             "output_tokens_per_second": result.num_generated_tokens / wall,
             "most_running": result.most_running,
             "preemptions": scheduling_report(result, True)["preemptions"],
+            "normalized_latency": latency["normalized_seconds_per_token"]["mean"],
+            "latency": latency}
+
+
+def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> dict:
+    """run_point's requests through features/llm.py's LLMEngine, as serve.py's engine process
+    drives it: each added when it arrives (between steps), greedy, ignoring end-of-text, with
+    its arrival time, then `step` until all are done."""
+    args = argparse.Namespace(**vars(setup.args) | {"request_rate": rate})
+    point = dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
+    arriving = deque(make_requests(point))  # in order of arrival
+    scheduler, served = engine.scheduler, []
+    generated_before = engine.num_generated_tokens
+    preempted_before = getattr(scheduler, "num_preemptions", 0)
+    scheduler.start_clock()  # time 0 of this point's arrivals
+    start = time.perf_counter()
+    while arriving or engine.has_unfinished():
+        while arriving and arriving[0].arrival_time <= scheduler.now():
+            r = arriving.popleft()
+            params = SamplingParams(max_tokens=r.max_new_tokens, temperature=0, ignore_eos=True)
+            request_id = engine.add_request(r.prompt_tokens, params, arrival_time=r.arrival_time)
+            served += [s.request for s in engine.sequences.values() if s.request_id == request_id]
+        if not engine.has_unfinished():
+            time.sleep(max(arriving[0].arrival_time - scheduler.now(), 0.0))
+            continue
+        engine.step()
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize(setup.device)
+    wall = time.perf_counter() - start
+    latency = latency_report(served)
+    generated = engine.num_generated_tokens - generated_before
+    return {"rate": rate, "requests": num_requests, "wall_seconds": wall,
+            "output_tokens": generated, "output_tokens_per_second": generated / wall,
+            "most_running": None,
+            "preemptions": getattr(scheduler, "num_preemptions", 0) - preempted_before,
             "normalized_latency": latency["normalized_seconds_per_token"]["mean"],
             "latency": latency}
 
