@@ -224,7 +224,7 @@ class EngineClient:
             raise RuntimeError(self.failed)
         answer = self.added[request_id] = self.loop.create_future()
         self.listeners[request_id] = asyncio.Queue()
-        self.commands.send(("add", request_id, prompt, params))
+        self._send(("add", request_id, prompt, params))
         num_prompt_tokens, error_kind, message = await answer
         if error_kind is not None:
             self.listeners.pop(request_id)
@@ -234,7 +234,15 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self.listeners.pop(request_id, None)
         if not self.failed:
-            self.commands.send(("abort", request_id))
+            self._send(("abort", request_id))
+
+    def _send(self, message: tuple) -> None:
+        """To the engine; a pipe found closed (the engine ended a moment ago, its end-of-file
+        not read yet) stops the server's side as that end-of-file would."""
+        try:
+            self.commands.send(message)
+        except OSError:  # BrokenPipeError
+            self._stop("the engine's process ended")
 
     def forget(self, request_id: str) -> None:
         """The handler has read its last update."""
