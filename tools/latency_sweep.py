@@ -253,35 +253,25 @@ def warm_up(engine, setup, cache, manager) -> None:
 def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> dict:
     """The first num_requests prompts arriving at `rate`, as `llama3_<script>.py num_requests
     --continuous --request-rate rate` would serve them."""
-    args = argparse.Namespace(**vars(setup.args) | {"request_rate": rate})
-    point = dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
-    requests = make_requests(point)
+    point = arriving_at(setup, rate, num_requests)
     start = time.perf_counter()
-    result = engine.generate(make_scheduler(point, cache, manager, requests), progress=False)
-    if setup.device.type == "cuda":
-        torch.cuda.synchronize(setup.device)
-    wall = time.perf_counter() - start
-    latency = latency_report(result.requests)
-    return {"rate": rate, "requests": num_requests, "wall_seconds": wall,
-            "output_tokens": result.num_generated_tokens,
-            "output_tokens_per_second": result.num_generated_tokens / wall,
-            "most_running": result.most_running,
-            "preemptions": scheduling_report(result, True)["preemptions"],
-            "normalized_latency": latency["normalized_seconds_per_token"]["mean"],
-            "latency": latency}
+    result = engine.generate(make_scheduler(point, cache, manager, make_requests(point)),
+                             progress=False)
+    return point_record(point, start, result.requests, result.num_generated_tokens,
+                        result.most_running, scheduling_report(result, True)["preemptions"])
 
 
 def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> dict:
     """run_point's requests through features/llm.py's LLMEngine, as serve.py's engine process
     drives it: each added when it arrives (between steps), greedy, ignoring end-of-text, with
     its arrival time, then `step` until all are done."""
-    args = argparse.Namespace(**vars(setup.args) | {"request_rate": rate})
-    point = dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
+    point = arriving_at(setup, rate, num_requests)
     arriving = deque(make_requests(point))  # in order of arrival
     scheduler, served = engine.scheduler, []
     generated_before = engine.num_generated_tokens
     preempted_before = getattr(scheduler, "num_preemptions", 0)
     scheduler.start_clock()  # time 0 of this point's arrivals
+    scheduler.most_running = 0
     start = time.perf_counter()
     while arriving or engine.has_unfinished():
         while arriving and arriving[0].arrival_time <= scheduler.now():
@@ -293,15 +283,27 @@ def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> 
             time.sleep(max(arriving[0].arrival_time - scheduler.now(), 0.0))
             continue
         engine.step()
-    if setup.device.type == "cuda":
-        torch.cuda.synchronize(setup.device)
+    return point_record(point, start, served, engine.num_generated_tokens - generated_before,
+                        scheduler.most_running,
+                        getattr(scheduler, "num_preemptions", 0) - preempted_before)
+
+
+def arriving_at(setup, rate: float, num_requests: int):
+    """A point's run: the first num_requests prompts, arriving at `rate`."""
+    args = argparse.Namespace(**vars(setup.args) | {"request_rate": rate})
+    return dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
+
+
+def point_record(point, start: float, requests: list, generated: int, most_running: int,
+                 preemptions: int) -> dict:
+    """What a point measured, once its last token is in (`start`: its perf_counter start)."""
+    if point.device.type == "cuda":
+        torch.cuda.synchronize(point.device)
     wall = time.perf_counter() - start
-    latency = latency_report(served)
-    generated = engine.num_generated_tokens - generated_before
-    return {"rate": rate, "requests": num_requests, "wall_seconds": wall,
+    latency = latency_report(requests)
+    return {"rate": point.args.request_rate, "requests": len(point.prompts), "wall_seconds": wall,
             "output_tokens": generated, "output_tokens_per_second": generated / wall,
-            "most_running": None,
-            "preemptions": getattr(scheduler, "num_preemptions", 0) - preempted_before,
+            "most_running": most_running, "preemptions": preemptions,
             "normalized_latency": latency["normalized_seconds_per_token"]["mean"],
             "latency": latency}
 

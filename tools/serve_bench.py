@@ -18,8 +18,8 @@ whole run; TTFT (send to first token), TPOT (the rest of the request's time over
 and ITL (gaps between streamed chunks), each as mean, median and p99; and latency_sweep's
 figure, the mean normalized latency (arrival to last token, over output tokens). Where the server
 serves latency histograms on /metrics (serve.py, vLLM), their means over this run's requests
-too: the time inside the engine, so that the client's figures less the engine's are HTTP's and
-the wait for the engine to take a request.
+too: the server's own measure (serve.py's from when its engine takes the request), so that the
+client's figures less serve.py's are HTTP's and the wait for the engine to take a request.
 """
 
 import argparse
