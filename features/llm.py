@@ -36,6 +36,7 @@ import llama3_paged
 import llama3_virtual
 from features import run as features
 from features.cached_prefix import SamplingDecoder, greedy
+from features.compiled_layers import warm_up_prompts
 from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
 from features.sampling import uniform
@@ -250,12 +251,15 @@ class LLMEngine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """One short request, run to its end and forgotten. Compiled layers compile for prefill
-        on the first one (tens of seconds; decode compiled as its CUDA graphs were captured),
-        which would otherwise fall on the first clients' time to first token."""
-        self.add_request([1] * 32, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        while self.has_unfinished():
-            self.step()
+        """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
+        the first ones (tens of seconds; decode compiled as its CUDA graphs were captured), which
+        would otherwise fall on the first clients' time to first token."""
+        for prompts in warm_up_prompts(self.run.args.compile, self.max_seq_len - 9):
+            for prompt in prompts:  # added together: one prefill pass
+                self.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                        ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
         self.num_generated_tokens = self.num_finished = 0
 
     @property

@@ -128,3 +128,26 @@ def test_layers_compile_by_default_only_where_they_can(device, attention, extra,
     args = parse_script_arguments("paged", ["4", "--random-weights", "--device", "cpu", *extra])
     args.device = torch.device(device)  # parsed on the CPU: the choice only reads the type
     assert compiles_by_default(args, SimpleNamespace(name=attention)) is compiles
+
+
+def test_compiled_layers_leave_short_prefill_passes_eager():
+    # A pass shorter than COMPILED_FROM_TOKENS compiles nothing and gives the eager logits:
+    # launching the compiled layers took longer than the eager kernels (features/compiled_layers.py).
+    from torch._dynamo.utils import counters
+    from features.compiled_layers import COMPILED_FROM_TOKENS, compile_layers, warm_up_prompts
+    model = random_model(Llama, "tiny", "cpu", torch.float32, 256, seed=5)
+    cache = KVCache(model.args, 16, 16, torch.float32, "cpu", TorchAttention())
+    tokens = torch.arange(40) % 100 + 1
+    batch = PrefillBatch(torch.arange(40), torch.tensor([0, 25, 40], dtype=torch.int32), [0, 25, 40], 25)
+    positions = torch.cat([torch.arange(25), torch.arange(15)])
+    logits_at = torch.tensor([24, 39])
+    eager = model(tokens, positions, cache, batch, logits_at=logits_at)
+    compile_layers(model, cache)
+    graphs_before = counters["stats"]["unique_graphs"]
+    assert torch.equal(model(tokens, positions, cache, batch, logits_at=logits_at), eager)
+    assert counters["stats"]["unique_graphs"] == graphs_before  # nothing was compiled
+    # The warm-up passes: short; long alone; two long together (the count of one is its own).
+    passes = warm_up_prompts(True, 8192)
+    assert [[len(p) for p in prompts] for prompts in passes] == [
+        [32], [COMPILED_FROM_TOKENS], [COMPILED_FROM_TOKENS] * 2]
+    assert len(warm_up_prompts(False, 8192)) == 1 and max(map(len, warm_up_prompts(True, 100)[2])) == 100

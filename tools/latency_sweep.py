@@ -56,6 +56,7 @@ import llama3_virtual
 from features.request_state import ServedRequest
 from features.cached_prefix import greedy
 from features.arrivals import latency_report
+from features.compiled_layers import warm_up_prompts
 from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph, fraction,
                           gigabytes, image_file, json_file, one_paragraph_errors, positive_int,
                           refuse_output_over_input, seed, writable_file, write_atomically)
@@ -246,8 +247,9 @@ def run_curve(base, name: str, a, bar, save) -> dict:
 
 def warm_up(engine, setup, cache, manager) -> None:
     """Kernels chosen and compiled before anything is timed, on prompts no point uses."""
-    requests = [ServedRequest(r, [1] * 32, 8) for r in range(4)]
-    engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
+    for prompts in warm_up_prompts(setup.args.compile, setup.args.max_seq_len - 9):
+        requests = [ServedRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
+        engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
 
 
 def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> dict:
