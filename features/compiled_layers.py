@@ -48,6 +48,8 @@ def warm_up_prompts(compiled: bool, longest: int) -> list[list[list[int]]]:
     """Prompts to prefill before anything is timed, one pass per list: a short one, and compiled,
     a long one alone and two together (the compiler tells a count of one apart from others), so
     that nothing compiles while requests wait. None longer than `longest` tokens."""
+    if longest < 1:
+        return []
     short, long = [1] * min(32, longest), [1] * min(COMPILED_FROM_TOKENS, longest)
     return [[short]] + ([[long], [long, long]] if compiled else [])
 

@@ -151,3 +151,4 @@ def test_compiled_layers_leave_short_prefill_passes_eager():
     assert [[len(p) for p in prompts] for prompts in passes] == [
         [32], [COMPILED_FROM_TOKENS], [COMPILED_FROM_TOKENS] * 2]
     assert len(warm_up_prompts(False, 8192)) == 1 and max(map(len, warm_up_prompts(True, 100)[2])) == 100
+    assert warm_up_prompts(True, 0) == []  # a pool too small for two prompts: no warm-up
