@@ -210,7 +210,9 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, str(value)]
-    return parse_script_arguments(cache, argv)
+    args = parse_script_arguments(cache, argv)
+    args.num_requests = 0  # requests come through add_request, none from the prompts file
+    return args
 
 
 class LLMEngine:

@@ -646,7 +646,8 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
         tokenizer = ChatMLTokenizer(gguf_file)
     else:
         tokenizer = load_tokenizer(args.tokenizer, None if args.random_weights else checkpoint)
-    prompts = load_prompts(args.num_requests, tokenizer, system_prompt)
+    # N = 0: the Python API's engine (features/llm.py), whose requests come later, not from here
+    prompts = load_prompts(args.num_requests, tokenizer, system_prompt) if args.num_requests else []
     too_long = [p for p in prompts if len(p.prompt_tokens) >= args.max_seq_len]
     if too_long:
         raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
@@ -654,7 +655,8 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
                         f"{args.max_seq_len}. Raise --max-seq-len.")
     if args.random_weights:
         print("Random weights: end-of-text is ignored and each request generates as many tokens "
-              "as its ShareGPT reply (at most --max-new-tokens).")
+              "as its ShareGPT reply (at most --max-new-tokens)." if prompts else
+              "Random weights: the answers are nonsense, of the lengths asked for.")
         model = random_model(model_class, args.model, device, dtype, args.max_seq_len, args.seed)
     else:
         print(f"Real weights ({checkpoint}): each request runs to its end-of-text token or "

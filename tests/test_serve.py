@@ -137,8 +137,8 @@ def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_toke
 
 
 def test_the_warm_up_leaves_no_trace():
-    """serve.py's engine runs one request before it serves (compiled layers compile on it, on a
-    GPU): afterwards every row and block is free, the counters are zero, and answers are those
+    """serve.py's engine runs a few requests before it serves (compiled layers compile on them,
+    on a GPU): afterwards every row and block is free, the counters are zero, and answers are those
     of an engine that never warmed up."""
     from features.llm import LLMEngine
     params = SamplingParams(max_tokens=12, temperature=0)
@@ -156,6 +156,16 @@ def test_the_warm_up_leaves_no_trace():
             finished += [s.request.output_tokens for s in engine.step() if s.finish_reason]
         return finished
     assert answer(warm=True) == answer(warm=False)
+
+
+def test_the_engine_takes_a_max_seq_len_shorter_than_the_prompts_files_prompts():
+    # The API's requests come through add_request: the scripts' prompts file is not read, and
+    # its first prompt (44 tokens) once refused --max-seq-len 24 before anything was served.
+    llm = LLM(model="tiny", random_weights=True, device="cpu", max_seq_len=24)
+    answer = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(answer[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="--max-seq-len 24"):
+        llm.generate([[5] * 24], SamplingParams(max_tokens=1))
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
