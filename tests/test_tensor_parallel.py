@@ -36,7 +36,8 @@ SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in 
 @pytest.mark.parametrize("script, flags", [
     pytest.param("llama3_paged.py", [], marks=SLOW),  # a static batch: continuous's path too
     ("llama3_paged.py", ["--continuous", "--num-blocks", "10"]),  # preemption and recompute
-    ("llama3_paged.py", ["--samples", "2"]),  # forks that share their prompt's blocks
+    pytest.param("llama3_paged.py", ["--samples", "2"], marks=SLOW),  # forks sharing blocks:
+    # host bookkeeping, the same in every process (tests/test_sharing.py holds it in one)
     pytest.param("llama3_paged.py", ["--continuous", "--system-prompt", "You answer in one short "
                  "sentence, and you never give advice."], marks=SLOW),  # the prefix cache
     pytest.param("llama3_naive.py", [], marks=SLOW),
