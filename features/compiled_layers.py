@@ -14,9 +14,9 @@ dynamic, so one compilation serves every CUDA-graph bucket (features/cuda_graphs
 bucket up before capturing it, so that nothing compiles during a capture).
 
 Short prefill passes run eagerly. A compiled call costs more host time than the eager kernels'
-launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens took 24 to 36
-ms compiled and 11 to 14 ms eager, and the GPU waited for it (a decode step is a CUDA graph, whose
-launch costs nothing). From about 1,000 tokens on the GPU's time is the longer, and the fused
+launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens took 23 to 36
+ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited for it (a decode
+step is a CUDA graph, whose launch costs nothing). From about 1,000 tokens on the GPU's time is the longer, and the fused
 kernels win it back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A
 server's prompts are mostly shorter: each one's first token, and every running request's next,
 waited on that launch.
