@@ -5,7 +5,8 @@ each layer also launches about a dozen small kernels between them: RMSNorm, RoPE
 multiply and cast back, the residual adds, SiLU and its multiply. Each reads and writes the
 whole activation, and at these sizes each costs a few microseconds whatever it does. Inductor
 (torch.compile) fuses runs of them into one generated Triton kernel each: the residual add with
-the next RMSNorm, RoPE into one, SiLU with its multiply. nano-vllm compiles the same pieces.
+the next RMSNorm, SiLU with its multiply (not RoPE: inductor generates no code for its complex
+multiply, which runs as it is). nano-vllm compiles the same pieces.
 
 The attention call itself is left out (`torch.compiler.disable`): the cache's writes and the
 flash-attn or Triton kernel run as they are, and each layer compiles into two graphs, the work
@@ -15,11 +16,11 @@ bucket up before capturing it, so that nothing compiles during a capture).
 
 Short prefill passes run eagerly. A compiled call costs more host time than the eager kernels'
 launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens took 23 to 36
-ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited for it (a decode
-step is a CUDA graph, whose launch costs nothing). From about 1,000 tokens on the GPU's time is the longer, and the fused
-kernels win it back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A
-server's prompts are mostly shorter: each one's first token, and every running request's next,
-waited on that launch.
+ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited for it (a
+decode step is a CUDA graph, whose launch costs nothing). From about 1,000 tokens on the GPU's
+time is the longer, and the fused kernels win it back (1,000 tokens: 25.9 ms compiled, 28.1
+eager; docs/serving-under-load.md). A server's prompts are mostly shorter: each one's first
+token, and every running request's next, waited on that launch.
 
 Fused kernels round in other places than the eager ones (inductor keeps intermediates in
 float32), so in bf16 tokens can differ from the eager path's; in float32 they agree.
