@@ -68,7 +68,7 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
     from plumbing.cli import one_paragraph_errors
     try:
         with one_paragraph_errors("serve.py"):  # a bad flag or a missing file: one paragraph
-            engine = LLMEngine(cache, max_num_seqs, argv=argv)
+            engine = LLMEngine(cache, max_num_seqs, argv=argv, progress=True)
     except SystemExit as e:
         results.send(("exit", e.code))
         return

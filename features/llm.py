@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import itertools
 import random
+import time
 from collections import deque
 
 import numpy as np
@@ -219,9 +220,10 @@ class LLMEngine:
     """Requests in, tokens out, one step at a time (serve.py's engine process calls `step`)."""
 
     def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
-                 run=None, **options):
+                 run=None, progress: bool = False, **options):
         """The model and flags from argv and options, or `run`: a model loaded already, with the
-        flags it was loaded for (tools/latency_sweep.py's, whose curves share one model)."""
+        flags it was loaded for (tools/latency_sweep.py's, whose curves share one model).
+        progress: say what the start-up's long parts took (serve.py's engine does)."""
         if torchrun_process() is not None:  # each process would serve, none would split
             raise UserError("The Python API and serve.py run in one process for now, not under "
                             "torchrun: run them without it.")
@@ -235,7 +237,7 @@ class LLMEngine:
         self.cache, self.manager = allocate_kv_cache(cache, self.run)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
         graphs = features.make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs,
-                                       progress=False)
+                                       progress)
         eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table, self.sampler)
         self.engine = features.make_engine(self.run, self.cache, self.manager, self.sampler,
                                            GreedyOrSampling(graphs, eager, self.sampler))
@@ -250,7 +252,11 @@ class LLMEngine:
         self._steps = None
         self._ids = itertools.count()
         if self.run.args.compile:
+            start = time.perf_counter()
             self.warm_up()
+            if progress:
+                print(f"Warmed up in {time.perf_counter() - start:.1f} s: prefill passes compiled "
+                      f"before the first request", flush=True)
 
     def warm_up(self) -> None:
         """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
