@@ -158,6 +158,20 @@ def test_the_warm_up_leaves_no_trace():
     assert answer(warm=True) == answer(warm=False)
 
 
+def test_the_warm_up_fits_a_small_pool():
+    # Its prompts take at most half the pool: a 32-token warm-up once ended an engine of 2 blocks
+    # of 16 at start-up (ValueError: more KV blocks than the whole pool has).
+    from features.llm import LLMEngine
+    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, device="cpu", block_size=16,
+                       num_blocks=2)
+    engine.warm_up()
+    assert engine.manager.num_used_blocks == 0 and not engine.has_unfinished()
+    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, device="cpu", block_size=16,
+                       num_blocks=8)
+    engine.warm_up()  # room for it: it ran, and left nothing behind
+    assert engine.num_generated_tokens == 0 and len(engine.free_rows) == 4
+
+
 def test_the_engine_takes_a_max_seq_len_shorter_than_the_prompts_files_prompts():
     # The API's requests come through add_request: the scripts' prompts file is not read, and
     # its first prompt (44 tokens) once refused --max-seq-len 24 before anything was served.
