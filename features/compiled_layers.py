@@ -45,10 +45,14 @@ def compile_layers(model, cache) -> None:
         model.forward, model.short_prefills_eager = eager_for_short_prefills(model.forward), True
 
 
-def warm_up_prompts(compiled: bool, longest: int) -> list[list[list[int]]]:
+def warm_up_prompts(compiled: bool, manager, max_seq_len: int,
+                    new_tokens: int) -> list[list[list[int]]]:
     """Prompts to prefill before anything is timed, one pass per list: a short one, and compiled,
     a long one alone and two together (the compiler tells a count of one apart from others), so
-    that nothing compiles while requests wait. None longer than `longest` tokens."""
+    that nothing compiles while requests wait. Each leaves room for its `new_tokens` within
+    max_seq_len, and two of them take at most half of `manager`'s pool; none if it is too small."""
+    fits_twice = (manager.num_blocks // 2 - 1) * manager.block_size - new_tokens
+    longest = min(max_seq_len - new_tokens - 1, fits_twice)
     if longest < 1:
         return []
     short, long = [1] * min(32, longest), [1] * min(COMPILED_FROM_TOKENS, longest)

@@ -262,9 +262,7 @@ class LLMEngine:
         """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
         the first ones (tens of seconds; decode compiled as its CUDA graphs were captured), which
         would otherwise fall on the first clients' time to first token."""
-        m = self.manager  # two prompts and their 8 new tokens each, in at most half the pool
-        fits = (m.num_blocks // 2 - 1) * m.block_size - 8
-        for prompts in warm_up_prompts(self.run.args.compile, min(self.max_seq_len - 9, fits)):
+        for prompts in warm_up_prompts(self.run.args.compile, self.manager, self.max_seq_len, 8):
             for prompt in prompts:  # added together: one prefill pass
                 self.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
                                                         ignore_eos=True))

@@ -147,8 +147,12 @@ def test_compiled_layers_leave_short_prefill_passes_eager():
     assert torch.equal(model(tokens, positions, cache, batch, logits_at=logits_at), eager)
     assert counters["stats"]["unique_graphs"] == graphs_before  # nothing was compiled
     # The warm-up passes: short; long alone; two long together (the count of one is its own).
-    passes = warm_up_prompts(True, 8192)
+    from types import SimpleNamespace
+    pool = lambda blocks: SimpleNamespace(num_blocks=blocks, block_size=16)
+    passes = warm_up_prompts(True, pool(1000), 8192, 8)
     assert [[len(p) for p in prompts] for prompts in passes] == [
         [32], [COMPILED_FROM_TOKENS], [COMPILED_FROM_TOKENS] * 2]
-    assert len(warm_up_prompts(False, 8192)) == 1 and max(map(len, warm_up_prompts(True, 100)[2])) == 100
-    assert warm_up_prompts(True, 0) == []  # a pool too small for two prompts: no warm-up
+    assert len(warm_up_prompts(False, pool(1000), 8192, 8)) == 1
+    assert max(map(len, warm_up_prompts(True, pool(1000), 109, 8)[2])) == 100  # + 8 + 1 = 109
+    assert max(map(len, warm_up_prompts(True, pool(10), 8192, 8)[2])) == 4 * 16 - 8  # half the pool
+    assert warm_up_prompts(True, pool(2), 8192, 8) == []  # too small for two prompts: no warm-up

@@ -339,7 +339,7 @@ def bench(a) -> dict:
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
-    for warm_up in warm_up_prompts(a.compile, a.max_seq_len - 17):  # each kind of prefill pass
+    for warm_up in warm_up_prompts(a.compile, manager, a.max_seq_len, 16):  # each kind of pass
         run(warm_up, [16] * len(warm_up))
     torch.cuda.synchronize()
     mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None

@@ -247,7 +247,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
 
 def warm_up(engine, setup, cache, manager) -> None:
     """Kernels chosen and compiled before anything is timed, on prompts no point uses."""
-    for prompts in warm_up_prompts(setup.args.compile, setup.args.max_seq_len - 9):
+    for prompts in warm_up_prompts(setup.args.compile, manager, setup.args.max_seq_len, 8):
         requests = [ServedRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
         engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
 
