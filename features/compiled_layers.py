@@ -5,8 +5,15 @@ each layer also launches about a dozen small kernels between them: RMSNorm, RoPE
 multiply and cast back, the residual adds, SiLU and its multiply. Each reads and writes the
 whole activation, and at these sizes each costs a few microseconds whatever it does. Inductor
 (torch.compile) fuses runs of them into one generated Triton kernel each: the residual add with
-the next RMSNorm, SiLU with its multiply (not RoPE: inductor generates no code for its complex
-multiply, which runs as it is). nano-vllm compiles the same pieces.
+the next RMSNorm, SiLU with its multiply, and RoPE's casts and rotation. nano-vllm compiles the
+same pieces.
+
+RoPE needs a twin. The lesson rotates each pair as one complex multiplication, and inductor
+generates no code for complex numbers: it would run the multiply as its own kernels, between two
+fused ones (0.47 us per decoded token and 13 ms of a 256-prompt prefill on an H200, the profile
+of docs/speed.md). `apply_rope_real` is the same rotation in real arithmetic, and
+torch.compiler.substitute_in_graph makes the compiler trace it wherever the lesson calls
+apply_rope; an eager call still runs the lesson's, so --eager and --no-compile are unchanged.
 
 The attention call itself is left out (`torch.compiler.disable`): the cache's writes and the
 flash-attn or Triton kernel run as they are, and each layer compiles into two graphs, the work
@@ -26,16 +33,31 @@ Fused kernels round in other places than the eager ones (inductor keeps intermed
 float32), so in bf16 tokens can differ from the eager path's; in float32 they agree.
 """
 
+import warnings
+
 import torch
 
-from llama3_paged import PrefillBatch
+from llama3_paged import PrefillBatch, apply_rope
 
 COMPILED_FROM_TOKENS = 1000  # a prefill pass shorter than this runs eagerly
+
+
+@torch.compiler.substitute_in_graph(apply_rope)
+def apply_rope_real(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """apply_rope as the compiler sees it: (a + jb)(cos + j sin) = (a cos - b sin) + j(a sin + b cos),
+    each pair rotated by its position's angle. x: [T, heads, head_dim]; rotations: [T, head_dim / 2]
+    complex, read as its real and imaginary parts (views: no complex arithmetic)."""
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [T, heads, head_dim / 2] each
+    cos, sin = rotations.real[:, None, :], rotations.imag[:, None, :]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
 
 
 def compile_layers(model, cache) -> None:
     """Compile each transformer layer of `model` in place, with `cache`'s attention left out."""
     cache.attention = torch.compiler.disable(cache.attention)  # this instance only
+    # What is left of complex numbers in the compiled code is a view of the rotations' real and
+    # imaginary parts (apply_rope_real), yet inductor warns that it runs complex code slowly.
+    warnings.filterwarnings("ignore", "Torchinductor does not support code generation for complex")
     # One code object serves every layer, but each layer's index is a constant in its guards.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                 4 * len(model.layers))

@@ -130,6 +130,30 @@ def test_layers_compile_by_default_only_where_they_can(device, attention, extra,
     assert compiles_by_default(args, SimpleNamespace(name=attention)) is compiles
 
 
+def test_compiled_rope_is_the_lessons_rotation_without_complex_numbers():
+    # Compiled, apply_rope traces as its real twin (features/compiled_layers.py): the same
+    # rotation in float64, and no complex multiply left in the generated code for inductor to
+    # run apart from the kernels it fuses.
+    from torch._inductor.utils import run_and_get_code
+    from features.compiled_layers import apply_rope_real
+    from llama3_paged import apply_rope
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 5, 64, dtype=torch.float64, generator=g)
+    angles = torch.rand(9, 32, dtype=torch.float64, generator=g) * 1000
+    rotations = torch.polar(torch.ones_like(angles), angles)
+    # The truth: each pair times the 2x2 rotation matrix of its angle.
+    c, s = angles.cos()[:, None, :, None, None], angles.sin()[:, None, :, None, None]
+    matrices = torch.cat([torch.cat([c, -s], -1), torch.cat([s, c], -1)], -2)  # [9, 1, 32, 2, 2]
+    truth = (matrices @ x.unflatten(-1, (-1, 2))[..., None]).flatten(-3)
+    # Both rotate in float32 (x.float()), whatever x's type: within float32's rounding.
+    assert torch.allclose(apply_rope_real(x, rotations), truth, rtol=0, atol=1e-5)
+    assert torch.allclose(apply_rope(x, rotations), truth, rtol=0, atol=1e-5)
+    x32, rotations32 = x.float(), rotations.to(torch.complex64)
+    compiled, (code, *_) = run_and_get_code(torch.compile(apply_rope), x32, rotations32)
+    assert torch.allclose(compiled, apply_rope(x32, rotations32), rtol=0, atol=1e-5)
+    assert "view_as_complex" not in code and "aten.mul" not in code
+
+
 def test_compiled_layers_leave_short_prefill_passes_eager():
     # A pass shorter than COMPILED_FROM_TOKENS compiles nothing and gives the eager logits:
     # launching the compiled layers took longer than the eager kernels (features/compiled_layers.py).
