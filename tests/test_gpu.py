@@ -538,3 +538,21 @@ def test_nccl_collectives_captured_in_cuda_graphs_give_the_one_process_tokens(tm
     nccl, stdout = tokens_of_run([*TORCHRUN, "1"], argv, tmp_path / "nccl.json")
     assert nccl == one
     assert "Captured" in stdout and "(nccl, each on a GPU of its own)" in stdout
+
+
+def test_adding_a_request_never_waits_for_the_gpu():
+    """A request's sampling parameters and last token go to the device as queued copies: with
+    overlapped steps one is added while a step runs, and a synchronous copy would wait for it
+    (features/llm.py's RowSampler.set_row). CUDA's sync debug mode raises at any such wait."""
+    from features.llm import LLMEngine, SamplingParams
+    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.7, top_k=5, seed=1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished():
+        engine.step()
+    row = 0  # the request's, now free again; its parameters are still in place
+    assert engine.sampler.temperature[row].item() == pytest.approx(0.7)
+    assert engine.sampler.top_k[row].item() == 5 and engine.sampler.seed[row].item() == 1
