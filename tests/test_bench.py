@@ -131,9 +131,9 @@ def test_layers_compile_by_default_only_where_they_can(device, attention, extra,
 
 
 def test_compiled_rope_is_the_lessons_rotation_without_complex_numbers():
-    # Compiled, apply_rope traces as its real twin (features/compiled_layers.py): the same
-    # rotation in float64, and no complex multiply left in the generated code for inductor to
-    # run apart from the kernels it fuses.
+    # Compiled, apply_rope traces as its real twin (features/compiled_layers.py): the rotation a
+    # float64 rotation matrix gives, and no complex multiply left in the generated code for
+    # inductor to run apart from the kernels it fuses.
     from torch._inductor.utils import run_and_get_code
     from features.compiled_layers import apply_rope_real
     from llama3_paged import apply_rope
