@@ -59,19 +59,11 @@ class CachedPrefillStep(Step):
 
 class KVCacheAfterPrefix(KVCache):
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
-        """The lesson's, with prompts that begin cached, and the write as a step of its own
-        (`store`: features/kv_write_kernel.py gives CUDA one kernel for it)."""
-        self.store(layer, k, v, batch.slot_mapping)
-        if isinstance(batch, CachedPrefillBatch):
-            return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
-        if isinstance(batch, PrefillBatch):
-            return self.attention_backend.prefill(q, k, v, batch)
-        return self.attention_backend.decode(q, *self.blocks(layer), batch)
-
-    def store(self, layer: int, k, v, slot_mapping) -> None:
-        """k, v: [T, n_kv_heads, head_dim] into their slots ([T]) of the layer's pool."""
-        self.k[layer].index_copy_(0, slot_mapping, k)
-        self.v[layer].index_copy_(0, slot_mapping, v)
+        if not isinstance(batch, CachedPrefillBatch):
+            return super().attention(layer, q, k, v, batch)
+        self.k[layer].index_copy_(0, batch.slot_mapping, k)
+        self.v[layer].index_copy_(0, batch.slot_mapping, v)
+        return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
 
 
 class FlashAttentionAfterPrefix(FlashAttention):

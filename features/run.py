@@ -272,12 +272,8 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     if run.kv_cache_dtype is not None:
         from features.fp8_cache import FP8KVCache as cache_class
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
-        cache = cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
-                            run.attention)
-    if run.device.type == "cuda" and run.kv_cache_dtype is None and importable("triton"):
-        from features.kv_write_kernel import write_with_one_kernel
-        write_with_one_kernel(cache)  # the same bytes, one kernel where the lesson has two
-    return cache
+        return cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
+                           run.attention)
 
 
 def beam_width(text: str) -> int:

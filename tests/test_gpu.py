@@ -72,17 +72,13 @@ MAX_SEQ_LEN = 2048
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttentionAfterPrefix, continuous=False, samples=1, share=False,
                     sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
-                    compiled=False, overlap=False, cache_class=KVCacheWithSpareSlot,
-                    one_kernel_write=False):
+                    compiled=False, overlap=False, cache_class=KVCacheWithSpareSlot):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
     n = len(prompts)
     cache = cache_class(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
                         attention())
-    if one_kernel_write:
-        from features.kv_write_kernel import write_with_one_kernel
-        write_with_one_kernel(cache)
     if compiled:  # the model's layers, for good: compile a model of the test's own
         from features.compiled_layers import compile_layers
         compile_layers(model, cache)
@@ -191,36 +187,6 @@ def test_triton_paged_decode_matches_float64_attention(gqa, block_size, dtype):
                                         DecodeBatch(None, table, lengths.int(), longest))
     for r in range(batch):  # each request on its own: an unwritten row cannot hide in an average
         assert relative_error(out[r], reference[r]) < 2e-2, f"request {r}, {lengths[r]} tokens"
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # Llama 3 8B's row; SmolLM2's, no power of 2
-@pytest.mark.parametrize("tokens", [1, 256, 5000])  # a decode row, a batch, a prefill pass
-def test_one_kernel_kv_write_writes_what_index_copy_writes(dtype, n_kv, d, tokens):
-    from features.kv_write_kernel import store_kv
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    num_slots, n_q = 8192, 4 * n_kv
-    # k and v as the model hands them over: views into one fused QKV output, rows strided
-    qkv = torch.randn(tokens, n_q + 2 * n_kv, d, device="cuda", generator=g).to(dtype)
-    k, v = qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
-    slots = torch.randperm(num_slots, device="cuda", generator=g)[:tokens]  # scattered, distinct
-    pools = [torch.randn(num_slots, n_kv, d, device="cuda", generator=g).to(dtype) for _ in range(2)]
-    expected = [pool.clone().index_copy_(0, slots, x) for pool, x in zip(pools, (k, v))]
-    store_kv(*pools, k, v, slots)
-    assert all(torch.equal(pool, e) for pool, e in zip(pools, expected))  # every slot, bit for bit
-
-
-@needs_triton
-def test_one_kernel_kv_write_gives_the_lessons_tokens():
-    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=4)
-    prompts = random_prompts(12, torch.Generator().manual_seed(4))
-    # CUDA graphs and overlapped steps, continuous batching with preemption (a pool of 6 blocks)
-    runs = [generate_on_gpu(model, prompts, [40] * 12, num_blocks=6, block_size=256, graphs=True,
-                            continuous=True, overlap=True, one_kernel_write=one)
-            for one in (False, True)]
-    assert runs[1].num_preemptions > 0
-    assert runs[1].output_tokens == runs[0].output_tokens
 
 
 @needs_triton
