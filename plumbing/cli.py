@@ -328,6 +328,14 @@ def temperature(text: str) -> float:
     return value
 
 
+def milliseconds_list(text: str) -> list[float]:
+    """Comma-separated waits of 0 to a second each, e.g. 0,2.5."""
+    values = [_finite_float(t) for t in text.split(",")]
+    if not all(0 <= v <= 1000 for v in values):
+        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to 1,000, got {text}")
+    return values
+
+
 MIN_REQUEST_RATE = 1e-5  # about one request a day
 
 

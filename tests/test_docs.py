@@ -9,7 +9,7 @@ from conftest import ROOT
 import llama3_virtual
 from features import run as features
 from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                   nano_vllm_bench, preemption_cost)
+                   nano_vllm_bench, power_cap, preemption_cost)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target), web links left out below
@@ -34,7 +34,7 @@ def parse(command: str) -> None:
     tools = {"tools/bench.py": bench, "tools/cascade_cost.py": cascade_cost,
              "tools/decode_kernel_cost.py": decode_kernel_cost, "tools/graph_cost.py": graph_cost,
              "tools/latency_sweep.py": latency_sweep, "tools/nano_vllm_bench.py": nano_vllm_bench,
-             "tools/preemption_cost.py": preemption_cost}
+             "tools/preemption_cost.py": preemption_cost, "tools/power_cap.py": power_cap}
     if program in scripts:
         module, add_pool_arguments, _ = features.SCRIPTS[scripts[program]]
         features.argument_parser_with_features(program, module.__doc__,
@@ -94,7 +94,7 @@ def parsers() -> dict:
     argparse.ArgumentParser.parse_args = catch
     try:
         for tool in (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                     nano_vllm_bench, preemption_cost):
+                     nano_vllm_bench, preemption_cost, power_cap):
             tool_name = tool.__name__
             with pytest.raises(SystemExit):
                 tool.parse_arguments([])

@@ -24,7 +24,7 @@ from conftest import ROOT, hf_to_meta, tiny_hf_model
 import plumbing.cli
 import plumbing.inputs
 from tools import (bench, build_prompts, decode_kernel_cost, graph_cost, latency_sweep,
-                   plot_memory, preemption_cost)
+                   plot_memory, power_cap, preemption_cost)
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
@@ -348,6 +348,9 @@ def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
     (decode_kernel_cost.main, ["--tiles", "8"], "16 or more"),
     (decode_kernel_cost.main, ["--cases", "W3"], "invalid choice"),
     (graph_cost.main, ["--batches", "256", "1024"], "unrecognized arguments"),
+    (power_cap.main, [], "needs a CUDA GPU") if not torch.cuda.is_available() else
+    (power_cap.main, ["--idle-ms", "0,-1"], "milliseconds from 0 to 1,000"),
+    (power_cap.main, ["--idle-ms", "nan,1"], "expected a number"),
     (build_prompts.main, ["--output", "{tmp}"], "is a directory"),
     (latency_sweep.main, ["run", "--device", "banana", "--json", "{tmp}/s.json"],
      "latency_sweep.py run: error: argument --device: 'banana' is not a device"),
