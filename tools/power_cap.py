@@ -28,6 +28,7 @@ from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("power_cap.py")  # before torch loads
 
 import torch
+from tqdm import tqdm
 
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph, milliseconds_list,
                           one_paragraph_errors, positive_int, writable_file)
@@ -136,8 +137,9 @@ def main(argv=None) -> None:
         for _ in range(20):  # cuBLAS chooses its kernels, the clock leaves idle
             step()
         torch.cuda.synchronize()
+        plan = [idle for _ in range(args.repeats) for idle in args.idle_ms]
         cases = [run_case(step, idle, args.seconds)
-                 for _ in range(args.repeats) for idle in args.idle_ms]
+                 for idle in tqdm(plan, desc=f"cases of {args.seconds} s", unit="case")]
         write_and_print({"device": torch.cuda.get_device_name(), "batch": args.batch,
                          "cases": cases}, args.json, print_table)
 
