@@ -7,9 +7,9 @@ replayed back to back, then with the GPU left idle after each step.
 The side-by-side profile (docs/speed.md) showed the same cuBLAS and flash-attn kernels taking
 5-10% longer in our runs than in nano-vllm's. Our overlapped steps leave the GPU no idle time;
 nano-vllm's host leaves it idle some 10 us per token between steps, 2.5 ms a step at batch 256.
-This takes both engines out: the step here is only the 32 layers' four projections (random bf16
-weights, two copies alternating so that no layer finds the last one's weights in L2), timed with
-CUDA events; --idle-ms is how long the host waits after each step before launching the next.
+This takes both engines out: the step here is only the 32 layers' four projections (the lesson's
+layers with random bf16 weights, two alternating so that no layer finds the last one's weights in
+L2), timed with CUDA events; --idle-ms is how long the host waits after each step before launching the next.
 While each case runs, nvidia-smi is sampled for the SM clock and the power draw (medians; if
 nvidia-smi is not on the PATH the times are printed alone).
 """
@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph, milliseconds_list,
                           one_paragraph_errors, positive_int, writable_file)
+from llama3_paged import TransformerBlock
 from plumbing.inputs import PRESETS
 from tools.shared import write_and_print
 
@@ -50,21 +51,22 @@ def parse_arguments(argv=None):
 
 
 def decode_step_matmuls(batch: int, device):
-    """A function that launches one decode step's projections: per layer, x [batch, dim] through
-    wqkv [dim -> (n_heads + 2 n_kv_heads) head_dim], wo, w_gate_up [dim -> 2 ffn_dim], w_down."""
-    a = PRESETS["8b"]
-    head_dim = a.dim // a.n_heads
-    shapes = [(a.dim, (a.n_heads + 2 * a.n_kv_heads) * head_dim), (a.n_heads * head_dim, a.dim),
-              (a.dim, 2 * a.ffn_dim), (a.ffn_dim, a.dim)]  # (in, out)
-    weights = [[torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * n_in**-0.5
-                for n_in, n_out in shapes] for _ in range(2)]
-    inputs = {n_in: torch.randn(batch, n_in, device=device, dtype=torch.bfloat16)
-              for n_in, _ in shapes}
+    """A function that launches one decode step's projections (wqkv, wo, w_gate_up, w_down of
+    every layer): the lesson's own layers, two of them alternating, with random weights."""
+    args = PRESETS["8b"]
+    with torch.device(device):
+        blocks = [TransformerBlock(args, i, torch.bfloat16) for i in range(2)]
+    projections = [[m for m in b.modules() if isinstance(m, torch.nn.Linear)] for b in blocks]
+    for linear in projections[0] + projections[1]:
+        torch.nn.init.normal_(linear.weight, std=linear.in_features ** -0.5)
+    inputs = {p.in_features: torch.randn(batch, p.in_features, device=device, dtype=torch.bfloat16)
+              for p in projections[0]}  # x [batch, in_features] of each projection
 
     def step():
-        for layer in range(a.n_layers):
-            for w in weights[layer % 2]:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+        with torch.no_grad():
+            for layer in range(args.n_layers):
+                for linear in projections[layer % 2]:
+                    linear(inputs[linear.in_features])
     return step
 
 
