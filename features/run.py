@@ -173,12 +173,11 @@ def load(args) -> Run:
 def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
     """The FP8 cache attends over fresh K/V in prefill: runs whose prefill reads cached blocks
     (a system prompt's prefix cache, mixed steps' partial prompts) wait for a dequantizing
-    prefill kernel, as do the virtual cache and fused layers."""
+    prefill kernel, as does the virtual cache."""
     why = ("a system prompt's prefix cache (add --no-prefix-cache)"
            if not no_system_prompt and not args.no_prefix_cache else
            "--max-batched-tokens" if args.max_batched_tokens else
-           "llama3_virtual.py" if args.script == "llama3_virtual.py" else
-           "--compile" if args.compile else None)
+           "llama3_virtual.py" if args.script == "llama3_virtual.py" else None)
     if why:
         raise UserError(f"--kv-cache-dtype fp8 does not combine with {why} yet: its prefill "
                         f"attends over fresh K/V only. Drop one of the two.")
@@ -188,7 +187,8 @@ def compiles_by_default(args, attention) -> bool:
     """Compiled layers (features/compiled_layers.py) where nothing stands in their way: CUDA, a
     GPU attention kernel, the model's K/V dtype, and not --eager. In bf16 they round otherwise
     than the eager kernels, so tokens can differ from an --eager run's; --no-compile keeps CUDA
-    graphs without them."""
+    graphs without them. The FP8 cache takes them only when asked (--compile): on W2 they made
+    it slower (H100: 15,209 against 15,907 output tokens/s, docs/fp8.md)."""
     return (args.device.type == "cuda" and attention.name != "torch" and not args.eager
             and args.kv_cache_dtype != "fp8")
 

@@ -237,6 +237,20 @@ def test_an_fp8_cache_gives_the_same_tokens_through_the_reference_and_the_triton
 
 
 @needs_triton
+def test_an_fp8_cache_gives_the_eager_tokens_through_compiled_layers_in_float32():
+    # The layers compile around the FP8 cache's attention (quantizing writes, float8 decode) as
+    # around the bf16 cache's: in float32 the fused kernels round as the eager ones do.
+    from features.fp8_cache import FP8KVCache
+    model = random_model(Llama, "1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=8)
+    prompts, budgets = prompts_and_budgets(8, seed=8, most_tokens=40)
+    kw = {"num_blocks": 1024, "block_size": 16, "attention": TritonAttention, "graphs": True,
+          "cache_class": FP8KVCache}
+    eager = generate_on_gpu(model, prompts, budgets, **kw)
+    compiled = generate_on_gpu(model, prompts, budgets, compiled=True, **kw)
+    assert compiled.output_tokens == eager.output_tokens
+
+
+@needs_triton
 def test_flash_attn_prefill_with_the_triton_decode_kernel_gives_flash_attns_tokens():
     from features.triton_attention import TritonDecode
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=3)
