@@ -201,11 +201,12 @@ def test_triton_and_flash_attn_generate_the_same_tokens():
 
 @needs_triton
 @pytest.mark.parametrize("gqa", [1, 4])
-def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(gqa):
+@pytest.mark.parametrize("block_size", [16, 256])  # tiles of 128: over 8 blocks, inside one
+def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(gqa, block_size):
     from features.triton_attention import paged_decode
     from features.fp8_cache import FP8_MAX, dequantize, quantize
     g = torch.Generator(device="cuda").manual_seed(gqa)
-    batch, n_kv, d, block_size, longest = 10, 2, 128, 16, 3000
+    batch, n_kv, d, longest = 10, 2, 128, 3000
     lengths = torch.randint(1, longest + 1, (batch,), device="cuda", generator=g)
     max_blocks = math.ceil(longest / block_size)
     table = torch.randperm(batch * max_blocks + 5, device="cuda", generator=g)[:batch * max_blocks]
