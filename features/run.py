@@ -247,7 +247,10 @@ def choose_attention(name: str, device: torch.device, decode_kernel: str = "flas
 
 
 def kv_budget_bytes(run: Run) -> float:
-    return inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
+    budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
+    if torchrun_process() is not None:  # every process sizes the same pool
+        budget = tensor_parallel.least_over_processes(budget)
+    return budget
 
 
 def sampling_peak_bytes(run) -> int:

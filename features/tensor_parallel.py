@@ -75,7 +75,6 @@ def refuse_what_is_not_split_yet(args) -> None:
     """Features not yet run over several processes end here, in one paragraph, before loading."""
     why = ("--compile" if args.compile else
            "--beam-width" if args.beam_width > 1 else
-           "--find-max-batch" if args.find_max_batch else
            "--kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else None)
     if why:
         raise UserError(f"{why} does not run under torchrun yet (tensor parallelism): run it in "
@@ -158,6 +157,17 @@ class SplitLlama(lesson.Llama):
         elif name.endswith("w_gate_up.weight"):
             parts = whole.chunk(2)
         self.get_parameter(name).copy_(torch.cat([self.share_of(name, p) for p in parts]))
+
+
+def least_over_processes(value: float) -> float:
+    """The smallest of every process's `value`. Each process measures its own GPU's free memory
+    for the KV budget, and two GPUs can differ by a few megabytes: with the smallest budget
+    everywhere, every process sizes the same pool, so all run out of blocks at the same step
+    (--find-max-batch's attempts end together) instead of one waiting for the others forever."""
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # where the transport reads tensors
+    smallest = torch.tensor([value], dtype=torch.float64, device=on)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return smallest.item()
 
 
 def transport(device: torch.device) -> str:

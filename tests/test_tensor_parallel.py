@@ -2,6 +2,7 @@
 each holding half of every token's K/V, and no process holds the whole model."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import torch
 from conftest import ROOT, hf_to_meta, tiny_hf_model
 from features import tensor_parallel
 from llama3_paged import KVCache, Llama, TorchAttention
-from plumbing.inputs import load_model, random_model
+from plumbing.inputs import load_model, load_prompts, load_tokenizer, random_model
 
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
@@ -144,17 +145,52 @@ def test_a_real_checkpoint_over_two_processes_gives_the_one_process_tokens(tmp_p
     assert [r["output_tokens"] for r in two["requests"]] == [r["output_tokens"] for r in one["requests"]]
 
 
+def test_find_max_batch_over_two_processes_finds_the_one_process_batch(tmp_path):
+    # The pool of exactly the first 5 requests' blocks (test_scripts.py's case): each process
+    # holds those blocks with half the heads, the block manager is the same, so is the answer.
+    block_size, k = 16, 5
+    requests = load_prompts(9, load_tokenizer())
+    blocks = sum(math.ceil((len(r.prompt_tokens) + 2) / block_size) for r in requests[:k])
+    argv = ["llama3_paged.py", "9", *TINY, "--max-new-tokens", "3", "--block-size",
+            str(block_size), "--num-blocks", str(blocks), "--find-max-batch"]
+    one = run(argv, tmp_path / "one.json", 1)
+    two = run(argv, tmp_path / "two.json", 2)
+    assert two["largest_batch_that_completes"] == one["largest_batch_that_completes"] == k
+    assert [a["outcome"] for a in two["attempts"]] == [a["outcome"] for a in one["attempts"]]
+    assert two["stdout"].count("Largest batch that completes") == 1, "rank 0 alone reports"
+
+
+SMALLEST_BUDGET = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+import torch.distributed as dist
+from features import tensor_parallel
+dist.init_process_group("gloo")
+measured = 1000.0 + 250.0 * dist.get_rank()  # each process found other free memory
+sys.stderr.write(f"rank {dist.get_rank()}: {tensor_parallel.least_over_processes(measured)}\\n")
+"""
+
+
+def test_every_process_takes_the_smallest_of_their_kv_budgets(tmp_path):
+    script = tmp_path / "smallest_budget.py"
+    script.write_text(SMALLEST_BUDGET)
+    done = subprocess.run([*TORCHRUN, str(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0: 1000.0" in done.stderr and "rank 1: 1000.0" in done.stderr
+
+
 def before_torchruns_summary(stderr: str) -> str:
     """What the processes wrote, before torchrun's own log lines and traceback of who failed."""
     return stderr.split("/elastic/")[0]
 
 
 @pytest.mark.parametrize("processes, argv, why", [
-    ("2", ["llama3_paged.py", "3", *TINY, "--find-max-batch"], "--find-max-batch does not run "
-                                                               "under torchrun yet"),
+    ("2", ["llama3_paged.py", "3", *TINY, "--beam-width", "2"], "--beam-width does not run "
+                                                                "under torchrun yet"),
     ("2", ["serve.py", *TINY], "serve.py run in one process for now"),
     ("4", ["llama3_paged.py", "3", *TINY], "n_kv_heads (2) does not split over 4 processes"),
-], ids=["find-max-batch", "serve", "heads"])
+], ids=["beam-width", "serve", "heads"])
 def test_what_is_not_split_yet_is_refused_in_one_paragraph(processes, argv, why):
     done = subprocess.run([*TORCHRUN[:-1], processes, *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=ENV)
