@@ -19,6 +19,7 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
 """
 
 import torch
+import torch.distributed as dist
 
 from features.cached_prefix import CachedPrefillBatch
 from features.cuda_graphs import KVCacheWithSpareSlot
@@ -66,6 +67,8 @@ class FP8KVCache(KVCacheWithSpareSlot):
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         if isinstance(batch, PrefillBatch) and not self.scaled[layer]:
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()  # [2], no host sync
+            if dist.is_initialized():  # split heads (features/tensor_parallel.py): the largest
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # over all, as one process's scale
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
         k_scale, v_scale = self.scales[layer, 0], self.scales[layer, 1]

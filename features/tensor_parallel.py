@@ -74,8 +74,7 @@ def start(args) -> None:
 def refuse_what_is_not_split_yet(args) -> None:
     """Features not yet run over several processes end here, in one paragraph, before loading."""
     why = ("--compile" if args.compile else
-           "--beam-width" if args.beam_width > 1 else
-           "--kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else None)
+           "--beam-width" if args.beam_width > 1 else None)
     if why:
         raise UserError(f"{why} does not run under torchrun yet (tensor parallelism): run it in "
                         f"one process, or drop the flag.")

@@ -42,7 +42,8 @@ SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in 
     pytest.param("llama3_paged.py", ["--continuous", "--system-prompt", "You answer in one short "
                  "sentence, and you never give advice."], marks=SLOW),  # the prefix cache
     pytest.param("llama3_naive.py", [], marks=SLOW),
-], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive"])
+    ("llama3_paged.py", ["--kv-cache-dtype", "fp8"]),  # each process scales by the largest of all
+], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive", "fp8"])
 def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(script, flags,
                                                                               tmp_path):
     argv = [script, "4", *TINY, "--max-new-tokens", "40", *flags]
@@ -146,17 +147,18 @@ def test_a_real_checkpoint_over_two_processes_gives_the_one_process_tokens(tmp_p
 
 
 def test_find_max_batch_over_two_processes_finds_the_one_process_batch(tmp_path):
-    # The pool of exactly the first 5 requests' blocks (test_scripts.py's case): each process
-    # holds those blocks with half the heads, the block manager is the same, so is the answer.
+    # The pool of exactly the first 5 requests' blocks, which one process fits and no more
+    # (test_scripts.py): each process holds those blocks with half the heads, the block
+    # manager is the one process's, and so is the answer.
     block_size, k = 16, 5
     requests = load_prompts(9, load_tokenizer())
     blocks = sum(math.ceil((len(r.prompt_tokens) + 2) / block_size) for r in requests[:k])
     argv = ["llama3_paged.py", "9", *TINY, "--max-new-tokens", "3", "--block-size",
             str(block_size), "--num-blocks", str(blocks), "--find-max-batch"]
-    one = run(argv, tmp_path / "one.json", 1)
     two = run(argv, tmp_path / "two.json", 2)
-    assert two["largest_batch_that_completes"] == one["largest_batch_that_completes"] == k
-    assert [a["outcome"] for a in two["attempts"]] == [a["outcome"] for a in one["attempts"]]
+    assert two["largest_batch_that_completes"] == k
+    outcomes = {a["num_requests"]: a["outcome"] for a in two["attempts"]}
+    assert outcomes[k] == "completes" and outcomes[k + 1] == "out of KV blocks"
     assert two["stdout"].count("Largest batch that completes") == 1, "rank 0 alone reports"
 
 
@@ -168,6 +170,8 @@ from features import tensor_parallel
 dist.init_process_group("gloo")
 measured = 1000.0 + 250.0 * dist.get_rank()  # each process found other free memory
 sys.stderr.write(f"rank {dist.get_rank()}: {tensor_parallel.least_over_processes(measured)}\\n")
+dist.barrier()  # leave together, as plumbing/cli.py's scripts do: gloo aborts a process that
+dist.destroy_process_group()  # exits while its group is still open
 """
 
 
