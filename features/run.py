@@ -537,7 +537,8 @@ def run_beam_search(run, cache, manager) -> None:
           f"> {run.prompts[0].prompt.strip()[:300]}")
     for score, tokens in first.finished:
         print(f"[{score:.2f}] {run.tokenizer.decode(tokens)[:300]}")
-    token_bytes = run.kv_bytes_per_token
+    _, processes = torchrun_process() or (0, 1)
+    token_bytes = run.kv_bytes_per_token * processes  # under torchrun each holds 1 / processes
     held = result.fullest_reserved_slots * token_bytes
     unshared = result.fullest_unshared_slots * token_bytes
     print(f"\nBeam search: {len(result.prompts):,} prompts x {width} beams, "

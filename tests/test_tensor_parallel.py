@@ -162,6 +162,20 @@ def test_find_max_batch_over_two_processes_finds_the_one_process_batch(tmp_path)
     assert two["stdout"].count("Largest batch that completes") == 1, "rank 0 alone reports"
 
 
+@SLOW
+def test_two_processes_search_the_one_process_beams(tmp_path):
+    # Beam search is the host's bookkeeping over whole logits: every process keeps the same beams.
+    argv = ["llama3_paged.py", "3", *TINY, "--max-new-tokens", "20", "--beam-width", "3"]
+    one = run(argv, tmp_path / "one.json", 1)
+    two = run(argv, tmp_path / "two.json", 2)
+    tokens = [[[b["output_tokens"] for b in p] for p in r["beams"]] for r in (one, two)]
+    assert tokens[0] == tokens[1]
+    scores = [b["score"] for r in (one, two) for p in r["beams"] for b in p]
+    # the all-reduces add the partial sums in another order: scores agree to float32 rounding
+    assert scores[:len(scores) // 2] == pytest.approx(scores[len(scores) // 2:], rel=1e-5)
+    assert two["memory"] == one["memory"], "the K/V of all heads, not rank 0's half"
+
+
 SMALLEST_BUDGET = """
 import os, sys
 sys.path.insert(0, os.getcwd())
@@ -190,11 +204,9 @@ def before_torchruns_summary(stderr: str) -> str:
 
 
 @pytest.mark.parametrize("processes, argv, why", [
-    ("2", ["llama3_paged.py", "3", *TINY, "--beam-width", "2"], "--beam-width does not run "
-                                                                "under torchrun yet"),
     ("2", ["serve.py", *TINY], "serve.py run in one process for now"),
     ("4", ["llama3_paged.py", "3", *TINY], "n_kv_heads (2) does not split over 4 processes"),
-], ids=["beam-width", "serve", "heads"])
+], ids=["serve", "heads"])
 def test_what_is_not_split_yet_is_refused_in_one_paragraph(processes, argv, why):
     done = subprocess.run([*TORCHRUN[:-1], processes, *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=ENV)
