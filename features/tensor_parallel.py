@@ -162,10 +162,16 @@ def least_over_processes(value: float) -> float:
     for the KV budget, and two GPUs can differ by a few megabytes: with the smallest budget
     everywhere, every process sizes the same pool, so all run out of blocks at the same step
     (--find-max-batch's attempts end together) instead of one waiting for the others forever."""
-    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # where the transport reads tensors
-    smallest = torch.tensor([value], dtype=torch.float64, device=on)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return smallest.item()
+    return reduced([value], dist.ReduceOp.MIN)[0]
+
+
+def reduced(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Each of `values` reduced over the processes (float64, on the device the transport reads:
+    NCCL a GPU's, gloo the host's)."""
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
 
 
 def transport(device: torch.device) -> str:
@@ -178,11 +184,9 @@ def summed_over_processes(memory: dict, device: torch.device) -> dict:
     """The report's memory figures of every process (features/report.py's), added up: each holds
     its own pool, and its own unfilled slots."""
     names = ["weights_bytes", "kv_pool_bytes", "fragmented_bytes"]
-    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # where the transport reads tensors
-    totals = torch.tensor([float(memory[n]) for n in names], dtype=torch.float64, device=on)
-    dist.all_reduce(totals)
+    totals = reduced([float(memory[n]) for n in names])
     return {"processes": dist.get_world_size(), "transport": transport(device),
-            **{n: int(v) for n, v in zip(names, totals.tolist())}}
+            **{n: int(v) for n, v in zip(names, totals)}}
 
 
 def report_line(memory: dict, model) -> str:
