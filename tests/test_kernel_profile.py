@@ -21,6 +21,9 @@ from tools import kernel_profile
     ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
      "elementwise"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+     "collectives (NCCL)"),  # "reduce" would make it elementwise: the collectives match first
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives (NCCL)"),
     ("some_kernel_nobody_named", "other"),
 ])
 def test_kernels_fall_in_the_class_their_names_say(name, expected):

@@ -68,7 +68,8 @@ from plumbing.inputs import DTYPES
 from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
 from features.llm import SCRIPTS, allocate_kv_cache, parse_script_arguments
 from tools.kernel_profile import profile_engine
-from tools.shared import copy_bandwidth, matmul_flops_per_second, median_cuda_seconds, write_profile
+from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,
+                          median_cuda_seconds, write_profile)
 
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
@@ -320,8 +321,9 @@ def nano_vllm_requests(num_requests: int) -> tuple[list[list[int]], list[int]]:
 def bench(a) -> dict:
     setup = load(script_arguments(a))  # under torchrun: this process's GPU and slice of the model
     process = torchrun_process()
-    if process is not None and process[0] != 0:
-        a.json = a.profile = None  # rank 0 writes, as it prints
+    writes = process is None or process[0] == 0  # rank 0 writes, as it prints
+    if not writes:
+        a.json = None
     bandwidth = copy_bandwidth(setup.device)
     matmul_rate = matmul_flops_per_second(setup.device, DTYPES[a.dtype])
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
@@ -350,10 +352,12 @@ def bench(a) -> dict:
     if result.num_generated_tokens != sum(budgets):
         raise UserError(f"{result.num_generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
-    if a.profile:  # after the timed run, on the workload's first requests
+    if a.profile:  # after the timed run, on the workload's first requests; under torchrun
+        # every process runs them (their collectives pair up) and rank 0 writes
         generated = lambda prompts, budgets: run(prompts, budgets).num_generated_tokens
-        write_profile(a.profile, f"ours ({a.script})", a.workload, profile_engine(
-            generated, prompts, budgets))
+        profile = profile_engine(generated, prompts, budgets)
+        if writes:
+            write_profile(a.profile, f"ours ({a.script})", a.workload, profile)
 
     # The paged attention kernel alone, halfway through: each request at its prompt + half its
     # tokens. (The virtual cache's rows are not blocks: its step time says what its kernel costs.)
@@ -375,6 +379,12 @@ def bench(a) -> dict:
     by_time = sorted(range(len(result.timeline)), key=lambda i: result.timeline[i].seconds)
     median_step = by_time[len(by_time) // 2]
     step_seconds = result.timeline[median_step].seconds
+    # At the median batch (the same on every process, as their schedules are: their collectives
+    # must pair up; the median step by time is each process's own)
+    collectives = (collective_seconds_per_step(
+        setup.model.args, statistics.median_low(s.running_requests for s in result.timeline),
+        setup.dtype, setup.device)
+        if process is not None and torch.distributed.get_backend() == "nccl" else None)
     # What each prompt found cached when first admitted (prefix caching), not to be computed.
     first_cached = getattr(manager, "first_cached", np.zeros(len(prompts), dtype=np.int64))
     cached = np.maximum(first_cached[:len(prompts)], 0).tolist()
@@ -425,6 +435,7 @@ def bench(a) -> dict:
         "floor": floor | {"wall_seconds": floor["prefill_seconds"] + floor["decode_seconds"]},
         "attention_seconds_per_layer_halfway": attention_seconds,
         "attention_requests": attention_requests,
+        "collectives_per_decode_step": collectives,
         "page_mapping_seconds_per_decode_step": mapping,
         "median_ratio_to_floor": statistics.median(
             s.seconds / b for s, b in zip(result.timeline, floors)),
@@ -492,6 +503,13 @@ def print_table(r: dict) -> None:
         print(f"  attention kernel    {r['attention_seconds_per_layer_halfway'] * 1e6:.1f} us per "
               f"layer, the first {r['attention_requests']} requests at their prompt + half their "
               f"new tokens")
+    c = r.get("collectives_per_decode_step")
+    if c:
+        print(f"  collectives         {c['seconds'] * 1e6:,.0f} us per decode step at batch "
+              f"{c['rows']} ({c['all_reduces']} all-reduces and the logits' gather over "
+              f"{c['processes']} processes, alone as a CUDA graph); floor "
+              f"{c['floor_seconds'] * 1e6:,.0f} us: {c['bytes_sent'] / 1e6:,.1f} MB sent at the "
+              f"link's {c['bus_bandwidth_bytes_per_second'] / 1e9:,.0f} GB/s")
     mapping = {k: v * 1e3 for k, v in (r["page_mapping_seconds_per_decode_step"] or {}).items()}
     if "in_the_loop" in mapping:
         print(f"  page mapping        {mapping['in_the_loop']:.3f} ms per decode step, in the loop "

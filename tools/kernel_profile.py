@@ -34,6 +34,7 @@ PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of
 PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run
 KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the first match wins
     ("fused (torch.compile)", r"^triton_(poi|red|per|tem)_"),  # inductor's generated kernels
+    ("collectives (NCCL)", r"nccl"),  # tensor parallelism's all-reduces and gathers
     ("attention", r"flash|fmha|paged_decode|attention"),
     ("matmul", r"gemm|cutlass|xmma|cublas|nvjet|sm90_|sm80_|matmul"),
     ("norm", r"rms|norm"),

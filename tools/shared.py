@@ -63,6 +63,35 @@ def as_graph(fn):
     return graph.replay
 
 
+def collective_seconds_per_step(model_args, rows: int, dtype, device) -> dict:
+    """A decode step's collectives under tensor parallelism (features/tensor_parallel.py), over
+    NCCL: an all-reduce of [rows, dim] after each layer's attention and its feed-forward, then
+    the gather of the logits, [rows, vocab / n] from each of the n processes. Replayed as a CUDA
+    graph, as the decode step runs them, beside their floor: the bytes each process sends at the
+    link's bus bandwidth, measured with all-reduces of 256 MiB. (NCCL's convention: an
+    all-reduce sends 2 (n - 1) / n of its tensor per process, a gather (n - 1) / n of the whole.)"""
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    big = torch.zeros(2**27, dtype=torch.bfloat16, device=device)  # 256 MiB
+    bus_bandwidth = 2 * (n - 1) / n * big.nbytes / median_cuda_seconds(
+        lambda: dist.all_reduce(big), repeats=10)
+    del big
+    hidden = torch.zeros(rows, model_args.dim, dtype=dtype, device=device)
+    part = torch.zeros(rows, model_args.vocab_size // n, dtype=dtype, device=device)
+    parts = [torch.empty_like(part) for _ in range(n)]
+    all_reduces = 2 * model_args.n_layers
+
+    def collectives():
+        for _ in range(all_reduces):
+            dist.all_reduce(hidden)
+        dist.all_gather(parts, part)
+    seconds = median_cuda_seconds(as_graph(collectives))
+    sent = all_reduces * 2 * (n - 1) / n * hidden.nbytes + (n - 1) * part.nbytes
+    return {"processes": n, "rows": rows, "all_reduces": all_reduces,
+            "bus_bandwidth_bytes_per_second": bus_bandwidth, "bytes_sent": sent,
+            "seconds": seconds, "floor_seconds": sent / bus_bandwidth}
+
+
 def write_profile(path, engine: str, workload: str, profile: dict) -> None:
     """A --profile JSON (tools/kernel_profile.py reads it)."""
     record = {"engine": engine, "workload": workload, "device": torch.cuda.get_device_name(),
