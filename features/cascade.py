@@ -161,6 +161,8 @@ def cascade_for(setup, cache, manager) -> CascadeAttention | None:
     shared_tokens = prefix_blocks * cache.block_size
     backend = cache.attention_backend.name
     why_not = ("the system prompt fills no whole block" if prefix_blocks == 0 else
+               "the FP8 cache: the cascade's kernels read 16-bit blocks"
+               if cache.k.dtype == torch.float8_e4m3fn else
                f"--attn {backend}: the cascade's shared part needs flash-attn's kernel of many "
                f"queries over one sequence" if backend != "flash" and mode != "on" else "")
     if why_not:

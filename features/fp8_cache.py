@@ -16,11 +16,21 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   float8. flash-attn 2 cannot read float8, so on CUDA the decode goes through the Triton kernel
   (features/triton_attention.py), which converts each tile to bf16 in registers and folds the
   scales into the scores and the output; the PyTorch reference dequantizes the blocks it gathers.
+- A prompt after a cached prefix (a system prompt's blocks, features/prefix_cache.py) reads the
+  prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a bf16 copy of
+  just those, writes the new tokens' fresh K/V into it, and attends there as the bf16 cache
+  would (`attend_after_prefix`). A mixed step (--max-batched-tokens) would copy every running
+  request's blocks so, every step: refused.
 """
 
+import dataclasses
+import math
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from block_manager import to_device
 from features.cached_prefix import CachedPrefillBatch
 from features.cuda_graphs import KVCacheWithSpareSlot
 from llama3_paged import PrefillBatch
@@ -63,6 +73,7 @@ class FP8KVCache(KVCacheWithSpareSlot):
         # [n_layers, 2]: K's and V's scale; 1 until the layer's first prefill sets them
         self.scales = torch.ones(args.n_layers, 2, dtype=torch.float32, device=device)
         self.scaled = [False] * args.n_layers  # on the host: no sync to ask
+        self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         if isinstance(batch, PrefillBatch) and not self.scaled[layer]:
@@ -77,8 +88,8 @@ class FP8KVCache(KVCacheWithSpareSlot):
                                                     quantize(k, k_scale).view(torch.uint8))
         self.v[layer].view(torch.uint8).index_copy_(0, batch.slot_mapping,
                                                     quantize(v, v_scale).view(torch.uint8))
-        if isinstance(batch, CachedPrefillBatch):  # features/run.py refuses the runs that make them
-            raise RuntimeError("the FP8 cache cannot attend after a cached prefix yet")
+        if isinstance(batch, CachedPrefillBatch):  # some prompts begin with cached tokens
+            return self.attend_after_prefix(layer, q, k, v, batch)
         if isinstance(batch, PrefillBatch):  # the fresh bf16 K/V: nothing cached before them
             return self.attention_backend.prefill(q, k, v, batch)
         key_blocks, value_blocks = self.blocks(layer)
@@ -89,3 +100,32 @@ class FP8KVCache(KVCacheWithSpareSlot):
         from features.triton_attention import paged_decode
         return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens,
                             kv_scales=self.scales[layer])
+
+    def attend_after_prefix(self, layer: int, q, k, v, batch: CachedPrefillBatch) -> torch.Tensor:
+        """The prompts' new tokens over their cached prefixes and themselves. The blocks they read,
+        dequantized into a copy in the model's dtype: prompt r's at rows r * width .. of it, in
+        order, with a block table of its own. The new tokens' fresh K/V are written over their
+        float8 copies there, so that only the cached prefix carries float8's rounding."""
+        width, copy_batch = self._batch_over_a_copy(batch)
+        read = batch.block_table[:, :width]  # [B, width]: the pool's blocks each prompt reads
+        key_blocks, value_blocks = (  # [B * width, block_size, n_kv_heads, head_dim] each
+            dequantize(blocks[read], scale, q.dtype).flatten(0, 1)
+            for blocks, scale in zip(self.blocks(layer), self.scales[layer]))
+        for blocks, fresh in ((key_blocks, k), (value_blocks, v)):
+            blocks.view(-1, *fresh.shape[1:]).index_copy_(0, copy_batch.slot_mapping, fresh)
+        return self.attention_backend.prefill_after_prefix(q, key_blocks, value_blocks, copy_batch)
+
+    def _batch_over_a_copy(self, batch: CachedPrefillBatch):
+        """`batch` with its slots and block table in the copy: prompt r's token at position p is
+        slot r * width * block_size + p there. Worked out at the first layer, kept for the rest."""
+        if self._copy_of is not batch:
+            new, lengths = np.diff(batch.cu_seqlens_host), np.diff(batch.cu_seqlens_k_host)
+            width = math.ceil(batch.max_seqlen_k / self.block_size)
+            positions = np.concatenate([np.arange(n_k - n, n_k) for n, n_k in zip(new, lengths)])
+            prompts = np.repeat(np.arange(len(new)), new)
+            device = batch.slot_mapping.device
+            table = torch.arange(len(new) * width, dtype=torch.int32, device=device)
+            self._copy_of, self._copy = batch, (width, dataclasses.replace(
+                batch, slot_mapping=to_device(prompts * width * self.block_size + positions, device),
+                block_table=table.view(len(new), width)))
+        return self._copy

@@ -171,16 +171,17 @@ def load(args) -> Run:
 
 
 def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
-    """The FP8 cache attends over fresh K/V in prefill: runs whose prefill reads cached blocks
-    (a system prompt's prefix cache, mixed steps' partial prompts) wait for a dequantizing
-    prefill kernel, as does the virtual cache."""
-    why = ("a system prompt's prefix cache (add --no-prefix-cache)"
-           if not no_system_prompt and not args.no_prefix_cache else
-           "--max-batched-tokens" if args.max_batched_tokens else
+    """What the FP8 cache does not serve yet: mixed steps, whose every step would dequantize the
+    running requests' blocks (features/fp8_cache.py), the cascade's 16-bit kernels, and the
+    virtual cache."""
+    why = ("--max-batched-tokens: each mixed step would copy every running request's blocks out "
+           "of float8" if args.max_batched_tokens else
+           "--cascade on: the cascade's kernels read 16-bit blocks (--cascade auto leaves it off)"
+           if args.cascade == "on" and not no_system_prompt else
            "llama3_virtual.py" if args.script == "llama3_virtual.py" else None)
     if why:
-        raise UserError(f"--kv-cache-dtype fp8 does not combine with {why} yet: its prefill "
-                        f"attends over fresh K/V only. Drop one of the two.")
+        raise UserError(f"--kv-cache-dtype fp8 does not combine with {why} yet. Drop one of the "
+                        f"two.")
 
 
 def compiles_by_default(args, attention) -> bool:

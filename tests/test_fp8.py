@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from conftest import ROOT
 from test_scripts import TINY, run_script
 
+from features.cached_prefix import CachedPrefillBatch, TorchAttentionAfterPrefix
 from features.fp8_cache import FP8_MAX, HEADROOM, FP8KVCache, dequantize, quantize
 from llama3_paged import DecodeBatch, PrefillBatch, TorchAttention
 from plumbing.inputs import PRESETS
@@ -76,6 +78,73 @@ def test_an_fp8_pool_holds_four_times_the_float32_tokens_and_says_so(tmp_path):
     assert "512 bytes per token" in out.stdout
 
 
-def test_fp8_with_a_cached_system_prompt_is_refused_in_one_paragraph():
-    out = run_script("llama3_paged.py", 2, *TINY, "--kv-cache-dtype", "fp8", "--system-prompt", "Be brief.")
-    assert out.returncode == 2 and "--no-prefix-cache" in out.stderr and "Traceback" not in out.stderr
+def outputs_after_a_cached_prefix(attention, device, dtype, block_size: int):
+    """A prefill after a cached prefix through an FP8 cache, and its truth in float64. Prompt 0
+    begins with block_size + 4 cached tokens (in blocks 5 and 2) and brings 9 new ones; prompt 1
+    brings 6, nothing cached. The truth: the cached part as float8 stored it, the new tokens' K/V
+    as computed, each new token seeing every key up to its own position. Returns [T, H, d]
+    twice: the cache's output and the truth's. (tests/test_gpu.py runs it with flash-attn.)"""
+    args = PRESETS["tiny"]
+    cache = FP8KVCache(args, 8, block_size, dtype, device, attention)
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d = args.n_heads, args.n_kv_heads, args.head_dim
+    tables, cached, new = [[5, 2], [7, 0]], [block_size + 4, 0], [9, 6]
+    lengths = [c + n for c, n in zip(cached, new)]
+    slot = lambda r, p: tables[r][p // block_size] * block_size + p % block_size
+    on = lambda *tensors: [t.to(device) for t in tensors]
+    random = lambda n, h, scale=5.0: (torch.randn(n, h, d, generator=g, dtype=torch.float64) * scale)
+    prefix_k, prefix_v, k, v = (random(n, kv_heads) for n in (cached[0], cached[0], sum(new), sum(new)))
+    q = random(sum(new), heads, 1.0)
+    # The prefix's own prefill: it sets the layer's scales and stores the prefix.
+    cache.attention(0, *on(random(cached[0], heads).to(dtype), prefix_k.to(dtype), prefix_v.to(dtype)),
+                    PrefillBatch(*on(torch.tensor([slot(0, p) for p in range(cached[0])]),
+                                     torch.tensor([0, cached[0]], dtype=torch.int32)),
+                                 [0, cached[0]], cached[0]))
+    bounds, bounds_k = [0, new[0], sum(new)], [0, lengths[0], sum(lengths)]
+    slots = torch.tensor([slot(r, p) for r in range(2) for p in range(cached[r], lengths[r])])
+    batch = CachedPrefillBatch(
+        *on(slots, torch.tensor(bounds, dtype=torch.int32)), bounds, max(new),
+        *on(torch.tensor(tables, dtype=torch.int32), torch.tensor(bounds_k, dtype=torch.int32)),
+        bounds_k, max(lengths))
+    out = cache.attention(0, *on(q.to(dtype), k.to(dtype), v.to(dtype)), batch)
+    k_scale, v_scale = (cache.scales[0, i].cpu() for i in range(2))
+    stored = lambda x, scale: dequantize(quantize(x.to(dtype).cpu(), scale), scale, torch.float64)
+    fresh = lambda x: x.to(dtype).double()  # as the model computed them, in its dtype
+    keys = [torch.cat([stored(prefix_k, k_scale), fresh(k[:new[0]])]), fresh(k[new[0]:])]
+    values = [torch.cat([stored(prefix_v, v_scale), fresh(v[:new[0]])]), fresh(v[new[0]:])]
+    expected = torch.stack([attend64(fresh(q[bounds[r] + i]), keys[r][:cached[r] + i + 1],
+                                     values[r][:cached[r] + i + 1])
+                            for r in range(2) for i in range(new[r])])
+    return out.cpu().double(), expected
+
+
+def test_a_prompt_after_a_cached_prefix_attends_as_dequantize_then_attend_with_its_own_fresh_kv():
+    out, expected = outputs_after_a_cached_prefix(TorchAttentionAfterPrefix(), "cpu", torch.float32,
+                                                  block_size=16)
+    assert (out - expected).abs().max() < 1e-4
+
+
+def test_a_cached_system_prompt_is_read_from_float8_blocks_and_the_first_prompt_computes_it(tmp_path):
+    # The first prompt computes the system prompt, the others find its blocks: the first's
+    # tokens are the run's without the prefix cache, where every prompt computes it.
+    runs, printed = {}, {}
+    for flags in [[], ["--no-prefix-cache"]]:
+        out = run_script("llama3_paged.py", 4, *TINY, "--dtype", "fp32", "--kv-cache-dtype", "fp8",
+                         "--system-prompt-file", ROOT / "system_prompt.txt", "--max-new-tokens", 8,
+                         *flags, "--json", tmp_path / "run.json")
+        assert out.returncode == 0, out.stderr
+        runs[bool(flags)] = json.loads((tmp_path / "run.json").read_text())
+        printed[bool(flags)] = out.stdout
+    assert runs[False]["sharing"]["system_prompt_hit_percent"] == pytest.approx(75.0)  # 3 of 4
+    assert "Cascade attention: off (the FP8 cache" in printed[False]  # it reads 16-bit blocks
+    tokens = {k: [r["output_tokens"] for r in run["requests"]] for k, run in runs.items()}
+    assert tokens[False][0] == tokens[True][0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--continuous", "--max-batched-tokens", "64"], "each mixed step would copy"),
+    (["--system-prompt", "Be brief.", "--cascade", "on"], "16-bit blocks"),
+])
+def test_what_the_fp8_cache_does_not_serve_yet_is_refused_in_one_paragraph(flags, message):
+    out = run_script("llama3_paged.py", 2, *TINY, "--kv-cache-dtype", "fp8", *flags)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

@@ -237,6 +237,15 @@ def test_an_fp8_cache_gives_the_same_tokens_through_the_reference_and_the_triton
     assert kernel.output_tokens == reference.output_tokens
 
 
+@pytest.mark.parametrize("attention", ["flash", pytest.param("triton", marks=needs_triton)])
+def test_an_fp8_prefill_after_a_cached_prefix_matches_float64_dequantize_then_attend(attention):
+    # flash-attn's varlen kernel (and the Triton path's SDPA) over the bf16 copy of the blocks
+    from test_fp8 import outputs_after_a_cached_prefix
+    backend = FlashAttentionAfterPrefix() if attention == "flash" else TritonAttention()
+    out, expected = outputs_after_a_cached_prefix(backend, "cuda", torch.bfloat16, block_size=256)
+    assert relative_error(out, expected) < 2e-2
+
+
 @needs_triton
 def test_an_fp8_cache_gives_the_eager_tokens_through_compiled_layers_in_float32():
     # The layers compile around the FP8 cache's attention (quantizing writes, float8 decode) as

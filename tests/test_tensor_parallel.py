@@ -42,7 +42,9 @@ SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in 
     pytest.param("llama3_paged.py", ["--continuous", "--system-prompt", "You answer in one short "
                  "sentence, and you never give advice."], marks=SLOW),  # the prefix cache
     pytest.param("llama3_naive.py", [], marks=SLOW),
-    ("llama3_paged.py", ["--kv-cache-dtype", "fp8"]),  # each process scales by the largest of all
+    ("llama3_paged.py", ["--kv-cache-dtype", "fp8", "--system-prompt", "You answer in one short "
+                         "sentence."]),  # each process scales by the largest of all; prompts
+    # after the first read the system prompt from float8 blocks
 ], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive", "fp8"])
 def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(script, flags,
                                                                               tmp_path):
