@@ -306,8 +306,11 @@ def build_app(engine, model_name: str, api_key: str | None):
 def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve.py", description=first_paragraph(__doc__),
                                 formatter_class=HelpFormatter,
-                                epilog="Any other flag is the scripts' (llama3_paged.py --help): "
-                                       "--model, --random-weights, --block-size, --device, ...")
+                                epilog="Any other flag is the scripts' (llama3_paged.py --help) "
+                                       "that build the engine: --model, --random-weights, "
+                                       "--block-size, --device, ... Those that choose what a run "
+                                       "asks (--temperature, --samples, --system-prompt, ...) "
+                                       "are each request's here, and refused.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 requests")

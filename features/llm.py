@@ -206,19 +206,40 @@ class QueueFull(Exception):
     """Every row is taken: serve.py answers 503 with Retry-After."""
 
 
+PER_REQUEST = {  # the scripts' flags that choose what a run asks, not the engine: each request's
+    # (--seed stays: it draws --random-weights, and a request's seed its samples)
+    "temperature": "its temperature", "top_p": "its top_p",
+    "samples": "its n", "max_new_tokens": "its max_tokens",
+    "system_prompt": "a system message of its own", "system_prompt_file": "a system message of its own",
+    "request_rate": "when its client sends it", "beam_width": None, "find_max_batch": None,
+    "show_all": None, "json": None,  # a script's search, report and answers: no request's
+}
+
+
 def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argparse.Namespace:
     """The scripts' flags for a served engine: `argv` as on their command line, and `options`
-    by their names with underscores (model="tiny", random_weights=True, block_size=16, ...)."""
+    by their names with underscores (model="tiny", random_weights=True, block_size=16, ...).
+    Those that build the engine only: a flag that chooses what a run asks (PER_REQUEST) is
+    refused in one paragraph, not taken and silently ignored."""
     if cache not in SCRIPTS:
         raise UserError(f"cache {cache!r}: choose one of {', '.join(SCRIPTS)}.")
-    argv = ["1", "--continuous", *argv]
+    prefix = ["1", "--continuous"]
+    argv = [*prefix, *argv]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, str(value)]
-    args = parse_script_arguments(cache, argv)
+    args, defaults = parse_script_arguments(cache, argv), parse_script_arguments(cache, prefix)
+    asked = [name for name in PER_REQUEST if getattr(args, name) != getattr(defaults, name)]
+    if asked:
+        flags = ", ".join("--" + name.replace("_", "-") for name in asked)
+        instead = "; ".join(f"--{n.replace('_', '-')}: {PER_REQUEST[n]}" for n in asked if PER_REQUEST[n])
+        raise UserError(f"{flags}: a served engine (serve.py, features/llm.py's LLM) takes the "
+                        f"flags that build it (model, cache, pool, kernels), and each request "
+                        f"chooses the rest for itself" + (f" ({instead})" if instead else "")
+                        + ". Drop " + ("it." if len(asked) == 1 else "them."))
     args.num_requests = 0  # requests come through add_request, none from the prompts file
     return args
 

@@ -403,3 +403,23 @@ def test_one_sampling_params_per_prompt_gives_each_prompt_its_own_answer(offline
     assert [len(o[0][0]) for o in alone[:2]] == [4, 9] and len(alone[1]) == 2
     with pytest.raises(ValueError, match="one for all, or one each"):
         offline.generate(PROMPTS[:3], each[:2])
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"temperature": 0.7}, "(--temperature: its temperature)"),
+    ({"system_prompt": "Be brief.", "samples": 2}, "--samples: its n"),
+    ({"find_max_batch": True}, "--find-max-batch: a served engine"),
+])
+def test_a_flag_that_chooses_what_a_request_asks_is_refused_not_ignored(options, says):
+    from plumbing.cli import UserError
+    with pytest.raises(UserError) as refused:
+        LLM(model="tiny", random_weights=True, device="cpu", **options)
+    assert says in str(refused.value) and "Drop" in str(refused.value)
+
+
+def test_serve_refuses_a_scripts_sampling_flag_in_one_paragraph_before_loading():
+    done = subprocess.run([sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port",
+                           str(free_port()), "--temperature", "0.8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--temperature: a served engine" in done.stderr and "Traceback" not in done.stderr
