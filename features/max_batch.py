@@ -5,6 +5,12 @@ everything it allocated before the next attempt. Batch n + 1 holds batch n's req
 more, so if n does not fit, nothing larger does: bisection finds the boundary in about log2(N)
 runs. The naive script's limit comes from max_seq_len alone; the paged one's from how long the
 requests really grow, which only a real run shows.
+
+Unless the lengths are known before the run: with random weights each request grows to its
+ShareGPT reply's length. Then replaying the block manager over the prompts' lengths (no model)
+says which batch the pool just fits (`fullest_blocks`), and the next attempt is that batch, then
+the one past it: three runs in all, where the replay is right. Where it is wrong the search goes
+on by bisection; every answer is still a real run's.
 """
 
 import argparse
@@ -12,9 +18,11 @@ import dataclasses
 import gc
 import time
 
+import numpy as np
 import torch
 
 from block_manager import OutOfBlocks
+from plumbing import inputs
 from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes
 from features.report import memory_report
 from plumbing.cli import write_json
@@ -26,6 +34,7 @@ class Attempt:
     outcome: str  # "completes", "out of KV blocks" (or pages) or "out of memory"
     seconds: float
     kv_pool_blocks: int | None = None  # the paged pool is sized anew each attempt
+    block_size: int | None = None
     fragmented_bytes: int | None = None  # of a run that completes
     fragmented_percent_of_device: float | None = None
     output_tokens_per_second: float | None = None
@@ -50,11 +59,12 @@ def attempt(run, num_requests: int, allocate_kv_cache, generate) -> Attempt:
     try:
         generation, memory = run_batch(batch, allocate_kv_cache, generate)
         result = Attempt(num_requests, "completes", 0.0, memory["kv_pool_blocks"],
-                         memory["fragmented_bytes"], memory["fragmented_percent_of_device"],
-                         generation.num_generated_tokens
+                         memory["block_size_tokens"], memory["fragmented_bytes"],
+                         memory["fragmented_percent_of_device"], generation.num_generated_tokens
                          / (generation.prefill_seconds + generation.decode_seconds))
     except OutOfBlocks as e:
-        result = Attempt(num_requests, f"out of KV {e.unit}", 0.0, kv_pool_blocks=e.total)
+        result = Attempt(num_requests, f"out of KV {e.unit}", 0.0, kv_pool_blocks=e.total,
+                         block_size=e.block_size)
     except torch.OutOfMemoryError:
         result = Attempt(num_requests, "out of memory", 0.0)
     except UserError as e:
@@ -77,14 +87,18 @@ def attempt(run, num_requests: int, allocate_kv_cache, generate) -> Attempt:
 def find_max_batch(run, allocate_kv_cache, generate) -> None:
     """Print (and write to --json) the largest n <= N, the command line's, whose run completes;
     0 if not even one request fits. `allocate_kv_cache` is the script's."""
-    upper = run.args.num_requests
-    print(f"Bisecting for the largest batch of at most {upper:,} requests that completes:")
+    upper, replayable = run.args.num_requests, lengths_known(run)
+    search = "Replaying and bisecting" if replayable else "Bisecting"
+    print(f"{search} for the largest batch of at most {upper:,} requests that completes:")
     attempts = [attempt(run, upper, allocate_kv_cache, generate)]
     fits, fails = (upper, upper + 1) if attempts[-1].outcome == "completes" else (0, upper)
     while fails - fits > 1:  # invariant: `fits` completes (0 trivially), `fails` does not
-        middle = (fits + fails) // 2
-        attempts.append(attempt(run, middle, allocate_kv_cache, generate))
-        fits, fails = (middle, fails) if attempts[-1].outcome == "completes" else (fits, middle)
+        last = attempts[-1]
+        predicted = (fits_in_pool(run, last.kv_pool_blocks, last.block_size)
+                     if replayable and last.kv_pool_blocks else None)
+        n = next_attempt(fits, fails, predicted)
+        attempts.append(attempt(run, n, allocate_kv_cache, generate))
+        fits, fails = (n, fails) if attempts[-1].outcome == "completes" else (fits, n)
     runs = f"{len(attempts)} run{'s' if len(attempts) > 1 else ''}"
     print(f"Largest batch that completes: {fits:,} requests "
           f"({runs}, {sum(a.seconds for a in attempts):.0f} s)")
@@ -96,3 +110,34 @@ def find_max_batch(run, allocate_kv_cache, generate) -> None:
                         f"Give the KV cache more memory (--kv-budget-gb, or "
                         f"--gpu-memory-utilization on a GPU), or ask for less: a smaller "
                         f"--max-seq-len (naive), --block-size or --model.", OUT_OF_MEMORY)
+
+
+def next_attempt(fits: int, fails: int, predicted: int | None) -> int:
+    """The replay's boundary if it lies between what completed and what did not, else the batch
+    just past it (which should not complete), else bisection's middle."""
+    for n in ([predicted, predicted + 1] if predicted is not None else []):
+        if fits < n < fails:
+            return n
+    return (fits + fails) // 2
+
+
+def lengths_known(run) -> bool:
+    """Whether a replay can say what a batch needs: the paged script's static batch, random
+    weights (each request grows to its reply's length, inputs.new_token_budgets), and each prompt
+    its own blocks (no samples, beams or prefix cache sharing them)."""
+    return (run.args.script == "llama3_paged.py" and run.args.random_weights
+            and run.num_sequences == len(run.prompts) and run.system_prompt is None)
+
+
+def fits_in_pool(run, pool_blocks: int, block_size: int) -> int:
+    """The largest n whose first n requests, admitted at once, never hold more than pool_blocks
+    blocks of block_size: the lesson's static batch replayed without a model. A request of p
+    prompt tokens and a budget of b new tokens holds ceil((p + k) / block_size) blocks at step k,
+    for k = 0 (admitted, its prompt cached) to b - 1 (the step that makes its last token)."""
+    budgets = inputs.new_token_budgets(run)
+    demand = np.zeros(max(budgets), dtype=np.int64)  # [steps]: blocks held at each step
+    for n, (prompt, budget) in enumerate(zip(run.prompts, budgets)):
+        demand[:budget] += -(-(len(prompt.prompt_tokens) + np.arange(budget)) // block_size)
+        if demand.max() > pool_blocks:
+            return n
+    return len(run.prompts)

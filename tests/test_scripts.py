@@ -115,6 +115,9 @@ def test_find_max_batch_returns_the_batch_the_pool_fits_exactly(tmp_path):
     outcomes = {a["num_requests"]: a["outcome"] for a in record["attempts"]}
     assert outcomes[k] == "completes" and outcomes[k + 1] == "out of KV blocks"
     assert f"Largest batch that completes: {k} requests" in out.stdout
+    # Random weights: the replay of the first attempt's pool named the boundary, so the search
+    # ran 9 (out of blocks), then k and k + 1, where bisection would have run 9, 4, 6 and 5.
+    assert [a["num_requests"] for a in record["attempts"]] == [9, k, k + 1]
 
 
 # slow: 14 s of script runs; tests/test_scheduler.py checks the same tokens in-process
@@ -169,3 +172,15 @@ def test_samples_and_a_system_prompt_share_blocks_and_say_how_much(tmp_path):
     assert s["saved_bytes_at_fullest_step"] > 0 == u["saved_bytes_at_fullest_step"]
     assert shared["memory"]["at_fullest_step"]["reserved_bytes"] == s["at_fullest_step_reserved_bytes"]
     assert u["at_fullest_step_unshared_bytes"] == u["at_fullest_step_reserved_bytes"]
+
+
+@pytest.mark.parametrize("fits, fails, predicted, expected", [
+    (0, 9, 5, 5),  # the replay's boundary: it should complete
+    (5, 9, 5, 6),  # it did: the batch past it, which should not
+    (0, 5, 5, 2),  # the replay was wrong (5 did not complete): bisection from here
+    (6, 9, 5, 7),  # wrong the other way (6 completed)
+    (0, 9, None, 4),  # lengths unknown (real weights): bisection
+])
+def test_the_search_tries_the_replays_boundary_while_it_is_in_doubt(fits, fails, predicted, expected):
+    from features.max_batch import next_attempt
+    assert next_attempt(fits, fails, predicted) == expected
