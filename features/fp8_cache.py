@@ -18,9 +18,9 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   scales into the scores and the output; the PyTorch reference dequantizes the blocks it gathers.
 - A prompt after a cached prefix (a system prompt's blocks, features/prefix_cache.py) reads the
   prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
-  those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the bf16 cache
-  would (`attend_after_prefix`). A mixed step (--max-batched-tokens) would copy every running
-  request's blocks so, every step: refused.
+  those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the
+  bf16 cache would (`attend_after_prefix`). A mixed step (--max-batched-tokens) would copy every
+  running request's blocks so, every step: refused.
 """
 
 import dataclasses
@@ -125,7 +125,8 @@ class FP8KVCache(KVCacheWithSpareSlot):
             prompts = np.repeat(np.arange(len(new)), new)
             device = batch.slot_mapping.device
             table = torch.arange(len(new) * width, dtype=torch.int32, device=device)
+            slots = prompts * width * self.block_size + positions  # [T], in the copy
             self._copy_of, self._copy = batch, (width, dataclasses.replace(
-                batch, slot_mapping=to_device(prompts * width * self.block_size + positions, device),
+                batch, slot_mapping=to_device(slots, device),
                 block_table=table.view(len(new), width)))
         return self._copy

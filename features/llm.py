@@ -210,7 +210,8 @@ PER_REQUEST = {  # the scripts' flags that choose what a run asks, not the engin
     # (--seed stays: it draws --random-weights, and a request's seed its samples)
     "temperature": "its temperature", "top_p": "its top_p",
     "samples": "its n", "max_new_tokens": "its max_tokens",
-    "system_prompt": "a system message of its own", "system_prompt_file": "a system message of its own",
+    "system_prompt": "a system message of its own",
+    "system_prompt_file": "a system message of its own",
     "request_rate": "when its client sends it", "beam_width": None, "find_max_batch": None,
     "show_all": None, "json": None,  # a script's search, report and answers: no request's
 }
@@ -232,10 +233,11 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
         elif value not in (None, False):
             argv += [flag, str(value)]
     args, defaults = parse_script_arguments(cache, argv), parse_script_arguments(cache, prefix)
-    asked = [name for name in PER_REQUEST if getattr(args, name) != getattr(defaults, name)]
+    asked = {"--" + name.replace("_", "-"): instead for name, instead in PER_REQUEST.items()
+             if getattr(args, name) != getattr(defaults, name)}  # flag -> what replaces it
     if asked:
-        flags = ", ".join("--" + name.replace("_", "-") for name in asked)
-        instead = "; ".join(f"--{n.replace('_', '-')}: {PER_REQUEST[n]}" for n in asked if PER_REQUEST[n])
+        flags = ", ".join(asked)
+        instead = "; ".join(f"{flag}: {what}" for flag, what in asked.items() if what)
         raise UserError(f"{flags}: a served engine (serve.py, features/llm.py's LLM) takes the "
                         f"flags that build it (model, cache, pool, kernels), and each request "
                         f"chooses the rest for itself" + (f" ({instead})" if instead else "")

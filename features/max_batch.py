@@ -8,7 +8,7 @@ requests really grow, which only a real run shows.
 
 Unless the lengths are known before the run: with random weights each request grows to its
 ShareGPT reply's length. Then replaying the block manager over the prompts' lengths (no model)
-says which batch the pool just fits (`fullest_blocks`), and the next attempt is that batch, then
+says which batch the pool just fits (`fits_in_pool`), and the next attempt is that batch, then
 the one past it: three runs in all, where the replay is right. Where it is wrong the search goes
 on by bisection; every answer is still a real run's.
 """
