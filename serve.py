@@ -26,7 +26,8 @@ import secrets
 import sys
 import time
 
-from plumbing.cli import HelpFormatter, UserError, first_paragraph, format_bytes, one_paragraph_errors, positive_int
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph, format_bytes,
+                          one_paragraph_errors, positive_int, require_packages)
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
@@ -327,6 +328,7 @@ def main(argv=None) -> None:
         args, engine_argv = argument_parser().parse_known_args(argv)
         if not 0 < args.port < 65536:
             raise UserError(f"--port {args.port}: expected 1 to 65535.")
+        require_packages(["fastapi", "uvicorn"], "the HTTP server")
         from features.engine_process import EngineClient
         engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
         name, info = args.served_model_name or engine.info["model"], engine.info

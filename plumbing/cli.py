@@ -9,6 +9,7 @@ it, by plumbing/interrupt.py.
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -34,6 +35,15 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = USAGE):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def require_packages(packages: list[str], why: str) -> None:
+    """A UserError naming the packages this Python lacks, asked before anything slow starts
+    (serve.py would load the model for minutes, then fail on a missing HTTP server)."""
+    missing = " ".join(name for name in packages if importlib.util.find_spec(name) is None)
+    if missing:
+        raise UserError(f"This Python lacks {missing}, needed for {why}: pip install {missing} "
+                        f"(the project's requirements files name them).")
 
 
 def host_available_bytes() -> int:

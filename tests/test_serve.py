@@ -423,3 +423,17 @@ def test_serve_refuses_a_scripts_sampling_flag_in_one_paragraph_before_loading()
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--temperature: a served engine" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("script, flags, package", [
+    ("serve.py", [*ENGINE, "--port", "1"], "uvicorn"),
+    ("tools/serve_bench.py", ["--base-url", "http://127.0.0.1:1/v1"], "openai"),
+])
+def test_a_missing_package_is_named_in_one_paragraph_before_anything_starts(script, flags, package):
+    hide = f"import sys, runpy; sys.modules[{package!r}] = None; sys.argv = sys.argv[1:]; " \
+           f"runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", hide, str(ROOT / script), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"lacks {package}" in done.stderr and f"pip install {package}" in done.stderr
+    assert "Traceback" not in done.stderr and "KV pool" not in done.stdout  # nothing loaded

@@ -36,8 +36,8 @@ from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("serve_bench.py")  # before the openai package loads
 
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph,
-                          one_paragraph_errors, positive_int, request_rate, seed, write_json,
-                          writable_file)
+                          one_paragraph_errors, positive_int, request_rate, require_packages,
+                          seed, write_json, writable_file)
 
 BUSY_CLIENT = 0.8  # of a core: past it a client process falls behind its own streams
 
@@ -205,6 +205,7 @@ def print_report(r: dict) -> None:
 def main(argv=None) -> None:
     with one_paragraph_errors("serve_bench.py"):
         a = parse_arguments(argv)
+        require_packages(["openai"], "the client it measures with")
         prompts, budgets, arrivals = workload(a)
         before = server_latency_sums(a.base_url)
         results, wall, client_cpu = send_load(a, prompts, budgets, arrivals)
