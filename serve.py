@@ -21,8 +21,10 @@ if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import secrets
+import socket
 import sys
 import time
 
@@ -323,12 +325,34 @@ def argument_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's address, taken before the engine loads (minutes for 8B): another server on
+    the port ends this one at once, in one paragraph. It listens once uvicorn runs, so a client
+    that tries while the engine loads is refused, as it would be with no server there."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
+        sock.bind(address)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: {e.strerror}. Give an address (127.0.0.1, 0.0.0.0) or a "
+                        f"name this machine resolves.") from e
+    except OSError as e:
+        what_to_do = {errno.EADDRINUSE: "another program holds it: choose another --port, or stop it",
+                      errno.EACCES: "ports under 1024 need root: choose a higher --port"}
+        raise UserError(f"Cannot serve on {host}:{port}: {e.strerror or e}; "
+                        f"{what_to_do.get(e.errno, 'choose another --host or --port')}.") from e
+    return sock
+
+
 def main(argv=None) -> None:
     with one_paragraph_errors("serve.py"):
         args, engine_argv = argument_parser().parse_known_args(argv)
         if not 0 < args.port < 65536:
             raise UserError(f"--port {args.port}: expected 1 to 65535.")
         require_packages(["fastapi", "uvicorn"], "the HTTP server")
+        address = bound_socket(args.host, args.port)  # a port in use is said now, not after loading
         from features.engine_process import EngineClient
         engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
         name, info = args.served_model_name or engine.info["model"], engine.info
@@ -336,8 +360,9 @@ def main(argv=None) -> None:
               f"{format_bytes(info['pool_bytes'])} ({args.cache}); up to {args.max_num_seqs:,} "
               f"sequences. Serving '{name}' on http://{args.host}:{args.port}", flush=True)
         import uvicorn
-        uvicorn.run(build_app(engine, name, args.api_key), host=args.host, port=args.port,
-                    log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(build_app(engine, name, args.api_key),
+                                               log_level="warning"))
+        server.run(sockets=[address])
 
 
 if __name__ == "__main__":

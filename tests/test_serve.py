@@ -437,3 +437,15 @@ def test_a_missing_package_is_named_in_one_paragraph_before_anything_starts(scri
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"lacks {package}" in done.stderr and f"pip install {package}" in done.stderr
     assert "Traceback" not in done.stderr and "KV pool" not in done.stdout  # nothing loaded
+
+
+def test_a_port_in_use_is_said_in_one_paragraph_before_the_engine_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run([sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port",
+                               str(taken.getsockname()[1])], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "another program holds it" in done.stderr and "Traceback" not in done.stderr
+    assert "KV pool" not in done.stdout  # said before the engine loaded
