@@ -564,12 +564,14 @@ def read_records(path: Path) -> list:
 
 
 def load_prompts(n: int, tokenizer, system_prompt: str | None = None,
-                  path: Path | None = None) -> list[Prompt]:
-    """The first n prompts, each after `system_prompt` if one is given."""
+                  path: Path | None = None, asked_by: str = "N") -> list[Prompt]:
+    """The first n prompts, each after `system_prompt` if one is given. asked_by: the argument
+    that gave n, for the message when there are not that many."""
     path = path or PROMPTS_FILE
     records = read_records(path)
     if not 1 <= n <= len(records):
-        raise UserError(f"N must be between 1 and {len(records)}, the prompts in {path.name}; got {n}.")
+        raise UserError(f"{asked_by} must be between 1 and {len(records):,}, the prompts in "
+                        f"{path.name}; got {n:,}.")
     requests = []
     for i, record in enumerate(records[:n]):
         try:  # the first human turn and the first reply

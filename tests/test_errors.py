@@ -24,7 +24,7 @@ from conftest import ROOT, hf_to_meta, tiny_hf_model
 import plumbing.cli
 import plumbing.inputs
 from tools import (bench, build_prompts, decode_kernel_cost, graph_cost, latency_sweep,
-                   plot_memory, power_cap, preemption_cost)
+                   plot_memory, power_cap, preemption_cost, serve_bench)
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
@@ -356,6 +356,7 @@ def test_the_plot_writes_the_format_its_suffix_names(one_run, tmp_path, capsys):
     (latency_sweep.main, ["run", "--device", "banana", "--json", "{tmp}/s.json"],
      "latency_sweep.py run: error: argument --device: 'banana' is not a device"),
     (preemption_cost.main, ["--device", "meta"], "preemption_cost.py: error: argument --device"),
+    (serve_bench.main, ["--num-prompts", "5000"], "--num-prompts must be between 1 and 4,000"),
 ])
 def test_the_tools_exit_2_in_one_paragraph(main, argv, fragment, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

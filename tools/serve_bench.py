@@ -65,7 +65,7 @@ def workload(a) -> tuple[list[list[int]], list[int], list[float]]:
     """Prompts as token ids, tokens to ask for, arrival times: latency_sweep.py's requests."""
     from features.arrivals import poisson_arrival_times
     from plumbing.inputs import load_prompts, load_tokenizer
-    prompts = load_prompts(a.num_prompts, load_tokenizer())
+    prompts = load_prompts(a.num_prompts, load_tokenizer(), asked_by="--num-prompts")
     budgets = [min(max(p.num_reply_tokens, 1), a.max_tokens) for p in prompts]
     arrivals = ([0.0] * len(prompts) if math.isinf(a.request_rate)
                 else poisson_arrival_times(len(prompts), a.request_rate, a.seed).tolist())
