@@ -339,7 +339,8 @@ def bound_socket(host: str, port: int) -> socket.socket:
         raise UserError(f"--host {host}: {e.strerror}. Give an address (127.0.0.1, 0.0.0.0) or a "
                         f"name this machine resolves.") from e
     except OSError as e:
-        what_to_do = {errno.EADDRINUSE: "another program holds it: choose another --port, or stop it",
+        what_to_do = {errno.EADDRINUSE: "another program holds it: choose another --port, or "
+                                        "stop it",
                       errno.EACCES: "ports under 1024 need root: choose a higher --port"}
         raise UserError(f"Cannot serve on {host}:{port}: {e.strerror or e}; "
                         f"{what_to_do.get(e.errno, 'choose another --host or --port')}.") from e
