@@ -564,6 +564,26 @@ def test_nccl_collectives_captured_in_cuda_graphs_give_the_one_process_tokens(tm
     assert "Captured" in stdout and "(nccl, each on a GPU of its own)" in stdout
 
 
+def test_launching_a_prefill_never_waits_for_the_gpu():
+    """With overlapped steps a new request's prefill is launched while the decode step before it
+    runs. Anything in the launch that waited for the GPU (a copy from pageable memory, .item(),
+    .tolist() of a device tensor) would put that step's rest on the request's time to first
+    token (docs/serving-under-load.md: launching a short prefill took the host 14-21 ms on an
+    H100). CUDA's sync debug mode raises at any such wait."""
+    from features.llm import LLMEngine, SamplingParams
+    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    engine.step()  # its prefill recorded, its first decode step in flight
+    engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+    step = engine.scheduler.schedule()
+    assert step.kind == "prefill" and engine.engine.in_flight is not None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.engine.launch(step, engine.scheduler)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_adding_a_request_never_waits_for_the_gpu():
     """A request's sampling parameters and last token go to the device as queued copies: with
     overlapped steps one is added while a step runs, and a synchronous copy would wait for it
