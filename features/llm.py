@@ -31,6 +31,7 @@ from collections import deque
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import llama3_naive
 import llama3_paged
@@ -104,11 +105,11 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput | None]  # a sample's, once it has ended
 
     @property
     def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
+        return all(o is not None and o.finish_reason is not None for o in self.outputs)
 
 
 class RowSampler:
@@ -423,22 +424,24 @@ class LLM:
         self.engine = LLMEngine(cache, model=model, **options)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a text, token ids, or a list of either; sampling_params: one SamplingParams
-        for all, or a list with one per prompt (as vLLM takes them). Returns one RequestOutput
-        each, in order."""
+        for all, or a list with one per prompt (as vLLM takes them); use_tqdm: a bar of prompts
+        done, with the time left (vLLM's). Returns one RequestOutput each, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
                        for p in prompts]
-        return self._run(token_lists, sampling_params)
+        return self._run(token_lists, sampling_params, use_tqdm)
 
-    def chat(self, conversations, sampling_params=None) -> list[RequestOutput]:
+    def chat(self, conversations, sampling_params=None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """conversations: lists of {"role", "content"} messages, formatted by the model's chat
-        template (Llama 3's, or SmolLM2's ChatML); sampling_params as generate's."""
-        return self._run([self.tokenizer.chat(c) for c in conversations], sampling_params)
+        template (Llama 3's, or SmolLM2's ChatML); sampling_params and use_tqdm as generate's."""
+        return self._run([self.tokenizer.chat(c) for c in conversations], sampling_params, use_tqdm)
 
-    def _run(self, token_lists, sampling_params) -> list[RequestOutput]:
+    def _run(self, token_lists, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params or SamplingParams()] * len(token_lists))
         if len(params) != len(token_lists):
@@ -446,18 +449,28 @@ class LLM:
                              f"one for all, or one each")
         outputs = {}
         pending = deque(enumerate(token_lists))
-        while pending or self.engine.has_unfinished():
-            while pending:  # as many as there are free rows; the rest join as rows come back
-                i, tokens = pending[0]
-                try:
-                    request_id = self.engine.add_request(tokens, params[i], f"offline-{i}")
-                except QueueFull:
-                    break
-                pending.popleft()
-                outputs[request_id] = RequestOutput(request_id, tokens, [None] * params[i].n)
-            for sequence in self.engine.step():
-                if sequence.finish_reason is not None:
-                    outputs[sequence.request_id].outputs[sequence.index] = CompletionOutput(
+        generated_before, start = self.engine.num_generated_tokens, time.perf_counter()
+        with tqdm(total=len(token_lists), desc="Processed prompts", unit="prompt",
+                  disable=not use_tqdm) as bar:
+            while pending or self.engine.has_unfinished():
+                while pending:  # as many as there are free rows; the rest join as rows come back
+                    i, tokens = pending[0]
+                    try:
+                        request_id = self.engine.add_request(tokens, params[i], f"offline-{i}")
+                    except QueueFull:
+                        break
+                    pending.popleft()
+                    outputs[request_id] = RequestOutput(request_id, tokens, [None] * params[i].n)
+                for sequence in self.engine.step():
+                    if sequence.finish_reason is None:
+                        continue
+                    output = outputs[sequence.request_id]
+                    output.outputs[sequence.index] = CompletionOutput(
                         sequence.index, sequence.text, list(sequence.request.output_tokens),
                         sequence.finish_reason)
+                    if output.finished:
+                        generated = self.engine.num_generated_tokens - generated_before
+                        rate = generated / (time.perf_counter() - start)
+                        bar.set_postfix_str(f"output {rate:,.0f} tokens/s", refresh=False)
+                        bar.update()
         return list(outputs.values())

@@ -449,3 +449,12 @@ def test_a_port_in_use_is_said_in_one_paragraph_before_the_engine_loads():
     assert done.returncode == 2, done.stdout + done.stderr
     assert "another program holds it" in done.stderr and "Traceback" not in done.stderr
     assert "KV pool" not in done.stdout  # said before the engine loaded
+
+
+def test_generate_shows_a_bar_of_prompts_done_unless_told_not_to(offline, capsys):
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    with_bar = offline.generate(PROMPTS[:3], greedy)
+    assert "Processed prompts" in capsys.readouterr().err  # vLLM's words, its total: 3
+    without = offline.generate(PROMPTS[:3], greedy, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    assert [o.outputs[0].token_ids for o in with_bar] == [o.outputs[0].token_ids for o in without]
