@@ -62,7 +62,10 @@ METRICS_HELP = {
 
 
 def prometheus_text(metrics: dict, model: str) -> str:
-    lines, label = [], f'model_name="{model}"'
+    # A label's value escapes \\, " and newlines (Prometheus' text format): a model's name must
+    # not end the label, or the line, and begin a sample of its own
+    escaped = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    lines, label = [], f'model_name="{escaped}"'
     for name, value in metrics.items():
         kind, help_text = METRICS_HELP[name]
         lines += [f"# HELP llama3:{name} {help_text}", f"# TYPE llama3:{name} {kind}"]

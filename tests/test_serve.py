@@ -458,3 +458,10 @@ def test_generate_shows_a_bar_of_prompts_done_unless_told_not_to(offline, capsys
     without = offline.generate(PROMPTS[:3], greedy, use_tqdm=False)
     assert "Processed prompts" not in capsys.readouterr().err
     assert [o.outputs[0].token_ids for o in with_bar] == [o.outputs[0].token_ids for o in without]
+
+
+def test_a_model_name_cannot_break_the_metrics_text():
+    import serve
+    text = serve.prometheus_text({"num_requests_running": 2}, 'a"b\\c\nllama3:fake 1')
+    samples = [line for line in text.splitlines() if not line.startswith("#")]
+    assert samples == ['llama3:num_requests_running{model_name="a\\"b\\\\c\\nllama3:fake 1"} 2']
