@@ -111,3 +111,24 @@ def test_bad_arguments_exit_2(tmp_path, flags):
     with pytest.raises(SystemExit) as e:
         latency_sweep.parse_arguments(["run", "--json", str(tmp_path / "x.json"), *flags])
     assert e.value.code == 2
+
+
+def test_the_virtual_curve_without_flash_attn_on_a_gpu_is_refused_in_one_paragraph(monkeypatch):
+    """On a GPU the check read `attn` from the loaded run, which has none: an AttributeError
+    instead of the paragraph (on the CPU the device alone refused it first)."""
+    import dataclasses
+    import torch
+    from plumbing.cli import UserError
+    a = latency_sweep.parse_arguments(["run", "--curves", "virtual", "--model", "tiny",
+                                       "--device", "cpu", "--json", "/dev/null"])
+    loaded = latency_sweep.load(latency_sweep.curve_arguments("paged", 20, a))
+    base = dataclasses.replace(loaded, device=torch.device("cuda"))
+    parse = latency_sweep.curve_arguments
+    def on_a_gpu(*args):  # what the parser gives on a CUDA machine
+        parsed = parse(*args)
+        parsed.device = torch.device("cuda")
+        return parsed
+    monkeypatch.setattr(latency_sweep, "curve_arguments", on_a_gpu)
+    monkeypatch.setattr(latency_sweep.llama3_virtual.features, "importable", lambda name: False)
+    with pytest.raises(UserError, match="needs --device cuda and flash-attn"):
+        latency_sweep.run_curve(base, "virtual", a, None, None)

@@ -211,7 +211,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
     args = curve_arguments(name, base.args.num_requests, a)
     setup = dataclasses.replace(base, args=args, attention=choose_attention(args.attn, base.device))
     if script == "virtual":
-        llama3_virtual.require_cuda_and_flash_attn(setup)
+        llama3_virtual.require_cuda_and_flash_attn(args)
     if name in THROUGH_THE_API:
         engine = LLMEngine(script, len(setup.prompts), run=setup)  # a row for every request
         engine.warm_up()
