@@ -259,8 +259,10 @@ class LLMEngine:
             raise UserError("The Python API and serve.py run in one process for now, not under "
                             "torchrun: run them without it.")
         if run is None:
-            run = features.load(engine_arguments(cache, {"max_running": max_num_seqs, **options},
-                                                 argv))
+            args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)
+            if cache == "virtual":  # as its script does: from the flags, before loading
+                llama3_virtual.require_cuda_and_flash_attn(args)
+            run = features.load(args)
         elif run.args.max_running is None:  # the scripts' "all at once": here, every row
             run = dataclasses.replace(run, args=argparse.Namespace(
                 **vars(run.args) | {"max_running": max_num_seqs}))
