@@ -332,16 +332,17 @@ def bound_socket(host: str, port: int) -> socket.socket:
     """The server's address, taken before the engine loads (minutes for 8B): another server on
     the port ends this one at once, in one paragraph. It listens once uvicorn runs, so a client
     that tries while the engine loads is refused, as it would be with no server there."""
+    # As uvicorn binds its own: IPv6 where the host has a colon, else IPv4 (localhost: 127.0.0.1)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
-        sock.bind(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except socket.gaierror as e:
+        sock.close()
         raise UserError(f"--host {host}: {e.strerror}. Give an address (127.0.0.1, 0.0.0.0) or a "
                         f"name this machine resolves.") from e
     except OSError as e:
+        sock.close()
         what_to_do = {errno.EADDRINUSE: "another program holds it: choose another --port, or "
                                         "stop it",
                       errno.EACCES: "ports under 1024 need root: choose a higher --port"}
@@ -360,9 +361,10 @@ def main(argv=None) -> None:
         from features.engine_process import EngineClient
         engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
         name, info = args.served_model_name or engine.info["model"], engine.info
+        url_host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in brackets
         print(f"KV pool: {info['num_blocks']:,} blocks x {info['block_size']:,} tokens = "
               f"{format_bytes(info['pool_bytes'])} ({args.cache}); up to {args.max_num_seqs:,} "
-              f"sequences. Serving '{name}' on http://{args.host}:{args.port}", flush=True)
+              f"sequences. Serving '{name}' on http://{url_host}:{args.port}", flush=True)
         import uvicorn
         server = uvicorn.Server(uvicorn.Config(build_app(engine, name, args.api_key),
                                                log_level="warning"))
