@@ -49,13 +49,21 @@ from plumbing.cli import UserError, torchrun_process
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}  # by cache
 
 
-def parse_script_arguments(cache: str, argv: list[str]):
-    """argv parsed as `python llama3_<cache>.py argv` would parse it (features included)."""
+def parse_script_arguments(cache: str, argv: list[str], raise_errors: bool = False):
+    """argv parsed as `python llama3_<cache>.py argv` would parse it (features included).
+    raise_errors: a bad flag raises UserError (the Python API's callers), rather than printing
+    the usage and exiting 2 (a command line's)."""
     name = f"llama3_{cache}.py"
     add_pool_arguments = (llama3_virtual.add_layout_arguments if cache == "virtual"
                           else features.SCRIPTS[name][1])
-    return features.argument_parser_with_features(name, SCRIPTS[cache].__doc__,
-                                                  add_pool_arguments).parse_args(argv)
+    parser = features.argument_parser_with_features(name, SCRIPTS[cache].__doc__,
+                                                    add_pool_arguments)
+    if raise_errors:
+        def error(message: str):
+            raise UserError(f"{message} (the engine's keywords are {name}'s flags, '_' for "
+                            f"'-': python {name} --help lists them)")
+        parser.error = error
+    return parser.parse_args(argv)
 
 
 def allocate_kv_cache(cache: str, run):
@@ -219,12 +227,14 @@ PER_REQUEST = {  # the scripts' flags that choose what a run asks, not the engin
 
 
 def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argparse.Namespace:
-    """The scripts' flags for a served engine: `argv` as on their command line, and `options`
-    by their names with underscores (model="tiny", random_weights=True, block_size=16, ...).
+    """The scripts' flags for a served engine: `argv` as on their command line (serve.py's: a
+    bad one exits 2 with the usage), or `options` by their names with underscores
+    (model="tiny", random_weights=True, block_size=16, ...; a bad one raises UserError).
     Those that build the engine only: a flag that chooses what a run asks (PER_REQUEST) is
     refused in one paragraph, not taken and silently ignored."""
     if cache not in SCRIPTS:
         raise UserError(f"cache {cache!r}: choose one of {', '.join(SCRIPTS)}.")
+    from_python = not argv  # keywords only: LLM(...), not serve.py's command line
     prefix = ["1", "--continuous"]
     argv = [*prefix, *argv]
     for name, value in options.items():
@@ -233,7 +243,8 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, str(value)]
-    args, defaults = parse_script_arguments(cache, argv), parse_script_arguments(cache, prefix)
+    args = parse_script_arguments(cache, argv, raise_errors=from_python)
+    defaults = parse_script_arguments(cache, prefix)
     asked = {"--" + name.replace("_", "-"): instead for name, instead in PER_REQUEST.items()
              if getattr(args, name) != getattr(defaults, name)}  # flag -> what replaces it
     if asked:

@@ -477,3 +477,13 @@ def test_the_virtual_cache_without_cuda_is_refused_in_one_paragraph_before_loadi
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "needs --device cuda and flash-attn" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"blok_size": 16}, "unrecognized arguments: --blok-size 16"),
+    ({"block_size": "big"}, "--block-size: expected a positive whole number"),
+])
+def test_a_bad_keyword_of_the_api_raises_with_the_flag_not_exits(options, says):
+    from plumbing.cli import UserError
+    with pytest.raises(UserError, match=says):  # not SystemExit: a notebook goes on
+        LLM(model="tiny", random_weights=True, device="cpu", **options)
