@@ -460,30 +460,45 @@ class LLM:
         if len(params) != len(token_lists):
             raise ValueError(f"{len(params)} SamplingParams for {len(token_lists)} prompts: give "
                              f"one for all, or one each")
-        outputs = {}
+        outputs: dict[str, RequestOutput] = {}  # by request id, in the prompts' order
         pending = deque(enumerate(token_lists))
         generated_before, start = self.engine.num_generated_tokens, time.perf_counter()
-        with tqdm(total=len(token_lists), desc="Processed prompts", unit="prompt",
-                  disable=not use_tqdm) as bar:
+        bar = tqdm(total=len(token_lists), desc="Processed prompts", unit="prompt",
+                   disable=not use_tqdm)
+        try:
             while pending or self.engine.has_unfinished():
-                while pending:  # as many as there are free rows; the rest join as rows come back
-                    i, tokens = pending[0]
-                    try:
-                        request_id = self.engine.add_request(tokens, params[i], f"offline-{i}")
-                    except QueueFull:
-                        break
-                    pending.popleft()
-                    outputs[request_id] = RequestOutput(request_id, tokens, [None] * params[i].n)
+                self._add_while_rows_are_free(pending, params, outputs)
                 for sequence in self.engine.step():
-                    if sequence.finish_reason is None:
-                        continue
-                    output = outputs[sequence.request_id]
-                    output.outputs[sequence.index] = CompletionOutput(
-                        sequence.index, sequence.text, list(sequence.request.output_tokens),
-                        sequence.finish_reason)
-                    if output.finished:
+                    if sequence.finish_reason is not None and self._keep(sequence, outputs):
                         generated = self.engine.num_generated_tokens - generated_before
                         rate = generated / (time.perf_counter() - start)
                         bar.set_postfix_str(f"output {rate:,.0f} tokens/s", refresh=False)
                         bar.update()
+        except BaseException:  # a bad prompt, Ctrl-C: this call's requests end with it, so that
+            for request_id in outputs:  # none is left running for the next call to find
+                self.engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
         return list(outputs.values())
+
+    def _add_while_rows_are_free(self, pending: deque, params, outputs: dict) -> None:
+        """Prompts from the head of `pending` while the engine has free rows; the rest join as
+        rows come back."""
+        while pending:
+            i, tokens = pending[0]
+            try:
+                request_id = self.engine.add_request(tokens, params[i], f"offline-{i}")
+            except QueueFull:
+                return
+            pending.popleft()
+            outputs[request_id] = RequestOutput(request_id, tokens, [None] * params[i].n)
+
+    @staticmethod
+    def _keep(sequence: Sequence, outputs: dict) -> bool:
+        """An ended sample's output, in its request's place; whether the request is done."""
+        output = outputs[sequence.request_id]
+        output.outputs[sequence.index] = CompletionOutput(
+            sequence.index, sequence.text, list(sequence.request.output_tokens),
+            sequence.finish_reason)
+        return output.finished

@@ -487,3 +487,16 @@ def test_a_bad_keyword_of_the_api_raises_with_the_flag_not_exits(options, says):
     from plumbing.cli import UserError
     with pytest.raises(UserError, match=says):  # not SystemExit: a notebook goes on
         LLM(model="tiny", random_weights=True, device="cpu", **options)
+
+
+def test_a_generate_that_raises_leaves_nothing_running_for_the_next(offline):
+    """A bad prompt after good ones: the call raises, and its good ones do not linger in the
+    engine to finish inside the next call (under its own request ids, offline-0, ...)."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = offline.generate(PROMPTS[3:4], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        offline.generate([PROMPTS[5], PROMPTS[6], [10**9]],
+                         [SamplingParams(max_tokens=2), greedy, greedy], use_tqdm=False)
+    assert not offline.engine.has_unfinished()
+    again = offline.generate(PROMPTS[3:4], greedy, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
