@@ -142,7 +142,8 @@ def chat_prompt(body: dict) -> dict:
 def build_app(engine, model_name: str, api_key: str | None):
     """engine: features/engine_process.py's EngineClient, the server's end of the engine."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
+                                   StreamingResponse)
 
     max_n = min(MAX_N, engine.info["max_num_seqs"])
 
@@ -200,6 +201,26 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The engine stopped: {e}", status=500) from e
         return request_id, num_prompt_tokens, updates
 
+    async def whole_answers(updates: asyncio.Queue, n: int):
+        """Each sample's text, tokens and finish reason once all n have ended; None if the
+        engine stopped first."""
+        texts, tokens, reasons = [""] * n, [0] * n, [None] * n
+        while None in reasons:
+            update = await updates.get()
+            if update is None:
+                return None
+            index, delta, tokens[index], reason = update
+            texts[index] += delta
+            reasons[index] = reason or reasons[index]
+        return texts, tokens, reasons
+
+    async def until_disconnected(request: Request) -> None:
+        """Returns when the client hangs up. Its body has been read whole, so the next message
+        the server has for this request is the disconnect (a streamed answer finds out instead
+        when it next writes)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     async def serve(request: Request, chat: bool):
         if refused(request):
             return refused(request)
@@ -219,20 +240,22 @@ def build_app(engine, model_name: str, api_key: str | None):
         usage = lambda tokens: {"prompt_tokens": num_prompt_tokens, "completion_tokens": sum(tokens),
                                 "total_tokens": num_prompt_tokens + sum(tokens)}
         if not stream:
-            texts, tokens, reasons = [""] * n, [0] * n, [None] * n
+            answers = asyncio.ensure_future(whole_answers(updates, n))
+            hang_up = asyncio.ensure_future(until_disconnected(request))
             try:
-                while None in reasons:
-                    update = await updates.get()
-                    if update is None:
-                        return error(f"The engine stopped: {engine.failed}", 500,
-                                     kind="server_error")
-                    index, delta, tokens[index], reason = update
-                    texts[index] += delta
-                    reasons[index] = reason or reasons[index]
-            except asyncio.CancelledError:
-                engine.abort(request_id)
-                raise
+                await asyncio.wait([answers, hang_up], return_when=asyncio.FIRST_COMPLETED)
+            finally:  # the client went away (or the server stops): free its blocks and rows
+                hang_up.cancel()
+                hung_up = not answers.done()
+                if hung_up:
+                    answers.cancel()
+                    engine.abort(request_id)
+            if hung_up:
+                return Response(status_code=499)  # nginx's "client closed": no one reads it
+            if answers.result() is None:
+                return error(f"The engine stopped: {engine.failed}", 500, kind="server_error")
             engine.forget(request_id)
+            texts, tokens, reasons = answers.result()
             choices = [{"index": i, "finish_reason": reasons[i], "logprobs": None,
                         **({"message": {"role": "assistant", "content": texts[i]}} if chat
                            else {"text": texts[i]})} for i in range(n)]

@@ -500,3 +500,19 @@ def test_a_generate_that_raises_leaves_nothing_running_for_the_next(offline):
     assert not offline.engine.has_unfinished()
     again = offline.generate(PROMPTS[3:4], greedy, use_tqdm=False)
     assert again[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_a_client_that_hangs_up_before_its_whole_answer_frees_its_blocks(server):
+    """Not streamed: the server finds the hang-up while it waits for the answer, not when it
+    would write it minutes later."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up, closing its connection
+        httpx.post(server + "/v1/completions", json=body, timeout=1.0,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    for _ in range(50):  # the engine frees them at its next step
+        m = metrics(server)
+        if m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0
