@@ -93,14 +93,16 @@ def field(body: dict, name: str, kinds, default=None, check=None, why: str = "")
     return value
 
 
-def sampling_params(body: dict, max_n: int) -> dict:
-    """features/llm.py's SamplingParams, by name (the engine's process builds it)."""
+def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
+    """features/llm.py's SamplingParams, by name (the engine's process builds it). Without
+    max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
+    default_max_tokens: the context left, which the engine clamps to (vLLM's defaults)."""
     stop = field(body, "stop", (str, list), [], lambda s: isinstance(s, str) or (
         len(s) <= 4 and all(isinstance(x, str) and x for x in s)), "a string or up to 4 strings")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return dict(
-        max_tokens=field({"max_tokens": max_tokens}, "max_tokens", int, 16, lambda v: v >= 1,
-                         "a whole number of at least 1"),
+        max_tokens=field({"max_tokens": max_tokens}, "max_tokens", int, default_max_tokens,
+                         lambda v: v >= 1, "a whole number of at least 1"),
         temperature=float(field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
                                 "a number from 0 to 2")),
         top_p=float(field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
@@ -227,7 +229,7 @@ def build_app(engine, model_name: str, api_key: str | None):
         try:
             body = await read_body(request)
             prompt = (chat_prompt if chat else completion_prompt)(body)
-            params = sampling_params(body, max_n)
+            params = sampling_params(body, max_n, engine.info["max_seq_len"] if chat else 16)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
             request_id, num_prompt_tokens, updates = await submit(prompt, params)

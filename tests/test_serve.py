@@ -516,3 +516,19 @@ def test_a_client_that_hangs_up_before_its_whole_answer_frees_its_blocks(server)
             break
         time.sleep(0.1)
     assert m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0
+
+
+def test_without_max_tokens_a_chat_answer_may_fill_the_context_and_a_completion_takes_16():
+    """vLLM's defaults: OpenAI's chat has no limit but the context; its legacy completions 16."""
+    process, url = start_server("--max-seq-len", "64")
+    try:
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}).json()
+        completion = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "Hello", "ignore_eos": True}).json()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert chat["usage"]["completion_tokens"] == 64 - chat["usage"]["prompt_tokens"]
+    assert chat["choices"][0]["finish_reason"] == "length"
+    assert completion["usage"]["completion_tokens"] == 16
