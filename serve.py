@@ -114,6 +114,21 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
         ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"))
 
 
+# OpenAI's fields this engine does not implement, and the values that ask for nothing: any other
+# value gets a 400, rather than an answer that silently lacks what was asked for
+NOT_IMPLEMENTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+                   "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                   "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1),
+                   "suffix": (None, ""), "tools": (None, []),
+                   "response_format": (None, {"type": "text"})}
+
+
+def refuse_what_is_not_implemented(body: dict) -> None:
+    for name, asks_nothing in NOT_IMPLEMENTED.items():
+        if body.get(name) not in asks_nothing:
+            raise BadRequest(f"'{name}' is not implemented by this server; leave it out", name)
+
+
 def completion_prompt(body: dict) -> dict:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -228,6 +243,7 @@ def build_app(engine, model_name: str, api_key: str | None):
             return refused(request)
         try:
             body = await read_body(request)
+            refuse_what_is_not_implemented(body)
             prompt = (chat_prompt if chat else completion_prompt)(body)
             params = sampling_params(body, max_n, engine.info["max_seq_len"] if chat else 16)
             stream = field(body, "stream", bool, False, None, "true or false")

@@ -215,6 +215,9 @@ BAD = [
     (json.dumps({"prompt": "word " * 9000}), "--max-seq-len"),
     ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # nested past Python's recursion limit
     (json.dumps({"prompt": "x" * 1_200_000}), "larger than"),
+    (json.dumps({"prompt": "hi", "logprobs": 5}), "'logprobs' is not implemented"),
+    (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
 ]
 
 
@@ -532,3 +535,11 @@ def test_without_max_tokens_a_chat_answer_may_fill_the_context_and_a_completion_
     assert chat["usage"]["completion_tokens"] == 64 - chat["usage"]["prompt_tokens"]
     assert chat["choices"][0]["finish_reason"] == "length"
     assert completion["usage"]["completion_tokens"] == 16
+
+
+def test_fields_that_ask_for_nothing_pass_as_vllms_benchmark_sends_them(client, offline):
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    answer = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                       temperature=0, logprobs=None, best_of=1,
+                                       presence_penalty=0, frequency_penalty=0.0)
+    assert answer.choices[0].text == offline.generate(PROMPTS[:1], greedy)[0].outputs[0].text
