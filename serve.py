@@ -9,9 +9,10 @@ POST /v1/completions and /v1/chat/completions (streamed as server-sent events or
 filled and unfilled bytes, live; histograms of the time to first and to last token). The engine
 runs continuous batching in a process of its own (features/engine_process.py: features/llm.py's
 LLMEngine, stepped without waiting for HTTP); the handlers only send it requests and read their
-tokens. A client that goes away mid-stream has its request aborted: its blocks and row are free
-at the next step. Every flag the scripts take for the model, cache and pool (--model,
---random-weights, --block-size, ...) works here too.
+tokens. A client that goes away before its answer ends, streamed or not, has its request
+aborted: its blocks and row are free at the next step. Every flag the scripts take for the
+model, cache and pool (--model, --random-weights, --block-size, ...) works here too. OpenAI's
+fields the engine does not implement (logprobs, penalties, tools, ...) get a 400 when set.
 """
 
 if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
