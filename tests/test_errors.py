@@ -620,6 +620,20 @@ def test_set_up_after_the_scheduler_is_made_is_not_counted_as_waiting(tmp_path, 
     assert max(first_token) < 0.9, first_token
 
 
+def test_an_output_another_run_wrote_meanwhile_is_kept_and_ours_goes_beside_it(tmp_path,
+                                                                               capsys):
+    """The quick check of the slow test below: the same two writers, in one process."""
+    out = tmp_path / "run.json"
+    plumbing.cli.claim_output(out)  # this run starts; there is no run.json yet
+    out.write_text("theirs")  # another run writes it meanwhile
+    plumbing.cli.write_atomically(out, lambda path: path.write_text("ours"))
+    beside = tmp_path / f"run.{os.getpid()}.json"
+    assert out.read_text() == "theirs" and beside.read_text() == "ours"
+    assert f"{out} was written by another run while this one went on" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run.json", beside.name])
+
+
+@pytest.mark.slow
 def test_two_runs_writing_one_json_keep_both_results(tmp_path):
     out = tmp_path / "run.json"
     first = subprocess.Popen([sys.executable, "llama3_paged.py", "7", *TINY, "--max-new-tokens",
