@@ -83,6 +83,10 @@ def writable_file(text: str) -> Path:
     file the run reads is checked once every input is known: `refuse_output_over_input`.)"""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a file name, got an empty one")
+    if text == "-":  # many tools' standard output; here it would be a file named "-"
+        raise argparse.ArgumentTypeError("'-' would be a file named '-'; the report goes to "
+                                         "standard output already: name a file (/dev/stdout "
+                                         "puts the JSON after it)")
     path = Path(text)
     if is_project_code(path):
         raise argparse.ArgumentTypeError(f"{text} is one of the project's own files; writing "

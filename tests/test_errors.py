@@ -109,6 +109,7 @@ BAD_ARGUMENTS = [
     (["0", *TINY], 2, "positive whole number"),
     (["abc", *TINY], 2, "positive whole number"),
     (["99999", *TINY], 2, "N must be between 1 and"),
+    (["2", *TINY, "--json", "-"], 2, "would be a file named '-'"),
     (["2", *TINY, "--max-seq-len", "20"], 2, "Raise --max-seq-len"),
     (["2", *TINY, "--max-seq-len", "1000000000"], 2, "at most 131,072 positions"),
     (["2", *TINY, "--max-new-tokens", "-5"], 2, "positive whole number"),
