@@ -351,6 +351,14 @@ def build_app(engine, model_name: str, api_key: str | None):
     return app
 
 
+def api_key(text: str) -> str:
+    """An empty key (`--api-key "$KEY"` with KEY unset) would serve everyone: refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; give the key, or leave the flag out to serve "
+                                         "without one")
+    return text
+
+
 def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve.py", description=first_paragraph(__doc__),
                                 formatter_class=HelpFormatter,
@@ -361,7 +369,8 @@ def argument_parser() -> argparse.ArgumentParser:
                                        "are each request's here, and refused.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 requests")
+    p.add_argument("--api-key", type=api_key,
+                   help="require Authorization: Bearer KEY on /v1 requests")
     p.add_argument("--cache", choices=["paged", "naive", "virtual"], default="paged",
                    help="which KV cache: the three scripts'")
     p.add_argument("--max-num-seqs", type=positive_int, default=256,

@@ -543,3 +543,10 @@ def test_fields_that_ask_for_nothing_pass_as_vllms_benchmark_sends_them(client, 
                                        temperature=0, logprobs=None, best_of=1,
                                        presence_penalty=0, frequency_penalty=0.0)
     assert answer.choices[0].text == offline.generate(PROMPTS[:1], greedy)[0].outputs[0].text
+
+
+def test_an_empty_api_key_is_refused_not_taken_as_no_key(capsys):
+    import serve  # `--api-key "$KEY"` with KEY unset would otherwise serve everyone
+    with pytest.raises(SystemExit) as exited:
+        serve.argument_parser().parse_known_args(["--api-key", ""])
+    assert exited.value.code == 2 and "--api-key: empty" in capsys.readouterr().err
