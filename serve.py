@@ -379,6 +379,11 @@ def argument_parser() -> argparse.ArgumentParser:
     return p
 
 
+def open_to_others(host: str) -> bool:
+    """Whether --host reaches beyond this machine (not 127.x.x.x, ::1 or localhost)."""
+    return not (host == "localhost" or host.startswith("127.") or host == "::1")
+
+
 def bound_socket(host: str, port: int) -> socket.socket:
     """The server's address, taken before the engine loads (minutes for 8B): another server on
     the port ends this one at once, in one paragraph. It listens once uvicorn runs, so a client
@@ -409,6 +414,9 @@ def main(argv=None) -> None:
             raise UserError(f"--port {args.port}: expected 1 to 65535.")
         require_packages(["fastapi", "uvicorn"], "the HTTP server")
         address = bound_socket(args.host, args.port)  # a port in use is said now, not after loading
+        if open_to_others(args.host) and not args.api_key:
+            print(f"Serving on {args.host}, beyond this machine, without --api-key: anyone who can "
+                  f"reach it can send it requests.", file=sys.stderr, flush=True)
         from features.engine_process import EngineClient
         engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
         name, info = args.served_model_name or engine.info["model"], engine.info

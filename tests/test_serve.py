@@ -550,3 +550,12 @@ def test_an_empty_api_key_is_refused_not_taken_as_no_key(capsys):
     with pytest.raises(SystemExit) as exited:
         serve.argument_parser().parse_known_args(["--api-key", ""])
     assert exited.value.code == 2 and "--api-key: empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host, open_to_others", [
+    ("127.0.0.1", False), ("localhost", False), ("::1", False), ("127.0.1.1", False),
+    ("0.0.0.0", True), ("::", True), ("192.168.1.20", True),
+])
+def test_a_server_beyond_this_machine_without_a_key_is_said(host, open_to_others):
+    import serve
+    assert serve.open_to_others(host) == open_to_others
