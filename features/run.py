@@ -11,7 +11,6 @@ while the GPU computes the one before (features/overlap.py; --no-overlap).
 
 import argparse
 import dataclasses
-import importlib
 from pathlib import Path
 import math
 import time
@@ -28,9 +27,10 @@ from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashA
 from features import tensor_parallel
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
-                          check_host_memory, format_bytes, fraction, gigabytes, needs_features,
-                          one_paragraph_errors, positive_int, refuse_output_over_input,
-                          request_rate, temperature, torchrun_process, writable_file, write_json)
+                          check_host_memory, format_bytes, fraction, gigabytes, importable,
+                          needs_features, one_paragraph_errors, positive_int,
+                          refuse_output_over_input, request_rate, temperature, torchrun_process,
+                          writable_file, write_json)
 from plumbing import inputs
 from plumbing.inputs import Run
 
@@ -203,15 +203,6 @@ def system_prompt(args) -> str | None:
         return args.system_prompt_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"Could not read --system-prompt-file {args.system_prompt_file}: {e}") from e
-
-
-def importable(module: str) -> bool:
-    """Whether an optional package (flash_attn, triton) is installed and loads."""
-    try:
-        importlib.import_module(module)
-        return True
-    except ImportError:
-        return False
 
 
 def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash",

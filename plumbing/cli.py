@@ -9,7 +9,7 @@ it, by plumbing/interrupt.py.
 
 import argparse
 import contextlib
-import importlib.util
+import importlib
 import math
 import os
 import sys
@@ -37,10 +37,19 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
+def importable(module: str) -> bool:
+    """Whether an optional package (flash_attn, triton, fastapi) is installed and loads."""
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
 def require_packages(packages: list[str], why: str) -> None:
     """A UserError naming the packages this Python lacks, asked before anything slow starts
     (serve.py would load the model for minutes, then fail on a missing HTTP server)."""
-    missing = " ".join(name for name in packages if importlib.util.find_spec(name) is None)
+    missing = " ".join(name for name in packages if not importable(name))
     if missing:
         raise UserError(f"This Python lacks {missing}, needed for {why}: pip install {missing} "
                         f"(the project's requirements files name them).")
