@@ -14,6 +14,8 @@ stay mapped for the next request in its row, and half the pool is mapped under t
 start-up (features/mapping_ahead.py, vAttention's way).
 --sync-mapping maps in the loop when a page is needed and unmaps when a request finishes
 (features/page_manager.py): simpler to read, and the driver calls are then on the critical path.
+--kv-cache-dtype fp8 stores K and V in 8 bits and decodes with the Triton kernel
+(features/fp8_virtual_kv_cache.py).
 """
 
 SCRIPT = "llama3_virtual.py"
@@ -56,9 +58,12 @@ def allocate_kv_cache(run):
     """A row of address space for every request, reserved up front at no cost, and physical pages,
     as many as memory holds, to be mapped under the rows as requests grow."""
     args = run.args
+    cache_class = VirtualKVCache
+    if run.kv_cache_dtype is not None:  # --kv-cache-dtype fp8
+        from features.fp8_virtual_kv_cache import FP8VirtualKVCache as cache_class
     try:
-        cache = VirtualKVCache(run.model.args, run.num_sequences, args.max_seq_len,
-                               run.dtype, run.device, run.attention, args.layout)
+        cache = cache_class(run.model.args, run.num_sequences, args.max_seq_len,
+                            run.dtype, run.device, run.attention, args.layout)
         page_bytes = cache.tokens_per_page * run.kv_bytes_per_token  # a page in every tensor
         num_pages = int(features.kv_budget_bytes(run) // page_bytes)
         if num_pages == 0:

@@ -64,36 +64,50 @@ class DequantizedBlocks:
         return dequantize(self.blocks[index], self.scale, self.dtype)
 
 
-class FP8KVCache(KVCacheWithSpareSlot):
-    """The pool in float8, with a spare slot for CUDA graphs' padding rows (used or not)."""
+class Float8Writes:
+    """What both FP8 caches do with a layer's new K and V: the paged pool below and the virtual
+    rows (features/fp8_virtual_kv_cache.py). A layer's first prefill sets its scales; every write
+    quantizes with them."""
 
-    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
-        super().__init__(args, num_blocks, block_size, FP8, device, attention)
-        self.model_dtype = dtype
+    def init_scales(self, n_layers: int, device) -> None:
         # [n_layers, 2]: K's and V's scale; 1 until the layer's first prefill sets them
-        self.scales = torch.ones(args.n_layers, 2, dtype=torch.float32, device=device)
-        self.scaled = [False] * args.n_layers  # on the host: no sync to ask
-        self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
+        self.scales = torch.ones(n_layers, 2, dtype=torch.float32, device=device)
+        self.scaled = [False] * n_layers  # on the host: no sync to ask
 
-    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+    def write_float8(self, layer: int, k, v, batch, key_slots, value_slots) -> None:
+        """k, v: [T, n_kv_heads, head_dim] in the model's dtype, into rows batch.slot_mapping of
+        key_slots and value_slots ([slots, n_kv_heads, head_dim], float8)."""
         if isinstance(batch, PrefillBatch) and not self.scaled[layer]:
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()  # [2], no host sync
             if dist.is_initialized():  # split heads (features/tensor_parallel.py): the largest
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # over all, as one process's scale
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
-        k_scale, v_scale = self.scales[layer, 0], self.scales[layer, 1]
         # float8 has no index_copy_ kernel: the same bytes, written as uint8
-        self.k[layer].view(torch.uint8).index_copy_(0, batch.slot_mapping,
-                                                    quantize(k, k_scale).view(torch.uint8))
-        self.v[layer].view(torch.uint8).index_copy_(0, batch.slot_mapping,
-                                                    quantize(v, v_scale).view(torch.uint8))
+        for slots, fresh, scale in ((key_slots, k, self.scales[layer, 0]),
+                                    (value_slots, v, self.scales[layer, 1])):
+            slots.view(torch.uint8).index_copy_(0, batch.slot_mapping,
+                                                quantize(fresh, scale).view(torch.uint8))
+
+
+class FP8KVCache(Float8Writes, KVCacheWithSpareSlot):
+    """The pool in float8, with a spare slot for CUDA graphs' padding rows (used or not)."""
+
+    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
+        super().__init__(args, num_blocks, block_size, FP8, device, attention)
+        self.model_dtype = dtype
+        self.init_scales(args.n_layers, device)
+        self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
+
+    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+        self.write_float8(layer, k, v, batch, self.k[layer], self.v[layer])
         if isinstance(batch, CachedPrefillBatch):  # some prompts begin with cached tokens
             return self.attend_after_prefix(layer, q, k, v, batch)
         if isinstance(batch, PrefillBatch):  # the fresh bf16 K/V: nothing cached before them
             return self.attention_backend.prefill(q, k, v, batch)
         key_blocks, value_blocks = self.blocks(layer)
         if self.attention_backend.name == "torch":
+            k_scale, v_scale = self.scales[layer, 0], self.scales[layer, 1]
             return self.attention_backend.decode(
                 q, DequantizedBlocks(key_blocks, k_scale, q.dtype),
                 DequantizedBlocks(value_blocks, v_scale, q.dtype), batch)

@@ -172,15 +172,12 @@ def load(args) -> Run:
 
 def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
     """What the FP8 cache does not serve yet: mixed steps, whose every step would dequantize the
-    running requests' blocks (features/fp8_cache.py), the cascade's 16-bit kernels, and the
-    virtual cache."""
+    running requests' blocks (features/fp8_cache.py) and the cascade's 16-bit kernels."""
     what, why = (
         ("--max-batched-tokens", "each mixed step would copy every running request's blocks out "
          "of float8") if args.max_batched_tokens else
         ("--cascade on", "the cascade's kernels read 16-bit blocks (--cascade auto leaves it "
-         "off)") if args.cascade == "on" and not no_system_prompt else
-        ("llama3_virtual.py", "its rows are not blocks the Triton kernel reads")
-        if args.script == "llama3_virtual.py" else (None, None))
+         "off)") if args.cascade == "on" and not no_system_prompt else (None, None))
     if what:
         raise UserError(f"--kv-cache-dtype fp8 does not combine with {what} yet: {why}. Drop one "
                         f"of the two.")

@@ -417,6 +417,32 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
     assert cache.memory.num_maps - cache.memory.num_unmaps == (1 + idle) * len(cache.ranges)
 
 
+@needs_triton
+@pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
+@pytest.mark.parametrize("layout", ["per-token", "per-layer"])
+def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
+    # The same float8 bytes with the same scales, read by the same Triton kernel: through the
+    # paged pool's block table (blocks of 256) or as one block per row (features/
+    # fp8_virtual_kv_cache.py). The paged FP8 cache is held to the PyTorch reference above.
+    from features.fp8_cache import FP8KVCache
+    from features.fp8_virtual_kv_cache import FP8VirtualKVCache
+    from features.triton_attention import TritonDecode
+    model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=9)
+    prompts = random_prompts(8, torch.Generator().manual_seed(9))
+    budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
+    paged = generate_on_gpu(model, prompts, budgets, num_blocks=64, block_size=256, graphs=True,
+                            attention=TritonDecode, cache_class=FP8KVCache)
+    cache = FP8VirtualKVCache(model.args, 8, MAX_SEQ_LEN, torch.bfloat16, "cuda", TritonDecode(),
+                              layout)
+    num_pages = 8 * cache.pages_per_row
+    cache.create_pages(num_pages)
+    manager = PageManager(num_pages, cache.tokens_per_page, 8, cache.pages_per_row, cache, "cuda")
+    virtual = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, chunk_tokens=8192,
+                       graphs=True)
+    assert virtual.output_tokens == paged.output_tokens
+    assert cache.k[0].dtype == torch.float8_e4m3fn and manager.num_free_blocks == num_pages
+
+
 @pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
 @pytest.mark.parametrize("budget_gb, flags", [
     ("0.5", []),  # call 5 of the 8 that map a page under each empty row at start-up
@@ -527,6 +553,17 @@ def tokens_of_run(launcher: list[str], argv: list[str], out) -> list:
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [r["output_tokens"] for r in json.loads(out.read_text())["requests"]], done.stdout
+
+
+@needs_triton
+@pytest.mark.skipif(not importable("cuda.bindings"), reason="needs cuda-python")
+def test_the_virtual_script_gives_the_paged_scripts_tokens_with_an_fp8_cache(tmp_path):
+    argv = ["16", "--random-weights", "--model", "1b", "--kv-cache-dtype", "fp8"]
+    paged, _ = tokens_of_run([sys.executable], ["llama3_paged.py", *argv], tmp_path / "p.json")
+    virtual, stdout = tokens_of_run([sys.executable], ["llama3_virtual.py", *argv],
+                                    tmp_path / "v.json")
+    assert virtual == paged and sum(map(len, paged)) > 16
+    assert "16 KiB per token" in stdout  # 1b's 32 KiB in bf16, halved
 
 
 TP_RUN = ["49", "--random-weights", "--model", "1b"]

@@ -1,0 +1,37 @@
+"""The virtual cache in float8 (llama3_virtual.py --kv-cache-dtype fp8): vAttention's rows,
+each token's K and V in 8 bits (features/fp8_cache.py says how and why).
+
+Half the bytes per token also halves what a 2 MB page costs in tokens: a page holds 32 tokens of
+every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), twice the 16-bit
+cache's, so the page manager grows a request half as often.
+
+flash-attn's non-paged kernel, the 16-bit virtual cache's decode, cannot read float8. The Triton
+kernel (features/triton_attention.py) can, and it reads blocks through a block table: a request's
+row is one contiguous run of virtual memory, so it is read as a single block of `row_tokens`,
+and its table has one entry, the row (no tile can cross into another block, whatever the row's
+length). Prefill attends over the fresh 16-bit K/V, as in the paged
+FP8 cache.
+"""
+
+import torch
+
+from features.fp8_cache import FP8, Float8Writes
+from features.virtual_kv_cache import VirtualKVCache
+from llama3_paged import PrefillBatch
+
+
+class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
+    def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
+                 layout: str):
+        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
+        self.init_scales(args.n_layers, device)
+
+    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+        """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in float8, then attend."""
+        self.write_float8(layer, k, v, batch, self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1))
+        if isinstance(batch, PrefillBatch):
+            return self.attention_backend.prefill(q, k, v, batch)
+        from features.triton_attention import paged_decode
+        rows = self._rows_of(batch)[:, None]  # [B, 1]: each request's whole row, one block
+        return paged_decode(q, self.k[layer], self.v[layer], rows, batch.cache_seqlens,
+                            kv_scales=self.scales[layer])
