@@ -18,6 +18,7 @@ from llama3_paged import DecodeBatch
 from features.cascade import CascadeAttention, CascadeDecoder
 from features.continuous import ContinuousScheduler
 from features.sharing import SharingBlockManager
+from plumbing.cli import importable
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from test_sharing import random_prompts
@@ -104,11 +105,12 @@ def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and flash-attn")
+@pytest.mark.skipif(not (torch.cuda.is_available() and importable("flash_attn")),
+                    reason="needs a GPU and flash-attn")
 @pytest.mark.parametrize("own_lengths", [[1, 300, 40, 700, 257, 1, 1, 1],  # padding-like rows
                                          list(range(1, 2000, 37))])
 def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths):
-    from llama3_paged import FlashAttention
+    from features.cached_prefix import FlashAttentionAfterPrefix as FlashAttention  # the run's
     prefix_blocks, block_size = 4, 256
     q, (k, v), batch, prefix = shared_prefix_batch(prefix_blocks, own_lengths, block_size,
                                                    "cuda", torch.bfloat16)

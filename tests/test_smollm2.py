@@ -9,10 +9,16 @@ import torch
 from test_scripts import run_script
 
 from plumbing.gguf_checkpoint import ChatMLTokenizer, GGUFFile, gguf_shapes, packaged_smollm2
+from plumbing.cli import UserError
 from plumbing.inputs import PRESETS, ModelArgs, load_prompts, read_records, PROMPTS_FILE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers reads the local file, nothing else
-GGUF = packaged_smollm2()
+try:
+    GGUF = packaged_smollm2()
+except UserError as missing:  # the GPU machine lacks the package; CI installs it, and must
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(str(missing), allow_module_level=True)
 SMOLLM2 = ["--model", "smollm2", "--device", "cpu"]
 
 
