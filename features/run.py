@@ -185,12 +185,9 @@ def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
 
 def compiles_by_default(args, attention) -> bool:
     """Compiled layers (features/compiled_layers.py) where nothing stands in their way: CUDA, a
-    GPU attention kernel, the model's K/V dtype, and not --eager. In bf16 they round otherwise
-    than the eager kernels, so tokens can differ from an --eager run's; --no-compile keeps CUDA
-    graphs without them. The FP8 cache takes them only when asked (--compile): on W2 they made
-    it slower (H100: 15,209 against 15,907 output tokens/s, docs/fp8.md)."""
-    return (args.device.type == "cuda" and attention.name != "torch" and not args.eager
-            and args.kv_cache_dtype != "fp8")
+    GPU attention kernel, and not --eager. In bf16 they round otherwise than the eager kernels,
+    so tokens can differ from an --eager run's; --no-compile keeps CUDA graphs without them."""
+    return args.device.type == "cuda" and attention.name != "torch" and not args.eager
 
 
 def system_prompt(args) -> str | None:
