@@ -28,7 +28,7 @@ from features import tensor_parallel
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, importable,
-                          needs_features, one_paragraph_errors, positive_int,
+                          kv_cache_dtype, needs_features, one_paragraph_errors, positive_int,
                           refuse_output_over_input, request_rate, temperature, torchrun_process,
                           writable_file, write_json)
 from plumbing import inputs
@@ -74,8 +74,8 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule a step while the GPU runs the one before (default: on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse small kernels with torch.compile (default: on CUDA unless --eager)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                   help="fp8: K/V in float8, half the bytes (auto: the model's dtype)")
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
+                   help="fp8 (or fp8_e4m3): K/V in float8, half the bytes (auto: the model's dtype)")
     p.add_argument("--find-max-batch", action="store_true",
                    help="bisect for the largest batch, at most N, that completes")
     p.add_argument("--json", type=writable_file, metavar="PATH",

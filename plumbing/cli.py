@@ -333,6 +333,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def kv_cache_dtype(text: str) -> str:
+    """--kv-cache-dtype, with vLLM's names: fp8_e4m3 is our fp8; e5m2 keeps a bit of mantissa
+    less for range a per-layer scale already gives (features/fp8_cache.py), and is not built."""
+    if text in ("auto", "fp8", "fp8_e4m3"):
+        return text.removesuffix("_e4m3")
+    raise argparse.ArgumentTypeError(f"expected auto, fp8 or fp8_e4m3 (float8 e4m3; vLLM's "
+                                     f"fp8_e5m2 is not built), got {text}")
+
+
 MAX_GB = 1e6  # a petabyte: far beyond any machine, small enough to count in blocks
 
 

@@ -148,3 +148,17 @@ def test_a_cached_system_prompt_is_read_from_float8_blocks_and_the_first_prompt_
 def test_what_the_fp8_cache_does_not_serve_yet_is_refused_in_one_paragraph(flags, message):
     out = run_script("llama3_paged.py", 2, *TINY, "--kv-cache-dtype", "fp8", *flags)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name, chosen", [("auto", "auto"), ("fp8", "fp8"), ("fp8_e4m3", "fp8")])
+def test_vllms_names_for_the_kv_cache_dtype_choose_ours(name, chosen):
+    from features.llm import parse_script_arguments
+    args = parse_script_arguments("paged", ["4", "--random-weights", "--kv-cache-dtype", name])
+    assert args.kv_cache_dtype == chosen
+
+
+def test_fp8_e5m2_is_refused_by_name():
+    from features.llm import parse_script_arguments
+    from plumbing.cli import UserError
+    with pytest.raises(UserError, match="fp8_e5m2 is not built"):
+        parse_script_arguments("paged", ["4", "--kv-cache-dtype", "fp8_e5m2"], raise_errors=True)

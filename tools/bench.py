@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("bench.py")  # before torch loads
 
-from plumbing.cli import MODELS, UserError, writable_file
+from plumbing.cli import MODELS, UserError, kv_cache_dtype, writable_file
 
 import numpy as np
 import torch
@@ -235,8 +235,8 @@ def parse_arguments(argv=None):
                    help="random weights of these shapes; smollm2: its real weights")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
                    help="of the weights and the K/V")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                   help="fp8: K/V in float8, decoded by the Triton kernel")
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
+                   help="fp8 (or fp8_e4m3): K/V in float8, decoded by the Triton kernel")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     p.add_argument("--profile", type=writable_file, metavar="PATH",
                    help="kernel time by class, to PATH (tools/kernel_profile.py)")
