@@ -1,16 +1,15 @@
 """The virtual cache in float8 (llama3_virtual.py --kv-cache-dtype fp8): vAttention's rows,
 each token's K and V in 8 bits (features/fp8_cache.py says how and why).
 
-Half the bytes per token also halves what a 2 MB page costs in tokens: a page holds 32 tokens of
-every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), twice the 16-bit
-cache's, so the page manager grows a request half as often.
+Half the bytes per token also doubles the tokens a 2 MB page holds: for Llama 3 8B, 32 tokens of
+every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), so the page manager
+grows a request half as often.
 
 flash-attn's non-paged kernel, the 16-bit virtual cache's decode, cannot read float8. The Triton
 kernel (features/triton_attention.py) can, and it reads blocks through a block table: a request's
 row is one contiguous run of virtual memory, so it is read as a single block of `row_tokens`,
 and its table has one entry, the row (no tile can cross into another block, whatever the row's
-length). Prefill attends over the fresh 16-bit K/V, as in the paged
-FP8 cache.
+length). Prefill attends over the fresh 16-bit K/V, as in the paged FP8 cache.
 """
 
 import torch
@@ -21,6 +20,8 @@ from llama3_paged import PrefillBatch
 
 
 class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
+    """Rows of float8 K and V, with a scale for each per layer."""
+
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
                  layout: str):
         super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
@@ -28,7 +29,8 @@ class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in float8, then attend."""
-        self.write_float8(layer, k, v, batch, self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1))
+        slots = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # [rows * row_tokens, ...]
+        self.write_float8(layer, k, v, batch, *slots)
         if isinstance(batch, PrefillBatch):
             return self.attention_backend.prefill(q, k, v, batch)
         from features.triton_attention import paged_decode

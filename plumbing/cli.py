@@ -334,8 +334,9 @@ def fraction(text: str) -> float:
 
 
 def kv_cache_dtype(text: str) -> str:
-    """--kv-cache-dtype, with vLLM's names: fp8_e4m3 is our fp8; e5m2 keeps a bit of mantissa
-    less for range a per-layer scale already gives (features/fp8_cache.py), and is not built."""
+    """--kv-cache-dtype, with vLLM's names: fp8_e4m3 is our fp8. vLLM's fp8_e5m2 trades a
+    mantissa bit for range, which a per-layer scale already gives (features/fp8_cache.py), and
+    is not built."""
     if text in ("auto", "fp8", "fp8_e4m3"):
         return text.removesuffix("_e4m3")
     raise argparse.ArgumentTypeError(f"expected auto, fp8 or fp8_e4m3 (float8 e4m3; vLLM's "
