@@ -30,7 +30,7 @@ import sys
 import time
 
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph, format_bytes,
-                          one_paragraph_errors, positive_int, require_packages)
+                          one_paragraph_errors, per_token, positive_int, require_packages)
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
@@ -421,7 +421,8 @@ def main(argv=None) -> None:
         engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
         name, info = args.served_model_name or engine.info["model"], engine.info
         url_host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in brackets
-        print(f"KV pool: {info['num_blocks']:,} blocks x {info['block_size']:,} tokens = "
+        print(f"KV pool: {info['num_blocks']:,} blocks x {info['block_size']:,} tokens x "
+              f"{per_token(info['kv_bytes_per_token'])} per token = "
               f"{format_bytes(info['pool_bytes'])} ({args.cache}); up to {args.max_num_seqs:,} "
               f"sequences. Serving '{name}' on http://{url_host}:{args.port}", flush=True)
         import uvicorn

@@ -75,6 +75,7 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
     m = engine.manager
     results.send(("ready", {"model": engine.run.args.model, "num_blocks": m.num_blocks,
                             "block_size": m.block_size, "pool_bytes": engine.cache.nbytes,
+                            "kv_bytes_per_token": engine.kv_bytes_per_token,
                             "max_seq_len": engine.max_seq_len, "max_num_seqs": max_num_seqs}))
     try:
         serve(engine, inbox, results)

@@ -559,3 +559,21 @@ def test_an_empty_api_key_is_refused_not_taken_as_no_key(capsys):
 def test_a_server_beyond_this_machine_without_a_key_is_said(host, open_to_others):
     import serve
     assert serve.open_to_others(host) == open_to_others
+
+
+def test_an_fp8_server_says_its_bytes_per_token_and_gives_the_offline_fp8_text():
+    # The first prefill sets each layer's scales, in the server as offline: the same prompt first.
+    process, url = start_server("--kv-cache-dtype", "fp8_e4m3")
+    try:
+        said = next(line for line in process.stdout if "KV pool" in line)
+        from openai import OpenAI
+        served = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).completions.create(
+            model="tiny", prompt=PROMPTS[5], max_tokens=12, temperature=0).choices[0].text
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    offline = LLM(model="tiny", random_weights=True, device="cpu", block_size=16,
+                  kv_cache_dtype="fp8")
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    assert served == offline.generate([PROMPTS[5]], greedy, use_tqdm=False)[0].outputs[0].text
+    assert "x 512 bytes per token" in said  # tiny: 2 layers x K, V x 2 heads x 64, a byte each
