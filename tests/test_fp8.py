@@ -162,3 +162,18 @@ def test_fp8_e5m2_is_refused_by_name():
     from plumbing.cli import UserError
     with pytest.raises(UserError, match="fp8_e5m2 is not built"):
         parse_script_arguments("paged", ["4", "--kv-cache-dtype", "fp8_e5m2"], raise_errors=True)
+
+
+def test_fp8_blocks_swapped_out_and_back_give_the_recomputed_tokens(tmp_path):
+    # A pool of 50 blocks preempts one of 8 requests. The truth is recomputing it, not the run
+    # without preemption: scales come from the first prefill, which a larger pool fills with
+    # other prompts (16 requests, 100 blocks against 2,000: other tokens on 13 of the 16).
+    tokens = {}
+    for preemption in ("swap", "recompute"):
+        out = run_script("llama3_paged.py", 8, *TINY, "--kv-cache-dtype", "fp8", "--continuous",
+                         "--preemption", preemption, "--num-blocks", 50, "--max-new-tokens", 32,
+                         "--max-seq-len", 1100, "--json", tmp_path / f"{preemption}.json")
+        assert out.returncode == 0 and "1 preemptions" in out.stdout, out.stderr
+        tokens[preemption] = [r["output_tokens"] for r in
+                              json.loads((tmp_path / f"{preemption}.json").read_text())["requests"]]
+    assert tokens["swap"] == tokens["recompute"]
