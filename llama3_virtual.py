@@ -47,8 +47,10 @@ def require_cuda_and_flash_attn(args) -> None:
     """Checked from the flags, before minutes of loading the model."""
     if (args.device.type != "cuda" or args.attn not in ("auto", "flash")
             or not features.importable("flash_attn")):
-        raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn's non-paged "
-                        "kernel: it needs --device cuda and flash-attn (--attn flash or auto).")
+        raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn (its "
+                        "non-paged kernel, or with --kv-cache-dtype fp8 its prefill beside the "
+                        "Triton decode): it needs --device cuda and flash-attn (--attn flash or "
+                        "auto).")
     if not features.importable("cuda.bindings"):
         raise UserError("llama3_virtual.py maps GPU memory with CUDA's virtual memory API, which "
                         "Python reaches through the cuda-python package: `pip install cuda-python`.")

@@ -75,7 +75,7 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse small kernels with torch.compile (default: on CUDA unless --eager)")
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
-                   help="fp8 (or fp8_e4m3): K/V in float8, half the bytes (auto: the model's)")
+                   help="fp8 (or fp8_e4m3): K/V in float8, half the bytes")
     p.add_argument("--find-max-batch", action="store_true",
                    help="bisect for the largest batch, at most N, that completes")
     p.add_argument("--json", type=writable_file, metavar="PATH",

@@ -236,7 +236,7 @@ def parse_arguments(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
                    help="of the weights and the K/V")
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
-                   help="fp8 (or fp8_e4m3): K/V in float8, decoded by the Triton kernel")
+                   help="fp8 (fp8_e4m3): K/V in float8, decoded by the Triton kernel")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     p.add_argument("--profile", type=writable_file, metavar="PATH",
                    help="kernel time by class, to PATH (tools/kernel_profile.py)")
