@@ -29,8 +29,8 @@ import socket
 import sys
 import time
 
-from plumbing.cli import (HelpFormatter, UserError, first_paragraph, format_bytes,
-                          one_paragraph_errors, per_token, positive_int, require_packages)
+from plumbing.cli import (HelpFormatter, UserError, chat_messages_problem, first_paragraph,
+                          format_bytes, one_paragraph_errors, per_token, positive_int, require_packages)
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
@@ -145,13 +145,9 @@ def completion_prompt(body: dict) -> dict:
 
 def chat_prompt(body: dict) -> dict:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
-    for m in messages:
-        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str)):
-            raise BadRequest("each message needs a 'role' (system, user or assistant) and a "
-                             "string 'content'", "messages")
+    problem = chat_messages_problem(messages)
+    if problem:
+        raise BadRequest(problem, "messages")
     return {"messages": messages}
 
 

@@ -44,7 +44,7 @@ from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
 from features.sampling import uniform
 from features.timed_engine import StepTimer
-from plumbing.cli import UserError, torchrun_process
+from plumbing.cli import UserError, chat_messages_problem, torchrun_process
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}  # by cache
 
@@ -92,9 +92,12 @@ class SamplingParams:
         """A ValueError naming the first parameter out of range (serve.py answers it with 400)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name, ok in [("max_tokens", self.max_tokens >= 1), ("n", self.n >= 1),
+        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+        for name, ok in [("max_tokens", whole(self.max_tokens) and self.max_tokens >= 1),
+                         ("n", whole(self.n) and self.n >= 1),
                          ("temperature", 0 <= self.temperature <= 100),
-                         ("top_p", 0 < self.top_p <= 1), ("top_k", self.top_k >= -1),
+                         ("top_p", 0 < self.top_p <= 1),
+                         ("top_k", whole(self.top_k) and self.top_k >= -1),
                          ("seed", self.seed is None or 0 <= self.seed < 2**63),
                          ("stop", all(isinstance(s, str) and s for s in self.stop))]:
             if not ok:
@@ -439,19 +442,36 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a text, token ids, or a list of either; sampling_params: one SamplingParams
-        for all, or a list with one per prompt (as vLLM takes them); use_tqdm: a bar of prompts
-        done, with the time left (vLLM's). Returns one RequestOutput each, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """prompts: a text, token ids, vLLM's {"prompt": text} or {"prompt_token_ids": ids}, or a
+        list of those; sampling_params: one SamplingParams for all, or a list with one per prompt
+        (as vLLM takes them); use_tqdm: a bar of prompts done, with the time left (vLLM's).
+        Returns one RequestOutput each, in order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        token_lists = [self.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
-                       for p in prompts]
-        return self._run(token_lists, sampling_params, use_tqdm)
+        return self._run([self._token_ids(p) for p in prompts], sampling_params, use_tqdm)
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_prompt(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            return [int(t) for t in prompt]
+        raise ValueError(f"a prompt is a text, a list of token ids, {{'prompt': text}} or "
+                         f"{{'prompt_token_ids': ids}}, not {str(prompt)[:80]}")
 
     def chat(self, conversations, sampling_params=None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """conversations: lists of {"role", "content"} messages, formatted by the model's chat
-        template (Llama 3's, or SmolLM2's ChatML); sampling_params and use_tqdm as generate's."""
+        """conversations: one conversation, a list of {"role", "content"} messages, or a list of
+        them (as vLLM takes them), each formatted by the model's chat template (Llama 3's, or
+        SmolLM2's ChatML); sampling_params and use_tqdm as generate's."""
+        if conversations and isinstance(conversations[0], dict):  # one conversation
+            conversations = [conversations]
+        for messages in conversations:
+            problem = chat_messages_problem(messages)
+            if problem:
+                raise ValueError(problem)
         return self._run([self.tokenizer.chat(c) for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, token_lists, sampling_params, use_tqdm: bool) -> list[RequestOutput]:

@@ -118,6 +118,20 @@ def finite_number(value) -> bool:
             and math.isfinite(value))
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_messages_problem(messages) -> str | None:
+    """What is wrong with a chat's messages, or None: serve.py answers it with a 400 and LLM.chat
+    raises it, before the chat template reads them."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {role, content}"
+    if not all(isinstance(m, dict) and m.get("role") in CHAT_ROLES
+               and isinstance(m.get("content"), str) for m in messages):
+        return "each message needs a 'role' (system, user or assistant) and a string 'content'"
+    return None
+
+
 def file_identity(path: Path):
     """What changes when someone writes a file: its inode, size and time; None if it is absent."""
     try:

@@ -3,6 +3,7 @@ random model in float32 on the CPU, a server on 127.0.0.1 and a free port, stopp
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -577,3 +578,31 @@ def test_an_fp8_server_says_its_bytes_per_token_and_gives_the_offline_fp8_text()
     greedy = SamplingParams(max_tokens=12, temperature=0)
     assert served == offline.generate([PROMPTS[5]], greedy, use_tqdm=False)[0].outputs[0].text
     assert "x 512 bytes per token" in said  # tiny: 2 layers x K, V x 2 heads x 64, a byte each
+
+
+def test_the_api_takes_vllms_prompt_and_conversation_shapes(offline):
+    greedy = SamplingParams(**GREEDY)
+    text = lambda outputs: [o.outputs[0].text for o in outputs]
+    conversation = [{"role": "user", "content": PROMPTS[6]}]
+    one = offline.chat(conversation, greedy, use_tqdm=False)  # one conversation, not a list
+    assert text(one) == text(offline.chat([conversation], greedy, use_tqdm=False))
+    ids = offline.tokenizer.encode_prompt(PROMPTS[7])
+    plain = text(offline.generate([PROMPTS[7], ids], greedy, use_tqdm=False))
+    assert plain[0] == plain[1]
+    assert text(offline.generate([{"prompt": PROMPTS[7]}, {"prompt_token_ids": ids}], greedy,
+                                 use_tqdm=False)) == plain
+    assert text(offline.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)) == plain[:1]
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda llm: llm.chat([{"content": "hi"}]), "needs a 'role'"),
+    (lambda llm: llm.chat("hi"), "non-empty list"),
+    (lambda llm: llm.generate([[1.5, 2]]), "a prompt is a text"),
+    (lambda llm: llm.generate([{"text": "hi"}]), "a prompt is a text"),
+    (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=2.5)), "max_tokens = 2.5"),
+    (lambda llm: llm.generate(["hi"], SamplingParams(n=True)), "n = True"),
+])
+def test_a_malformed_prompt_or_parameter_is_a_value_error_that_names_it(offline, call, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(offline)
+    assert not offline.engine.has_unfinished()
