@@ -29,7 +29,7 @@ import socket
 import sys
 import time
 
-from plumbing.cli import (HelpFormatter, UserError, chat_messages_problem, first_paragraph,
+from plumbing.cli import (HelpFormatter, UserError, chat_messages, first_paragraph,
                           format_bytes, one_paragraph_errors, per_token, positive_int, require_packages)
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
@@ -144,11 +144,10 @@ def completion_prompt(body: dict) -> dict:
 
 
 def chat_prompt(body: dict) -> dict:
-    messages = body.get("messages")
-    problem = chat_messages_problem(messages)
-    if problem:
-        raise BadRequest(problem, "messages")
-    return {"messages": messages}
+    try:
+        return {"messages": chat_messages(body.get("messages"))}
+    except ValueError as e:
+        raise BadRequest(str(e), "messages") from e
 
 
 # --- The HTTP application ------------------------------------------------------------------------

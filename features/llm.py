@@ -44,7 +44,7 @@ from features.continuous import RequestTooLarge
 from features.request_state import ServedRequest, Status
 from features.sampling import uniform
 from features.timed_engine import StepTimer
-from plumbing.cli import UserError, chat_messages_problem, torchrun_process
+from plumbing.cli import UserError, chat_messages, torchrun_process
 
 SCRIPTS = {"naive": llama3_naive, "paged": llama3_paged, "virtual": llama3_virtual}  # by cache
 
@@ -468,11 +468,8 @@ class LLM:
         SmolLM2's ChatML); sampling_params and use_tqdm as generate's."""
         if conversations and isinstance(conversations[0], dict):  # one conversation
             conversations = [conversations]
-        for messages in conversations:
-            problem = chat_messages_problem(messages)
-            if problem:
-                raise ValueError(problem)
-        return self._run([self.tokenizer.chat(c) for c in conversations], sampling_params, use_tqdm)
+        token_lists = [self.tokenizer.chat(chat_messages(c)) for c in conversations]
+        return self._run(token_lists, sampling_params, use_tqdm)
 
     def _run(self, token_lists, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = (sampling_params if isinstance(sampling_params, list)

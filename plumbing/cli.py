@@ -119,17 +119,29 @@ def finite_number(value) -> bool:
 
 
 CHAT_ROLES = ("system", "user", "assistant")
+A_MESSAGE = ("each message needs a 'role' (system, user or assistant) and a 'content': a string, "
+             "or a list of text parts")
 
 
-def chat_messages_problem(messages) -> str | None:
-    """What is wrong with a chat's messages, or None: serve.py answers it with a 400 and LLM.chat
-    raises it, before the chat template reads them."""
+def chat_messages(messages) -> list[dict]:
+    """A chat's messages as the chat template reads them, each {"role", "content": text}; content
+    may also come as OpenAI's list of text parts, joined by newlines (as vLLM joins them). What
+    is wrong is a ValueError (serve.py answers it with a 400)."""
     if not isinstance(messages, list) or not messages:
-        return "'messages' must be a non-empty list of {role, content}"
-    if not all(isinstance(m, dict) and m.get("role") in CHAT_ROLES
-               and isinstance(m.get("content"), str) for m in messages):
-        return "each message needs a 'role' (system, user or assistant) and a string 'content'"
-    return None
+        raise ValueError("'messages' must be a non-empty list of {role, content}")
+    plain = []
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES):
+            raise ValueError(A_MESSAGE)
+        content = m.get("content")
+        if isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content):
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ValueError(A_MESSAGE)
+        plain.append({"role": m["role"], "content": content})
+    return plain
 
 
 def file_identity(path: Path):

@@ -606,3 +606,19 @@ def test_a_malformed_prompt_or_parameter_is_a_value_error_that_names_it(offline,
     with pytest.raises(ValueError, match=re.escape(says)):
         call(offline)
     assert not offline.engine.has_unfinished()
+
+
+def test_content_as_text_parts_is_read_as_vllm_reads_it_and_other_parts_get_a_400(server, client,
+                                                                                  offline):
+    # OpenAI's clients may send a message's content as parts; vLLM joins text parts by newlines.
+    parts = [{"type": "text", "text": PROMPTS[8]}, {"type": "text", "text": "Briefly."}]
+    joined = [{"role": "user", "content": PROMPTS[8] + "\n" + "Briefly."}]
+    served = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                     "content": parts}], **GREEDY)
+    [expected] = offline.chat(joined, SamplingParams(**GREEDY), use_tqdm=False)
+    assert served.choices[0].message.content == expected.outputs[0].text
+    image = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]
+    for content in (image, [], 7):
+        response = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
+            "model": "tiny", "messages": [{"role": "user", "content": content}]})
+        assert response.status_code == 400 and "text parts" in response.json()["error"]["message"]
