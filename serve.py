@@ -30,7 +30,8 @@ import sys
 import time
 
 from plumbing.cli import (HelpFormatter, UserError, chat_messages, first_paragraph,
-                          format_bytes, one_paragraph_errors, per_token, positive_int, require_packages)
+                          format_bytes, one_paragraph_errors, per_token, positive_int,
+                          require_packages)
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
