@@ -164,10 +164,12 @@ def snapshot(engine) -> dict:
         "num_requests_waiting": len(engine.scheduler.waiting),
         "kv_blocks_used": manager.num_used_blocks,
         "kv_blocks_free": manager.num_free_blocks,
+        "kv_cache_usage_perc": manager.num_used_blocks / manager.num_blocks,  # vLLM's: a fraction
         "kv_reserved_bytes": reserved * per_token,
         "kv_filled_bytes": (reserved - unfilled) * per_token,
         "kv_unfilled_bytes": unfilled * per_token,
         "num_preemptions_total": getattr(engine.scheduler, "num_preemptions", 0),
+        "prompt_tokens_total": engine.num_prompt_tokens,
         "generation_tokens_total": engine.num_generated_tokens,
         "request_success_total": engine.num_finished,
     }

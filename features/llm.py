@@ -295,7 +295,7 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}  # by row
         self.tokenizer, self.max_seq_len = self.run.tokenizer, self.run.args.max_seq_len
         self.stop_ids = self.tokenizer.stop_ids
-        self.num_generated_tokens = self.num_finished = 0
+        self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
         self._steps = None
         self._ids = itertools.count()
         if self.run.args.compile:
@@ -315,7 +315,7 @@ class LLMEngine:
                                                         ignore_eos=True))
             while self.has_unfinished():
                 self.step()
-        self.num_generated_tokens = self.num_finished = 0
+        self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -357,6 +357,7 @@ class LLMEngine:
             self.engine.last_tokens[request.row] = last_token[0]
             self.sequences[request.row] = Sequence(request, request_id, index, params)
             self.scheduler.waiting.append(request)
+        self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
         return request_id
 
     def abort(self, request_id: str) -> None:

@@ -191,7 +191,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
-        assert metrics(server)["kv_blocks_used"] > 0
+        m = metrics(server)  # one snapshot: vLLM's usage is the used blocks' share
+        assert m["kv_blocks_used"] > 0 and m["kv_cache_usage_perc"] == pytest.approx(
+            m["kv_blocks_used"] / (m["kv_blocks_used"] + m["kv_blocks_free"]))
     for _ in range(100):  # the engine frees them at its next step
         m = metrics(server)
         if m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0:
@@ -622,3 +624,12 @@ def test_content_as_text_parts_is_read_as_vllm_reads_it_and_other_parts_get_a_40
         response = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
             "model": "tiny", "messages": [{"role": "user", "content": content}]})
         assert response.status_code == 400 and "text parts" in response.json()["error"]["message"]
+
+
+def test_metrics_count_a_requests_prompt_tokens_once_whatever_its_n(server, client):
+    before = metrics(server)
+    ids = list(range(1000, 1037))  # 37 prompt tokens, 2 samples sharing them
+    client.completions.create(model="tiny", prompt=ids, n=2, max_tokens=3, temperature=1, seed=1)
+    after = metrics(server)
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 37
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 6
