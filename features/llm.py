@@ -75,6 +75,11 @@ def allocate_kv_cache(cache: str, run):
     return features.SCRIPTS[f"llama3_{cache}.py"][2](run)
 
 
+def is_whole_number(value) -> bool:
+    """An int (numpy's too), and not a bool, which Python counts as one."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
@@ -92,12 +97,11 @@ class SamplingParams:
         """A ValueError naming the first parameter out of range (serve.py answers it with 400)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-        for name, ok in [("max_tokens", whole(self.max_tokens) and self.max_tokens >= 1),
-                         ("n", whole(self.n) and self.n >= 1),
+        for name, ok in [("max_tokens", is_whole_number(self.max_tokens) and self.max_tokens >= 1),
+                         ("n", is_whole_number(self.n) and self.n >= 1),
                          ("temperature", 0 <= self.temperature <= 100),
                          ("top_p", 0 < self.top_p <= 1),
-                         ("top_k", whole(self.top_k) and self.top_k >= -1),
+                         ("top_k", is_whole_number(self.top_k) and self.top_k >= -1),
                          ("seed", self.seed is None or 0 <= self.seed < 2**63),
                          ("stop", all(isinstance(s, str) and s for s in self.stop))]:
             if not ok:
@@ -456,8 +460,7 @@ class LLM:
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt)
-        if isinstance(prompt, (list, tuple)) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(map(is_whole_number, prompt)):
             return [int(t) for t in prompt]
         raise ValueError(f"a prompt is a text, a list of token ids, {{'prompt': text}} or "
                          f"{{'prompt_token_ids': ids}}, not {str(prompt)[:80]}")
