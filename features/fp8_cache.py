@@ -12,10 +12,11 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   tensor is all the kernel needs (it multiplies the scores and the output once); finer scales
   would buy range, which a float format has plenty of, and a later token past the headroom is
   clamped to +-448 rather than overflowing.
-- Writes quantize; prefill attends over the fresh bf16 K and V, as the lesson's does; decode reads
-  float8. flash-attn 2 cannot read float8, so on CUDA the decode goes through the Triton kernel
-  (features/triton_attention.py), which converts each tile to bf16 in registers and folds the
-  scales into the scores and the output; the PyTorch reference dequantizes the blocks it gathers.
+- Writes quantize (on CUDA in one kernel: features/fp8_write.py); prefill attends over the
+  fresh bf16 K and V, as the lesson's does; decode reads float8. flash-attn 2 cannot read
+  float8, so on CUDA the decode goes through the Triton kernel (features/triton_attention.py),
+  which converts each tile to bf16 in registers and folds the scales into the scores and the
+  output; the PyTorch reference dequantizes the blocks it gathers.
 - A prompt after a cached prefix (a system prompt's blocks, features/prefix_cache.py) reads the
   prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
   those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the
@@ -83,7 +84,11 @@ class Float8Writes:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # over all, as one process's scale
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
-        # float8 has no index_copy_ kernel: the same bytes, written as uint8
+        if k.is_cuda and self.attention_backend.name != "torch":  # one kernel, not ten
+            from features.fp8_write import write_float8_rows
+            return write_float8_rows(k, v, batch.slot_mapping, key_slots, value_slots,
+                                     self.scales[layer], FP8_MAX)
+        # The reference: float8 has no index_copy_ kernel, so the same bytes go as uint8.
         for slots, fresh, scale in ((key_slots, k, self.scales[layer, 0]),
                                     (value_slots, v, self.scales[layer, 1])):
             slots.view(torch.uint8).index_copy_(0, batch.slot_mapping,

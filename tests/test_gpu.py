@@ -226,6 +226,32 @@ def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(g
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # 8B's rows; rows of 192, padded to 256
+def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_kv, d):
+    from types import SimpleNamespace
+    from features.fp8_cache import FP8, FP8_MAX, Float8Writes
+    g = torch.Generator(device="cuda").manual_seed(n_kv)
+    tokens, num_slots = 300, 1000
+    qkv = (torch.randn(tokens, 6 * n_kv, d, device="cuda", generator=g) * 3).to(dtype)
+    k, v = qkv[:, 4 * n_kv:5 * n_kv], qkv[:, 5 * n_kv:]  # rows strided, as the model's split gives
+    batch = DecodeBatch(torch.randperm(num_slots, device="cuda", generator=g)[:tokens], None, None, 0)
+    pools = []
+    for backend in ("torch", "flash"):  # the PyTorch reference's write, then the kernel's
+        writer = Float8Writes()
+        writer.attention_backend = SimpleNamespace(name=backend)
+        writer.init_scales(1, "cuda")
+        writer.scales[0] = torch.tensor([0.01, 0.02])  # |k| / 0.01 reaches ~1,200: past 448
+        writer.scaled = [True]
+        slots = [torch.zeros(num_slots, n_kv, d, dtype=FP8, device="cuda") for _ in range(2)]
+        writer.write_float8(0, k, v, batch, *slots)
+        pools.append([pool.view(torch.uint8) for pool in slots])
+    (key_reference, value_reference), (key_kernel, value_kernel) = pools
+    assert (key_reference.view(FP8).float().abs() == FP8_MAX).any()  # the clamp was exercised
+    assert torch.equal(key_kernel, key_reference) and torch.equal(value_kernel, value_reference)
+
+
+@needs_triton
 def test_an_fp8_cache_gives_the_same_tokens_through_the_reference_and_the_triton_kernel():
     from features.fp8_cache import FP8KVCache
     from features.triton_attention import TritonDecode
