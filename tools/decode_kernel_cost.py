@@ -4,9 +4,9 @@
     python tools/decode_kernel_cost.py                      # W's and W2's lengths, blocks of 256 and 16
     python tools/decode_kernel_cost.py --cases W W-16 --tiles 64,128 --warps 4,8
 
-Each case is a batch of requests with random lengths (uniform between two bounds), their K/V of
-random values in blocks scattered over the pool, Llama 3 8B's heads (32 query heads, 8 K/V heads
-of 128). Each kernel is captured as a CUDA graph, as decode steps run it, so that Python's time to
+Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's
+are W2's own at its middle decode step), their K/V of random values in blocks scattered over the
+pool, Llama 3 8B's heads (32 query heads, 8 K/V heads of 128). Each kernel is captured as a CUDA graph, as decode steps run it, so that Python's time to
 launch it is not counted (a Triton launch from Python takes tens of microseconds, as long as the
 kernel at W's lengths), and the replays are timed with CUDA events after a warm-up (medians). Each
 is set against reading the same K/V at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up
@@ -35,19 +35,21 @@ from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds, write_an
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
 # name: (batch, fewest tokens, most tokens, block size). W's requests halfway through their 256
 # new tokens; W2's at a typical step (batch 220, replies of up to 2,048 tokens); W2 at batch 512.
+# W2-median: not drawn, W2's own requests at its decode step of median batch (below).
 CASES = {
     "W": (256, 140, 400, 256),
     "W2": (220, 200, 2400, 256),
     "W2-512": (512, 200, 2400, 256),
     "W-16": (256, 140, 400, 16),
     "W2-16": (220, 200, 2400, 16),
+    "W2-median": (None, None, None, 256),
 }
 
 
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                   help="batches to time (default: all; -16: blocks of 16)")
+                   help="batches to time (default: all; -16: blocks of 16; W2-median: W2's middle step)")
     p.add_argument("--tiles", type=positive_int_list, default=[64, 128],
                    help="tokens the Triton kernel loads per step, powers of 2")
     p.add_argument("--warps", type=positive_int_list, default=[4, 8],
@@ -62,11 +64,34 @@ def parse_arguments(argv=None):
     return a
 
 
-def one_case(batch: int, fewest: int, most: int, block_size: int, device) -> dict:
+def w2_median_step_lengths() -> list[int]:
+    """Each running request's cached tokens at W2's decode step of median batch (tools/bench.py
+    --workload W2): its prompt and the tokens made so far. The H200's pool holds all 2,000
+    requests, so every prompt is prefilled before the first decode step; then each request
+    grows a token a step until its reply's length (end-of-text ignored), its first token from
+    the prefill: a reply of r tokens runs decode steps 0 .. r - 2."""
+    from tools.bench import WORKLOADS
+    from plumbing.inputs import load_prompts, load_tokenizer
+    w2 = WORKLOADS["W2"]
+    prompts = load_prompts(w2["num_requests"], load_tokenizer())
+    prompt_lens = [len(p.prompt_tokens) for p in prompts]
+    replies = [min(p.num_reply_tokens, w2["new_tokens"], w2["max_seq_len"] - n)
+               for p, n in zip(prompts, prompt_lens)]
+    step = (max(replies) - 1) // 2  # the batch only shrinks: the middle step has the median one
+    return [n + step + 1 for n, r in zip(prompt_lens, replies) if r - 2 >= step]
+
+
+def one_case(name: str, device) -> dict:
     """The kernels' inputs: q [B, 32, 128], a pool [blocks, block_size, 8, 128] for K and for V,
     a block table [B, max_blocks] over a random permutation of the pool, the lengths [B]."""
+    batch, fewest, most, block_size = CASES[name]
     g = torch.Generator(device=device).manual_seed(0)
-    lengths = torch.randint(fewest, most + 1, (batch,), device=device, generator=g, dtype=torch.int32)
+    if name == "W2-median":
+        lengths = torch.tensor(w2_median_step_lengths(), device=device, dtype=torch.int32)
+        batch = len(lengths)
+    else:
+        lengths = torch.randint(fewest, most + 1, (batch,), device=device, generator=g,
+                                dtype=torch.int32)
     blocks_each = [math.ceil(n / block_size) for n in lengths.tolist()]
     order = torch.randperm(sum(blocks_each), device=device, generator=g).int()
     table = torch.zeros(batch, max(blocks_each), dtype=torch.int32, device=device)
@@ -77,6 +102,7 @@ def one_case(batch: int, fewest: int, most: int, block_size: int, device) -> dic
     values = torch.randn(pool, device=device, generator=g).bfloat16()
     q = torch.randn(batch, N_HEADS, HEAD_DIM, device=device, generator=g).bfloat16()
     return {"q": q, "keys": keys, "values": values, "table": table, "lengths": lengths,
+            "batch": batch, "block_size": block_size,
             "kv_bytes": int(lengths.sum()) * 2 * N_KV_HEADS * HEAD_DIM * 2}
 
 
@@ -88,8 +114,8 @@ def measure(a) -> dict:
     bandwidth = copy_bandwidth(device)
     cases = []
     for name in a.cases:
-        batch, fewest, most, block_size = CASES[name]
-        c = one_case(batch, fewest, most, block_size, device)
+        c = one_case(name, device)
+        batch, block_size = c["batch"], c["block_size"]
         row = {"case": name, "batch": batch, "block_size": block_size, "kv_bytes": c["kv_bytes"],
                "floor_seconds": c["kv_bytes"] / bandwidth, "flash_seconds": None, "triton": []}
         flash_out = None
