@@ -40,6 +40,10 @@ def test_the_requests_are_bench_py_s_workloads():
     tokenizer = load_tokenizer(None, None)
     prompts, budgets = workload_requests(load_prompts(a.num_requests, tokenizer), tokenizer, a)
     assert (len(prompts), sum(map(len, prompts)), sum(budgets)) == (2000, 259_368, 555_640)
+    # --new-tokens as bench.py's: 1 leaves the prefill alone, for both engines
+    one = parse_arguments(["somewhere", "--workload", "W2", "--new-tokens", "1"])
+    assert workload_requests(load_prompts(50, tokenizer), tokenizer, one)[1] == [1] * 50
+    assert bench_arguments(["paged", "--workload", "W2", "--new-tokens", "1"]).new_tokens == 1
     w = parse_arguments(["somewhere"])
     assert vars(bench_arguments(["paged"])).items() >= {
         k: getattr(w, k) for k in ("num_requests", "new_tokens", "max_seq_len")}.items()

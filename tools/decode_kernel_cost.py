@@ -49,7 +49,8 @@ CASES = {
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                   help="batches to time (default: all; -16: blocks of 16; W2-median: W2's middle step)")
+                   metavar="CASE",
+                   help=f"{', '.join(CASES)} (default: all; -16: blocks of 16)")
     p.add_argument("--tiles", type=positive_int_list, default=[64, 128],
                    help="tokens the Triton kernel loads per step, powers of 2")
     p.add_argument("--warps", type=positive_int_list, default=[4, 8],

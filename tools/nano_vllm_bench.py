@@ -44,6 +44,8 @@ def parse_arguments(argv=None):
                    help="nano-vllm's source: the folder that holds its nanovllm package")
     p.add_argument("--workload", choices=WORKLOADS, default="W", help="as tools/bench.py's")
     p.add_argument("--num-requests", type=positive_int, help="default: the workload's")
+    p.add_argument("--new-tokens", type=positive_int,
+                   help="new tokens per request, at most (default: the workload's; 1: prefill)")
     p.add_argument("--max-num-seqs", type=positive_int, default=512,
                    help="nano-vllm's most sequences per step")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=16384,
