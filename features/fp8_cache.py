@@ -86,8 +86,9 @@ class Float8Writes:
             self.scaled[layer] = True
         if k.is_cuda and self.attention_backend.name != "torch":  # one kernel, not ten
             from features.fp8_write import write_float8_rows
-            return write_float8_rows(k, v, batch.slot_mapping, key_slots, value_slots,
-                                     self.scales[layer], FP8_MAX)
+            write_float8_rows(k, v, batch.slot_mapping, key_slots, value_slots,
+                              self.scales[layer], FP8_MAX)
+            return
         # The reference: float8 has no index_copy_ kernel, so the same bytes go as uint8.
         for slots, fresh, scale in ((key_slots, k, self.scales[layer, 0]),
                                     (value_slots, v, self.scales[layer, 1])):

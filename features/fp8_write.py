@@ -5,9 +5,9 @@ divide by the layer's scale, clamp to float8's range, cast, and copy into the to
 ten kernels a layer, each a few microseconds for a decode step's few hundred rows, where the
 16-bit cache launches two. Here one program takes one token: it reads the token's K row and V
 row, quantizes them in registers and stores them in its slot (W2 with the FP8 cache ran 1.06x
-faster for it on the H200, docs/fp8.md).
-The same float32 arithmetic in the same order (an IEEE division, round-to-nearest-even into
-e4m3), so the bytes are those of the PyTorch write: tests/test_gpu.py holds them equal.
+faster for it on the H200, docs/fp8.md). It does the same float32 arithmetic in the same order
+(an IEEE division, round-to-nearest-even into e4m3), so the bytes are those of the PyTorch
+write: tests/test_gpu.py holds them equal.
 """
 
 import triton

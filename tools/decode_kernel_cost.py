@@ -6,11 +6,12 @@
 
 Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's
 are W2's own at its middle decode step), their K/V of random values in blocks scattered over the
-pool, Llama 3 8B's heads (32 query heads, 8 K/V heads of 128). Each kernel is captured as a CUDA graph, as decode steps run it, so that Python's time to
-launch it is not counted (a Triton launch from Python takes tens of microseconds, as long as the
-kernel at W's lengths), and the replays are timed with CUDA events after a warm-up (medians). Each
-is set against reading the same K/V at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up
-only; with blocks of 16 the Triton kernel is timed alone.
+pool, Llama 3 8B's heads (32 query heads, 8 K/V heads of 128). Each kernel is captured as a CUDA
+graph, as decode steps run it, so that Python's time to launch it is not counted (a Triton launch
+from Python takes tens of microseconds, as long as the kernel at W's lengths), and the replays
+are timed with CUDA events after a warm-up (medians). Each is set against reading the same K/V
+at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up only; with
+blocks of 16 the Triton kernel is timed alone.
 """
 
 import argparse
