@@ -31,7 +31,7 @@ from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
 from features.virtual_memory import DriverError, DriverOutOfMemory
 from features import run as features
 from features.report import report
-from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, format_bytes,
+from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, format_bytes, importable,
                           one_paragraph_errors)
 
 
@@ -46,12 +46,12 @@ def add_layout_arguments(parser):
 def require_cuda_and_flash_attn(args) -> None:
     """Checked from the flags, before minutes of loading the model."""
     if (args.device.type != "cuda" or args.attn not in ("auto", "flash")
-            or not features.importable("flash_attn")):
+            or not importable("flash_attn")):
         raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn (its "
                         "non-paged kernel, or with --kv-cache-dtype fp8 its prefill beside the "
                         "Triton decode): it needs --device cuda and flash-attn (--attn flash or "
                         "auto).")
-    if not features.importable("cuda.bindings"):
+    if not importable("cuda.bindings"):
         raise UserError("llama3_virtual.py maps GPU memory with CUDA's virtual memory API, which "
                         "Python reaches through the cuda-python package: `pip install cuda-python`.")
 

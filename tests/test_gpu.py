@@ -16,7 +16,7 @@ from features.cached_prefix import (CachedPrefillBatch, FlashAttentionAfterPrefi
 from features.cuda_graphs import KVCacheWithSpareSlot
 from conftest import generate
 from features.sharing import SharingBlockManager
-from features.run import importable
+from plumbing.cli import importable
 from block_manager import BlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama

@@ -24,13 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("decode_kernel_cost.py")  # before torch loads
 
-from plumbing.cli import UserError
+from plumbing.cli import UserError, importable
 
 import torch
 
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int_list,
                           writable_file)
-from features.run import importable
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds, write_and_print
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
@@ -72,15 +71,13 @@ def w2_median_step_lengths() -> list[int]:
     requests, so every prompt is prefilled before the first decode step; then each request
     grows a token a step until its reply's length (end-of-text ignored), its first token from
     the prefill: a reply of r tokens runs decode steps 0 .. r - 2."""
-    from tools.bench import WORKLOADS
+    from tools import bench
     from plumbing.inputs import load_prompts, load_tokenizer
-    w2 = WORKLOADS["W2"]
-    prompts = load_prompts(w2["num_requests"], load_tokenizer())
-    prompt_lens = [len(p.prompt_tokens) for p in prompts]
-    replies = [min(p.num_reply_tokens, w2["new_tokens"], w2["max_seq_len"] - n)
-               for p, n in zip(prompts, prompt_lens)]
+    w2, tokenizer = bench.parse_arguments(["paged", "--workload", "W2"]), load_tokenizer()
+    prompts, replies = bench.workload_requests(load_prompts(w2.num_requests, tokenizer),
+                                               tokenizer, w2)
     step = (max(replies) - 1) // 2  # the batch only shrinks: the middle step has the median one
-    return [n + step + 1 for n, r in zip(prompt_lens, replies) if r - 2 >= step]
+    return [len(p) + step + 1 for p, r in zip(prompts, replies) if r - 2 >= step]
 
 
 def one_case(name: str, device) -> dict:

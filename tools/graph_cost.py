@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("graph_cost.py")  # before torch loads
 
-from plumbing.cli import UserError
+from plumbing.cli import UserError, importable
 
 import numpy as np
 import torch
@@ -34,7 +34,6 @@ from plumbing.inputs import random_model
 from llama3_paged import Llama
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
                           positive_int_list, writable_file)
-from features.run import importable
 from tools.bench import decode_flops_per_token, step_floor_seconds, weight_bytes_read_per_step
 from tools.shared import (as_graph, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
                           write_and_print)
