@@ -32,6 +32,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 
 from plumbing.cli import UserError
@@ -85,19 +86,22 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
 
 
 def drain(commands, inbox: queue.Queue) -> None:
-    """The server's messages into the engine's queue, as they come. The pipe closes when the
-    server's process ends, however it ends: then this one ends too."""
+    """The server's messages into the engine's queue, as they come, each with the time it came:
+    a request's latencies count from there, as an in-process request's count from its arrival,
+    the wait for the engine's next turn included. The pipe closes when the server's process
+    ends, however it ends: then this one ends too."""
     while True:
         try:
-            inbox.put(commands.recv())
+            inbox.put((commands.recv(), time.perf_counter()))
         except (EOFError, OSError):
             os._exit(0)
 
 
 def serve(engine, inbox: queue.Queue, results) -> None:
     sent_chars = {}  # (request id, sample) -> characters of its text sent: only new text travels
-    # From a request's arrival at the engine to its first and last token on the host, on the
-    # scheduler's clock: what tools/latency_sweep.py measures in one process
+    # From a request's arrival at the engine's process to its first and last token on the host:
+    # what tools/latency_sweep.py measures in one process, so that a client's time less these is
+    # HTTP's own (tools/serve_bench.py prints both)
     first_token, end_to_end = Histogram(), Histogram()
 
     def metrics() -> dict:
@@ -129,7 +133,7 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
     took = False
     while True:
         try:
-            command = inbox.get(block=block, timeout=0.5 if block else None)
+            command, received = inbox.get(block=block, timeout=0.5 if block else None)
         except queue.Empty:
             return took
         took, block = True, False
@@ -139,7 +143,8 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
         _, request_id, prompt, params = command
         try:
             tokens = prompt_tokens(engine.tokenizer, prompt)
-            engine.add_request(tokens, SamplingParams(**params), request_id)
+            arrived = engine.scheduler.now() - (time.perf_counter() - received)  # its clock
+            engine.add_request(tokens, SamplingParams(**params), request_id, arrival_time=arrived)
             results.send(("added", request_id, len(tokens), None, None))
         except QueueFull as e:
             results.send(("added", request_id, None, "full", str(e)))

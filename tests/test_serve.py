@@ -395,6 +395,22 @@ def test_metrics_time_each_request_to_its_first_and_last_token(server, client):
     assert 0 < added(after, "time_to_first_token_seconds") < added(after, "e2e_request_latency_seconds")
 
 
+def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_process(offline):
+    """A request that waited in the engine's inbox for the engine's next turn (here half a
+    second) counts that wait, as an in-process request counts its wait from its arrival: so
+    that a client's time to first token less the server's is HTTP's alone."""
+    import queue
+    from features.engine_process import take_commands
+    engine, inbox, answers = offline.engine, queue.Queue(), []
+    command = ("add", "waited", {"ids": [1, 2, 3]}, {"max_tokens": 2, "temperature": 0})
+    inbox.put((command, time.perf_counter() - 0.5))
+    assert take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False)
+    assert answers == [("added", "waited", 3, None, None)]
+    request = next(s.request for s in engine.sequences.values() if s.request_id == "waited")
+    assert 0.5 <= engine.scheduler.now() - request.arrival_time < 5
+    engine.abort("waited")
+    assert not engine.has_unfinished()
+
 def test_one_sampling_params_per_prompt_gives_each_prompt_its_own_answer(offline):
     """LLM.generate(prompts, [params, ...]) as vLLM takes it: each prompt's output is the one it
     gets alone with its own parameters, though they run in one batch."""

@@ -18,8 +18,9 @@ whole run; TTFT (send to first token), TPOT (the rest of the request's time over
 and ITL (gaps between streamed chunks), each as mean, median and p99; and latency_sweep's
 figure, the mean normalized latency (arrival to last token, over output tokens). Where the server
 serves latency histograms on /metrics (serve.py, vLLM), their means over this run's requests
-too: the server's own measure (serve.py's from when its engine takes the request), so that the
-client's figures less serve.py's are HTTP's and the wait for the engine to take a request.
+too: the server's own measure (serve.py's from a request's arrival at its engine's process, as
+latency_sweep.py's from an arrival), so that the client's figures less serve.py's are HTTP's own,
+measured on the same requests in the same run.
 """
 
 import argparse
@@ -192,11 +193,12 @@ def print_report(r: dict) -> None:
     print(f"  mean normalized latency {r['mean_normalized_latency']:.4f} s/token")
     server = r.get("server_mean_seconds")
     if server and server["time_to_first_token_seconds"] is not None:
-        print(f"  in the engine (the server's /metrics, from when the engine took the request): "
-              f"mean TTFT {server['time_to_first_token_seconds'] * 1e3:.1f} ms, mean end-to-end "
-              f"{server['e2e_request_latency_seconds'] * 1e3:.1f} ms; the rest of the client's "
-              f"mean TTFT ({r['ttft_seconds']['mean'] * 1e3:.1f} ms) is HTTP and the wait for "
-              f"the engine to take it")
+        inside, client = server["time_to_first_token_seconds"], r["ttft_seconds"]["mean"]
+        print(f"  in the engine (the server's /metrics, from a request's arrival at the engine's "
+              f"process): mean TTFT {inside * 1e3:.1f} ms, mean end-to-end "
+              f"{server['e2e_request_latency_seconds'] * 1e3:.1f} ms; HTTP's own share of the "
+              f"client's mean TTFT: {(client - inside) * 1e3:.1f} ms (the client's send, the "
+              f"server's handler, the pipes both ways)")
     if r["busiest_client_cpu_share"] > BUSY_CLIENT:
         print(f"  The busiest client process used {r['busiest_client_cpu_share']:.0%} of a core: "
               f"its own delays count in these times. More --clients spread the load.")
