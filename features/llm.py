@@ -372,8 +372,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that changed (new tokens or finished)."""
+        """Run one step; return the sequences that changed (new tokens or finished). In
+        inference mode, as the scripts' Engine.generate runs and the CUDA graphs were captured:
+        no autograd, and compiled layers meet the mode they were compiled in (a step in another
+        would recompile every layer, tens of seconds: on an H200 a server at 64 requests/s
+        stalled so when its batch first outgrew the graphs' 512 rows)."""
         if not self.scheduler.has_work():
             return []
         if self._steps is None:

@@ -648,7 +648,8 @@ def test_launching_a_prefill_never_waits_for_the_gpu():
     assert step.kind == "prefill" and engine.engine.in_flight is not None
     torch.cuda.set_sync_debug_mode("error")
     try:
-        engine.engine.launch(step, engine.scheduler)
+        with torch.inference_mode():  # as LLMEngine.step launches it
+            engine.engine.launch(step, engine.scheduler)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
