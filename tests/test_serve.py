@@ -274,7 +274,11 @@ def test_a_stop_string_ends_the_text_just_before_it(client, offline):
 
 @pytest.mark.parametrize("clients", ["1", "3"])
 def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients):
-    """From one process or several (each every third request), the same requests."""
+    """From one process or several (each every third request), the same requests: the server
+    counts the workload's prompt tokens, sent as ids."""
+    from plumbing.inputs import load_prompts, load_tokenizer
+    sent = sum(len(p.prompt_tokens) for p in load_prompts(6, load_tokenizer()))
+    before = metrics(server)["prompt_tokens_total"]
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "serve_bench.py"), "--base-url",
                           server + "/v1", "--api-key", KEY, "--num-prompts", "6", "--request-rate",
                           "20", "--max-tokens", "5", "--json", str(tmp_path / "b.json"),
@@ -283,6 +287,7 @@ def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients
     assert out.returncode == 0, out.stderr
     record = json.loads((tmp_path / "b.json").read_text())
     assert record["requests"] == 6 and record["output_tokens"] == 6 * 5  # every reply is longer
+    assert metrics(server)["prompt_tokens_total"] - before == sent
     assert 0 < record["ttft_seconds"]["median"] <= record["ttft_seconds"]["p99"]
     assert "TTFT" in out.stdout
     # the server's own means, from its /metrics: inside the client's, which add the HTTP path
@@ -410,6 +415,17 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     assert 0.5 <= engine.scheduler.now() - request.arrival_time < 5
     engine.abort("waited")
     assert not engine.has_unfinished()
+
+def test_the_served_engine_runs_the_model_in_inference_mode(offline, monkeypatch):
+    """As the scripts' Engine.generate and the CUDA graphs' capture: a step in another mode
+    would build autograd's graph, and recompile compiled layers for the new mode."""
+    import torch
+    model, modes = offline.engine.run.model, []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(
+        torch.is_inference_mode_enabled()) or forward(*a, **k))
+    offline.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert modes and all(modes)
 
 def test_one_sampling_params_per_prompt_gives_each_prompt_its_own_answer(offline):
     """LLM.generate(prompts, [params, ...]) as vLLM takes it: each prompt's output is the one it
