@@ -143,7 +143,8 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
         _, request_id, prompt, params = command
         try:
             tokens = prompt_tokens(engine.tokenizer, prompt)
-            arrived = engine.scheduler.now() - (time.perf_counter() - received)  # its clock
+            waited = time.perf_counter() - received  # in the inbox, for the engine's turn
+            arrived = engine.scheduler.now() - waited  # on the scheduler's clock
             engine.add_request(tokens, SamplingParams(**params), request_id, arrival_time=arrived)
             results.send(("added", request_id, len(tokens), None, None))
         except QueueFull as e:

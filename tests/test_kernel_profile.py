@@ -49,4 +49,49 @@ def test_a_matmul_loop_is_counted_as_matmuls_and_the_classes_add_up_to_the_wall(
     p = kernel_profile.profile_seconds(matmuls)
     busy = sum(p["seconds"].values()) - p["seconds"]["gaps"]
     assert p["seconds"]["matmul"] > 0.9 * busy
+    assert sum(p["kernel_seconds"].values()) == pytest.approx(busy)  # every kernel, by name
     assert sum(p["seconds"].values()) == pytest.approx(p["wall_seconds"], rel=1e-6)
+
+
+def fake_profile(kernel_seconds: dict) -> dict:
+    seconds = dict.fromkeys(kernel_profile.CLASS_ORDER, 0.0)
+    for name, s in kernel_seconds.items():
+        seconds[kernel_profile.kernel_class(name)] += s
+    return {"seconds": seconds, "wall_seconds": sum(seconds.values()), "kernel_seconds": kernel_seconds}
+
+
+def test_a_kernels_decode_time_is_the_whole_runs_less_the_prefill_runs_per_decoded_token(monkeypatch):
+    runs = iter([fake_profile({"nvjet_gemm": 0.5, "store_kvcache_kernel": 0.1}),  # prefill only
+                 fake_profile({"nvjet_gemm": 0.9, "store_kvcache_kernel": 0.3, "argmax": 0.02})])
+    monkeypatch.setattr(kernel_profile, "profile_seconds", lambda run: next(runs))
+    p = kernel_profile.profile_engine(lambda prompts, budgets: None, [[1, 2]] * 4, [11] * 4)
+    assert p["decoded_tokens"] == 4 * 10  # the first token of each came from prefill
+    per_token = p["decode_kernel_seconds_per_token"]
+    assert per_token["nvjet_gemm"] == pytest.approx(0.4 / 40)
+    assert per_token["store_kvcache_kernel"] == pytest.approx(0.2 / 40)
+    assert per_token["argmax"] == pytest.approx(0.02 / 40)
+    assert p["decode_seconds_per_token"]["matmul"] == pytest.approx(0.4 / 40)
+
+
+def test_kernels_lists_each_profiles_largest_kernels_first(tmp_path, capsys, monkeypatch):
+    runs = iter([fake_profile({"nvjet_gemm": 0.5, "flash_fwd_splitkv_kernel": 0.05}),
+                 fake_profile({"nvjet_gemm": 0.9, "flash_fwd_splitkv_kernel": 0.25,
+                               "index_copy_kernel_impl": 0.01})])
+    monkeypatch.setattr(kernel_profile, "profile_seconds", lambda run: next(runs))
+    ours = {"engine": "ours", "profile": kernel_profile.profile_engine(
+        lambda prompts, budgets: None, [[1, 2]] * 4, [11] * 4)}
+    old = {"engine": "old", "profile": {k: v for k, v in ours["profile"].items()
+                                        if k != "decode_kernel_seconds_per_token"}}
+    paths = []
+    for record in (ours, old):
+        paths.append(tmp_path / f"{record['engine']}.json")
+        paths[-1].write_text(json.dumps(record))
+    kernel_profile.main([str(p) for p in paths] + ["--kernels", "2"])
+    out = capsys.readouterr().out.splitlines()
+    decode = [line.split() for line in out if line.startswith("  decode")]
+    assert decode == [["decode", "10,000.00", "matmul", "nvjet_gemm"],  # 0.4 s over 40 tokens
+                      ["decode", "5,000.00", "attention", "flash_fwd_splitkv_kernel"]]
+    prefill = [line.split() for line in out if line.startswith("  prefill")]
+    assert [(row[1], row[3]) for row in prefill] == [("500.00", "nvjet_gemm"),
+                                                      ("50.00", "flash_fwd_splitkv_kernel")]
+    assert any("old: no kernel names" in line for line in out)

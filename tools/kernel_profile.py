@@ -3,6 +3,7 @@
     python tools/bench.py paged --profile ours.json              # ours: W's first 256 requests
     python tools/nano_vllm_bench.py NANO_VLLM_DIR --profile nano.json
     python tools/kernel_profile.py ours.json nano.json           # the table, side by side
+    python tools/kernel_profile.py ours.json nano.json --kernels 12   # and each one's largest kernels
 
 Each engine's profile is two runs of the same requests under torch.profiler (CUDA activities):
 prefill only (one new token each, which prefill computes) and the whole run (at most
@@ -28,7 +29,7 @@ exit_quietly_on_ctrl_c("kernel_profile.py")  # before torch loads
 import argparse
 
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph, json_file,
-                          one_paragraph_errors)
+                          one_paragraph_errors, positive_int)
 
 PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of W2 would not fit
 PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run
@@ -64,15 +65,16 @@ def profile_seconds(run) -> dict:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    seconds = dict.fromkeys(CLASS_ORDER, 0.0)
+    seconds, kernels = dict.fromkeys(CLASS_ORDER, 0.0), {}
     for event in trace.key_averages():
         own = getattr(event, "self_device_time_total", None)
         if own is None:  # torch before 2.4 said cuda
             own = event.self_cuda_time_total
         if own > 0:
             seconds[kernel_class(event.key)] += own / 1e6
+            kernels[event.key] = own / 1e6
     seconds["gaps"] = max(wall - sum(seconds.values()), 0.0)
-    return {"seconds": seconds, "wall_seconds": wall}
+    return {"seconds": seconds, "wall_seconds": wall, "kernel_seconds": kernels}
 
 
 def profile_engine(generate, prompts: list, budgets: list) -> dict:
@@ -89,7 +91,10 @@ def profile_engine(generate, prompts: list, budgets: list) -> dict:
     return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
             "decoded_tokens": decoded, "prefill": prefill, "whole": whole,
             "decode_seconds_per_token": {c: max(whole["seconds"][c] - prefill["seconds"][c], 0.0)
-                                         / max(decoded, 1) for c in CLASS_ORDER}}
+                                         / max(decoded, 1) for c in CLASS_ORDER},
+            "decode_kernel_seconds_per_token": {
+                name: (s - prefill["kernel_seconds"].get(name, 0.0)) / max(decoded, 1)
+                for name, s in whole["kernel_seconds"].items()}}
 
 
 def profile_json(text: str) -> dict:
@@ -121,16 +126,38 @@ def print_side_by_side(records: list[dict]) -> None:
     print(f"  {'all (wall)':22} {'':11}{pre}   {'':20}{dec}")
 
 
+def print_largest_kernels(records: list[dict], n: int) -> None:
+    """Each profile's n largest kernels by name, decode (per decoded token) and prefill: what
+    makes up a class."""
+    for record in records:
+        profile, name = record["profile"], record.get("engine", record["path"])
+        if "decode_kernel_seconds_per_token" not in profile:
+            print(f"\n{name}: no kernel names in this profile (written before --kernels): run it "
+                  f"again to list them")
+            continue
+        print(f"\n{name}: its {n} largest kernels in decode (us per decoded token) and prefill (ms)")
+        decode = sorted(profile["decode_kernel_seconds_per_token"].items(), key=lambda k: -k[1])
+        prefill = sorted(profile["prefill"]["kernel_seconds"].items(), key=lambda k: -k[1])
+        for part, kernels, scale in (("decode", decode, 1e6), ("prefill", prefill, 1e3)):
+            for kernel, seconds in kernels[:n]:
+                print(f"  {part:8}{scale * seconds:>9,.2f}  {kernel_class(kernel)[:12]:12}  "
+                      f"{kernel[:64]}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="kernel_profile.py", description=first_paragraph(__doc__),
                                 formatter_class=HelpFormatter)
     p.add_argument("profiles", nargs="+", type=profile_json,
                    help="--profile JSON files of tools/bench.py or tools/nano_vllm_bench.py")
+    p.add_argument("--kernels", type=positive_int, metavar="N",
+                   help="also list each profile's N largest kernels by name")
     a = p.parse_args(argv)
     with one_paragraph_errors("kernel_profile.py"):
         if len(a.profiles) > 4:
             raise UserError("At most 4 profiles side by side; give fewer files.")
         print_side_by_side(a.profiles)
+        if a.kernels:
+            print_largest_kernels(a.profiles, a.kernels)
 
 
 if __name__ == "__main__":
