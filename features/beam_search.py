@@ -106,6 +106,7 @@ class BeamResult:
     num_copied_blocks: int = 0
 
 
+@torch.inference_mode()  # as Engine.generate: the mode CUDA graphs and compiled layers were made in
 def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: list[int],
                 stop_ids=frozenset(), length_penalty: float = 0.0, progress=True) -> BeamResult:
     """Search K = width beams for each prompt, all prompts in one batch (static: every prompt's

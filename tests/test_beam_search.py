@@ -112,3 +112,14 @@ def test_the_script_reports_the_memory_sharing_saved_and_refuses_what_it_cannot_
     refused = run("--continuous")
     assert refused.returncode == 2 and "does not combine" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_beam_search_runs_the_model_in_inference_mode(models, monkeypatch):
+    """As Engine.generate and the CUDA graphs' capture: in another mode, compiled layers would
+    compile again for it."""
+    _, model = models
+    modes, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(
+        torch.is_inference_mode_enabled()) or forward(*a, **k))
+    our_beams(model, [[1, 2, 3]], 2, 3, stop_ids=set())
+    assert modes and all(modes)
