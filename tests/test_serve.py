@@ -418,8 +418,8 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
 
 
 def test_the_served_engine_runs_the_model_in_inference_mode(offline, monkeypatch):
-    """As the scripts' Engine.generate and the CUDA graphs' capture: a step in another mode
-    would build autograd's graph, and recompile compiled layers for the new mode."""
+    """As the scripts' Engine.generate and the CUDA graphs' capture: in another mode, compiled
+    layers would compile again for it."""
     import torch
     model, modes = offline.engine.run.model, []
     forward = model.forward
