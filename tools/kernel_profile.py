@@ -93,8 +93,8 @@ def profile_engine(generate, prompts: list, budgets: list) -> dict:
             "decode_seconds_per_token": {c: max(whole["seconds"][c] - prefill["seconds"][c], 0.0)
                                          / max(decoded, 1) for c in CLASS_ORDER},
             "decode_kernel_seconds_per_token": {
-                name: (s - prefill["kernel_seconds"].get(name, 0.0)) / max(decoded, 1)
-                for name, s in whole["kernel_seconds"].items()}}
+                name: max(s - prefill["kernel_seconds"].get(name, 0.0), 0.0) / max(decoded, 1)
+                for name, s in whole["kernel_seconds"].items()}}  # as the classes: never below 0
 
 
 def profile_json(text: str) -> dict:
