@@ -3,6 +3,7 @@
 import gc
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -631,6 +632,28 @@ def test_nccl_collectives_captured_in_cuda_graphs_give_the_one_process_tokens(tm
     nccl, stdout = tokens_of_run([*TORCHRUN, "1"], argv, tmp_path / "nccl.json")
     assert nccl == one
     assert "Captured" in stdout and "(nccl, each on a GPU of its own)" in stdout
+
+
+def test_beams_sharing_blocks_on_the_gpu_find_the_unshared_beams_and_recompile_nothing(tmp_path):
+    """The script's default GPU path (compiled layers, CUDA graphs, flash-attn, bf16): beams that
+    share their prompt's blocks, copied on write, find the beams that each hold their own, in
+    the same batches. beam_search drives the engine itself, in inference mode as the graphs were
+    captured: a step in grad mode would recompile every compiled layer (dynamo's grad_mode guard)."""
+    beams, logs = {}, {}
+    for name, extra in [("shared", []), ("unshared", ["--no-sharing"])]:
+        gc.collect()
+        torch.cuda.empty_cache()
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, "llama3_paged.py", "8", "--random-weights", "--model",
+                               "1b", "--beam-width", "4", "--json", str(out), *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "TORCH_LOGS": "recompiles"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        beams[name], logs[name] = json.loads(out.read_text())["beams"], done.stdout + done.stderr
+    tokens = {name: [[b["output_tokens"] for b in p] for p in found] for name, found in beams.items()}
+    assert tokens["shared"] == tokens["unshared"] and len(tokens["shared"]) == 8
+    assert "Captured" in logs["shared"] and "% saved" in logs["shared"]
+    assert not any("grad_mode" in log for log in logs.values())
 
 
 def test_launching_a_prefill_never_waits_for_the_gpu():
