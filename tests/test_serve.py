@@ -2,6 +2,7 @@
 random model in float32 on the CPU, a server on 127.0.0.1 and a free port, stopped by the test."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -287,6 +288,7 @@ def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients
     assert out.returncode == 0, out.stderr
     record = json.loads((tmp_path / "b.json").read_text())
     assert record["requests"] == 6 and record["output_tokens"] == 6 * 5  # every reply is longer
+    assert record["clients"] == int(clients)
     assert metrics(server)["prompt_tokens_total"] - before == sent
     assert 0 < record["ttft_seconds"]["median"] <= record["ttft_seconds"]["p99"]
     assert "TTFT" in out.stdout
@@ -295,6 +297,14 @@ def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients
     inside = record["server_mean_seconds"]
     assert 0 < inside["time_to_first_token_seconds"] < record["ttft_seconds"]["mean"]
     assert inside["time_to_first_token_seconds"] < inside["e2e_request_latency_seconds"]
+
+
+@pytest.mark.parametrize("rate, cores, expected", [(8, 16, 2), (9, 16, 3), (64, 16, 14),
+                                                   (64, 2, 1), (math.inf, 16, 14), (1, 1, 1)])
+def test_serve_bench_sends_from_a_process_per_4_requests_a_second_on_the_cores_left(rate, cores,
+                                                                                  expected):
+    from tools.serve_bench import auto_clients
+    assert auto_clients(rate, cores) == expected
 
 
 def engine_pid(server: subprocess.Popen) -> int:

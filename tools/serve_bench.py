@@ -9,9 +9,11 @@ tokenizer and sent as token ids to /v1/completions, each asking for its ShareGPT
 (at most --max-tokens) with `ignore_eos`, greedy, streamed; arriving as a Poisson process at
 --request-rate per second (features/arrivals.py's times, drawn with --seed). These are the
 requests tools/latency_sweep.py serves in one process, so the two can be set side by side.
-The openai package parses each streamed chunk in Python: past a few thousand chunks a second one
-process falls behind, and its own delay would count as the server's. --clients K sends the same
-requests, at the same times, from K processes.
+The openai package parses each streamed chunk in Python, and a client process busy with one
+stream's chunk delays the others': at 64 requests/s on an H100, 8 processes added 2.9 ms to
+HTTP's mean TTFT share against 14 (0.35 and 0.22 of a core for the busiest). --clients K sends
+the same requests, at the same times, from K processes; by default one per 4 requests/s, as
+many as the cores leave beside the server's two processes.
 
 Reported, as vLLM's `bench serve` reports them: request throughput and output tokens/s over the
 whole run; TTFT (send to first token), TPOT (the rest of the request's time over its other tokens)
@@ -26,6 +28,7 @@ measured on the same requests in the same run.
 import argparse
 import asyncio
 import math
+import os
 import statistics
 import sys
 import time
@@ -41,6 +44,7 @@ from plumbing.cli import (HelpFormatter, UserError, first_paragraph,
                           seed, write_json, writable_file)
 
 BUSY_CLIENT = 0.8  # of a core: past it a client process falls behind its own streams
+RATE_PER_CLIENT = 4  # requests/s a client process sends by default (see the docstring)
 
 
 def parse_arguments(argv=None):
@@ -55,11 +59,31 @@ def parse_arguments(argv=None):
     p.add_argument("--max-tokens", type=positive_int, default=2048,
                    help="most tokens a request asks for")
     p.add_argument("--seed", type=seed, default=0, help="of the arrival times")
-    p.add_argument("--clients", type=positive_int, default=1,
-                   help="processes that send the requests, each every K-th (one falls behind "
-                        "past a few thousand streamed chunks/s)")
+    p.add_argument("--clients", type=clients, default="auto",
+                   help="processes that send the requests, each every K-th; auto: one per "
+                        f"{RATE_PER_CLIENT} requests/s, up to the cores less the server's two")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.clients == "auto":
+        a.clients = auto_clients(a.request_rate, os.cpu_count() or 1)
+    return a
+
+
+def clients(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive whole number, got "
+                                         f"{text!r}") from None
+
+
+def auto_clients(rate: float, cores: int) -> int:
+    """One process per RATE_PER_CLIENT requests/s (every core for all at once), on the cores
+    that the server's HTTP and engine processes leave, and at least one."""
+    wanted = cores if math.isinf(rate) else math.ceil(rate / RATE_PER_CLIENT)
+    return max(1, min(wanted, cores - 2))
 
 
 def workload(a) -> tuple[list[list[int]], list[int], list[float]]:
@@ -190,8 +214,9 @@ def report(results: list[dict], wall: float) -> dict:
 
 def print_report(r: dict) -> None:
     ms = lambda s: f"mean {s['mean'] * 1e3:.1f}, median {s['median'] * 1e3:.1f}, p99 {s['p99'] * 1e3:.1f} ms"
-    print(f"{r['requests']:,} requests in {r['wall_seconds']:.1f} s: {r['request_throughput']:.2f} "
-          f"requests/s, {r['output_tokens_per_second']:,.0f} output tokens/s")
+    print(f"{r['requests']:,} requests in {r['wall_seconds']:.1f} s from {r['clients']} client "
+          f"process{'es' if r['clients'] > 1 else ''}: {r['request_throughput']:.2f} requests/s, "
+          f"{r['output_tokens_per_second']:,.0f} output tokens/s")
     print(f"  TTFT  {ms(r['ttft_seconds'])}\n  TPOT  {ms(r['tpot_seconds'])}\n  ITL   {ms(r['itl_seconds'])}")
     print(f"  mean normalized latency {r['mean_normalized_latency']:.4f} s/token")
     server = r.get("server_mean_seconds")
@@ -214,7 +239,8 @@ def main(argv=None) -> None:
         prompts, budgets, arrivals = workload(a)
         before = server_latency_sums(a.base_url)
         results, wall, client_cpu = send_load(a, prompts, budgets, arrivals)
-        record = report(results, wall) | {"busiest_client_cpu_share": client_cpu / wall}
+        record = report(results, wall) | {"clients": a.clients,
+                                          "busiest_client_cpu_share": client_cpu / wall}
         record["server_mean_seconds"] = server_means(before, server_latency_sums(a.base_url))
         if a.json:
             write_json(a, record)
