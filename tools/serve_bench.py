@@ -43,7 +43,7 @@ from plumbing.cli import (HelpFormatter, UserError, first_paragraph,
                           one_paragraph_errors, positive_int, request_rate, require_packages,
                           seed, write_json, writable_file)
 
-BUSY_CLIENT = 0.3  # of a core: past it a client's own delays show in its times (the docstring's 0.35)
+BUSY_CLIENT = 0.3  # of a core: past it a client's own delays show (the docstring's 0.35)
 RATE_PER_CLIENT = 4  # requests/s a client process sends by default (see the docstring)
 
 
