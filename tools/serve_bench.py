@@ -65,7 +65,7 @@ def parse_arguments(argv=None):
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
     if a.clients == "auto":
-        a.clients = auto_clients(a.request_rate, os.cpu_count() or 1)
+        a.clients = min(auto_clients(a.request_rate, os.cpu_count() or 1), a.num_prompts)
     return a
 
 
