@@ -121,3 +121,13 @@ def request(row: int, n: int, first: int = 0):
     """A request of n distinct prompt tokens, for the block manager's tests."""
     from features.request_state import ServedRequest
     return ServedRequest(row, tokens(n, first), max_new_tokens=1)
+
+
+def forward_modes(model, monkeypatch) -> list[bool]:
+    """Whether inference mode was on at each of the model's forward passes from now on: the
+    mode CUDA graphs are captured and compiled layers compiled in, which a pass in another mode
+    would compile again for."""
+    modes, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(
+        torch.is_inference_mode_enabled()) or forward(*a, **k))
+    return modes

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_hf_model
+from conftest import forward_modes, tiny_hf_model
 
 from block_manager import BlockManager
 from features.cached_prefix import (CachedPrefixEngine, KVCacheAfterPrefix, SamplingDecoder,
@@ -118,8 +118,6 @@ def test_beam_search_runs_the_model_in_inference_mode(models, monkeypatch):
     """As Engine.generate and the CUDA graphs' capture: in another mode, compiled layers would
     compile again for it."""
     _, model = models
-    modes, forward = [], model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(
-        torch.is_inference_mode_enabled()) or forward(*a, **k))
+    modes = forward_modes(model, monkeypatch)
     our_beams(model, [[1, 2, 3]], 2, 3, stop_ids=set())
     assert modes and all(modes)

@@ -14,7 +14,7 @@ import time
 
 import httpx2 as httpx  # the HTTP client the openai package brings
 import pytest
-from conftest import ROOT
+from conftest import ROOT, forward_modes
 
 from features.llm import LLM, SamplingParams
 from plumbing.inputs import PROMPTS_FILE, read_records
@@ -430,11 +430,7 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
 def test_the_served_engine_runs_the_model_in_inference_mode(offline, monkeypatch):
     """As the scripts' Engine.generate and the CUDA graphs' capture: in another mode, compiled
     layers would compile again for it."""
-    import torch
-    model, modes = offline.engine.run.model, []
-    forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(
-        torch.is_inference_mode_enabled()) or forward(*a, **k))
+    modes = forward_modes(offline.engine.run.model, monkeypatch)
     offline.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert modes and all(modes)
 
