@@ -21,25 +21,32 @@ before attention and the work after it. The layers share their compiled code; ba
 dynamic, so one compilation serves every CUDA-graph bucket (features/cuda_graphs.py warms each
 bucket up before capturing it, so that nothing compiles during a capture).
 
-Short prefill passes run eagerly. A compiled call costs more host time than the eager kernels'
-launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens took 23 to 36
-ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited for it (a
-decode step is a CUDA graph, whose launch costs nothing). From about 1,000 tokens on the GPU's
-time is the longer, and the fused kernels win it back (1,000 tokens: 25.9 ms compiled, 28.1
-eager; docs/serving-under-load.md). A server's prompts are mostly shorter: each one's first
-token, and every running request's next, waited on that launch.
+Short passes launched from Python run eagerly. A compiled call costs more host time than the
+eager kernels' launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens
+took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited
+for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels win it
+back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A decode step
+that no CUDA graph replays is launched from Python too: a batch past the largest graph's 512
+rows, or any step of the API's with a sampling row. `python tools/graph_cost.py --compile`
+(H200) timed it compiled at 22.4 to 23.4 ms from 256 to 600 rows, host-bound, and eager at 11.7
+ms at 256 rows, 21.3 at 520 and 23.6 at 600; so decode steps of fewer than 600 rows run eagerly.
+Decode steps that CUDA graphs record stay compiled at every batch size: a replay launches
+nothing from Python.
 
 Fused kernels round in other places than the eager ones (inductor keeps intermediates in
 float32), so in bf16 tokens can differ from the eager path's; in float32 they agree.
 """
 
+import contextlib
 import warnings
 
 import torch
 
 from llama3_paged import PrefillBatch, apply_rope
 
-COMPILED_FROM_TOKENS = 1000  # a prefill pass shorter than this runs eagerly
+COMPILED_FROM_TOKENS = 1000  # a prefill pass launched from Python shorter than this runs eagerly
+COMPILED_FROM_ROWS = 600  # and so does a decode step of fewer rows
+_compiled_at_any_length = False  # set inside compiled_at_any_length()
 
 
 @torch.compiler.substitute_in_graph(apply_rope)
@@ -63,8 +70,20 @@ def compile_layers(model, cache) -> None:
                                                 4 * len(model.layers))
     for layer in model.layers:
         layer.compile(dynamic=True)
-    if not getattr(model, "short_prefills_eager", False):  # compiled before, for another cache
-        model.forward, model.short_prefills_eager = eager_for_short_prefills(model.forward), True
+    if not getattr(model, "short_passes_eager", False):  # compiled before, for another cache
+        model.forward, model.short_passes_eager = eager_for_short_passes(model.forward), True
+
+
+@contextlib.contextmanager
+def compiled_at_any_length():
+    """Inside, every pass runs the compiled layers, however short: CUDA graphs record them here
+    (features/cuda_graphs.py), and tools/graph_cost.py times a compiled launch."""
+    global _compiled_at_any_length
+    _compiled_at_any_length = True
+    try:
+        yield
+    finally:
+        _compiled_at_any_length = False
 
 
 def warm_up_prompts(compiled: bool, manager, max_seq_len: int,
@@ -81,11 +100,13 @@ def warm_up_prompts(compiled: bool, manager, max_seq_len: int,
     return [[short]] + ([[long], [long, long]] if compiled else [])
 
 
-def eager_for_short_prefills(forward):
+def eager_for_short_passes(forward):
     """`forward`, run with the compiled layers set aside (torch.compiler.set_stance) for a
-    prefill pass of fewer than COMPILED_FROM_TOKENS tokens."""
+    prefill pass of fewer than COMPILED_FROM_TOKENS tokens or a decode step of fewer than
+    COMPILED_FROM_ROWS rows, outside compiled_at_any_length."""
     def forward_choosing(tokens, positions, kv_cache, batch, logits_at=None):
-        if isinstance(batch, PrefillBatch) and len(tokens) < COMPILED_FROM_TOKENS:
+        shortest = COMPILED_FROM_TOKENS if isinstance(batch, PrefillBatch) else COMPILED_FROM_ROWS
+        if len(tokens) < shortest and not _compiled_at_any_length:
             with torch.compiler.set_stance("force_eager"):
                 return forward(tokens, positions, kv_cache, batch, logits_at)
         return forward(tokens, positions, kv_cache, batch, logits_at)

@@ -10,7 +10,8 @@ addresses. So the step's inputs live in static buffers that each step overwrites
 one graph per batch-size bucket: a batch of 37 runs the bucket-40 graph with 3 padding rows, which
 write to the cache's spare slot. The block table and the KV pool are already static: the block
 manager edits the table in place. Batches above the largest bucket run eagerly;
-their kernels are long enough to hide the launches.
+their kernels are long enough to hide the launches. (With compiled layers they run the eager
+kernels below 600 rows, whose launches cost the host less: features/compiled_layers.py.)
 """
 
 import bisect
@@ -58,7 +59,8 @@ class GraphDecoder:
         def step(batch_size):
             return eager.decode(*self.inputs[:, :batch_size], max_cache_seqlen)
 
-        with torch.inference_mode():
+        from features.compiled_layers import compiled_at_any_length  # here: it loads the compiler
+        with torch.inference_mode(), compiled_at_any_length():
             # One eager step first, so that kernels are loaded and cuBLAS has chosen its
             # algorithms before capture; then capture largest first, so that smaller graphs
             # reuse its memory pool. (No new side stream for the warm-up: cuBLAS keeps a

@@ -9,7 +9,7 @@ from tools.bench import (gpu_wait_seconds_per_step, parse_arguments, prefill_flo
                          script_arguments, weight_bytes_read_per_step)
 from plumbing.inputs import random_model
 from llama3_paged import Llama
-from llama3_paged import KVCache, PrefillBatch
+from llama3_paged import DecodeBatch, KVCache, PrefillBatch
 
 
 def test_prefill_flops_match_pytorchs_count():
@@ -152,6 +152,27 @@ def test_compiled_rope_is_the_lessons_rotation_without_complex_numbers():
     compiled, (code, *_) = run_and_get_code(torch.compile(apply_rope), x32, rotations32)
     assert torch.allclose(compiled, apply_rope(x32, rotations32), rtol=0, atol=1e-5)
     assert "view_as_complex" not in code and "aten.mul" not in code
+
+
+def test_short_passes_launched_from_python_run_eager_and_graphs_record_them_compiled():
+    # features/compiled_layers.py's rule, on a compiled stand-in for the model's forward (dynamo's
+    # counting backend: it counts what is compiled and runs it as is). A decode step of 520 rows,
+    # past the largest CUDA graph, compiles nothing; the same step recorded for a graph
+    # (compiled_at_any_length) and a step of COMPILED_FROM_ROWS rows compile.
+    from torch._dynamo.testing import CompileCounter
+    from features.compiled_layers import (COMPILED_FROM_ROWS, compiled_at_any_length,
+                                          eager_for_short_passes)
+    counter = CompileCounter()
+    forward = eager_for_short_passes(torch.compile(
+        lambda tokens, positions, kv_cache, batch, logits_at=None: tokens * 2, backend=counter))
+    decode = DecodeBatch(None, None, None, 1)
+    assert torch.equal(forward(torch.ones(520), None, None, decode), torch.full((520,), 2.0))
+    assert counter.frame_count == 0
+    with compiled_at_any_length():
+        forward(torch.ones(520), None, None, decode)
+    assert counter.frame_count == 1
+    forward(torch.ones(COMPILED_FROM_ROWS), None, None, decode)
+    assert counter.frame_count == 2  # a larger step: compiled for its size
 
 
 def test_compiled_layers_leave_short_prefill_passes_eager():
