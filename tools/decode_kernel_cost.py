@@ -33,16 +33,28 @@ from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, 
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds, write_and_print
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
-# name: (batch, fewest tokens, most tokens, block size). W's requests halfway through their 256
-# new tokens; W2's at a typical step (batch 220, replies of up to 2,048 tokens); W2 at batch 512.
+
+
+def drawn(batch: int, fewest: int, most: int):
+    """`batch` requests' cached tokens, each uniform in fewest..most."""
+    return lambda generator, device: torch.randint(fewest, most + 1, (batch,), device=device,
+                                                   generator=generator, dtype=torch.int32)
+
+
+def w2_median_step(generator, device) -> torch.Tensor:
+    return torch.tensor(w2_median_step_lengths(), device=device, dtype=torch.int32)
+
+
+# name: (each request's cached tokens [B], block size). W's requests halfway through their 256
+# new tokens; W2's at a typical step (batch 220, replies of up to 2,048 tokens); W2 at batch 512;
 # W2-median: not drawn, W2's own requests at its decode step of median batch (below).
 CASES = {
-    "W": (256, 140, 400, 256),
-    "W2": (220, 200, 2400, 256),
-    "W2-512": (512, 200, 2400, 256),
-    "W-16": (256, 140, 400, 16),
-    "W2-16": (220, 200, 2400, 16),
-    "W2-median": (None, None, None, 256),
+    "W": (drawn(256, 140, 400), 256),
+    "W2": (drawn(220, 200, 2400), 256),
+    "W2-512": (drawn(512, 200, 2400), 256),
+    "W-16": (drawn(256, 140, 400), 16),
+    "W2-16": (drawn(220, 200, 2400), 16),
+    "W2-median": (w2_median_step, 256),
 }
 
 
@@ -83,14 +95,10 @@ def w2_median_step_lengths() -> list[int]:
 def one_case(name: str, device) -> dict:
     """The kernels' inputs: q [B, 32, 128], a pool [blocks, block_size, 8, 128] for K and for V,
     a block table [B, max_blocks] over a random permutation of the pool, the lengths [B]."""
-    batch, fewest, most, block_size = CASES[name]
+    cached_tokens, block_size = CASES[name]
     g = torch.Generator(device=device).manual_seed(0)
-    if name == "W2-median":
-        lengths = torch.tensor(w2_median_step_lengths(), device=device, dtype=torch.int32)
-        batch = len(lengths)
-    else:
-        lengths = torch.randint(fewest, most + 1, (batch,), device=device, generator=g,
-                                dtype=torch.int32)
+    lengths = cached_tokens(g, device)
+    batch = len(lengths)
     blocks_each = [math.ceil(n / block_size) for n in lengths.tolist()]
     order = torch.randperm(sum(blocks_each), device=device, generator=g).int()
     table = torch.zeros(batch, max(blocks_each), dtype=torch.int32, device=device)
