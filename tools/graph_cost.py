@@ -9,7 +9,7 @@ features/cuda_graphs.py captures a graph per batch bucket up to 512 and runs lar
 eagerly; this measures whether that costs anything. Each request holds --context-tokens tokens of
 random K/V in blocks of 256. With --compile the layers are compiled (features/compiled_layers.py,
 the default on CUDA): the graphs replay the compiled kernels, and a third column times the
-compiled step launched from Python, which features/compiled_layers.py avoids below 1,000 rows.
+compiled step launched from Python, which features/compiled_layers.py avoids below 600 rows.
 All are timed with CUDA events after a warm-up (medians), beside the step's floor as
 tools/bench.py computes it: the projections at the measured matmul rate or the weights read at
 the measured copy bandwidth, whichever is longer, plus the K/V read.
