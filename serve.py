@@ -35,6 +35,10 @@ from plumbing.cli import (HelpFormatter, UserError, chat_messages, first_paragra
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
+# An idle connection is closed by the client first: the openai package's pool (httpx) drops one
+# after 5 s, uvicorn's default, so a request sent at 5 s could meet the server's close
+# ("Server disconnected without sending a response", seen once in CI). nginx's default.
+KEEP_ALIVE_SECONDS = 75
 
 
 class BadRequest(Exception):
@@ -425,7 +429,8 @@ def main(argv=None) -> None:
               f"sequences. Serving '{name}' on http://{url_host}:{args.port}", flush=True)
         import uvicorn
         server = uvicorn.Server(uvicorn.Config(build_app(engine, name, args.api_key),
-                                               log_level="warning"))
+                                               log_level="warning",
+                                               timeout_keep_alive=KEEP_ALIVE_SECONDS))
         server.run(sockets=[address])
 
 

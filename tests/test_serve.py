@@ -248,6 +248,20 @@ def test_a_wrong_api_key_gets_401(server):
     assert httpx.get(server + "/health").status_code == 200  # health and metrics need no key
 
 
+@pytest.mark.slow  # it waits past the clients' 5 s
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    # serve.py's KEEP_ALIVE_SECONDS: the openai package's pool drops an idle connection after
+    # 5 s, so the server must not close one first, or a request sent then meets its close.
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as connection:
+        request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        connection.sendall(request)
+        assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        connection.sendall(request)  # on the same connection: still open
+        assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+
+
 def test_a_full_server_answers_503_with_retry_after():
     process, url = start_server("--max-num-seqs", "2")
     try:
