@@ -412,14 +412,16 @@ def make_engine(run, cache, manager, sampler, decoder) -> TimedEngine:
     engine_class = TimedEngine
     if run.args.continuous and run.args.max_batched_tokens:
         from features.mixed_steps import MixedEngine as engine_class
-    if not overlap:
-        return engine_class(run.model, cache, manager, sampler, decoder)
-    from features.overlap import OverlappedEngine, why_not_overlapped
-    why_not = why_not_overlapped(run.args, manager)  # the manager too: --find-max-batch's
-    if run.args.overlap:
-        refuse_overlap(why_not)
-    engine_class = engine_class if why_not else OverlappedEngine
-    return engine_class(run.model, cache, manager, sampler, decoder)
+    if overlap:
+        from features.overlap import OverlappedEngine, why_not_overlapped
+        why_not = why_not_overlapped(run.args, manager)  # the manager too: --find-max-batch's
+        if run.args.overlap:
+            refuse_overlap(why_not)
+        engine_class = engine_class if why_not else OverlappedEngine
+    engine = engine_class(run.model, cache, manager, sampler, decoder)
+    # The attention kernel's programs, longest first: its last wave short (longest_first.py).
+    engine.decode_longest_first = run.device.type == "cuda"
+    return engine
 
 
 def refuse_overlap(why_not: str | None) -> None:

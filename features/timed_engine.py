@@ -21,6 +21,7 @@ import torch
 from block_manager import to_device
 from features.cached_prefix import CachedPrefixEngine
 from features.cached_prefix import ServedGeneration
+from features.longest_first import longest_first
 from features.request_state import append_tokens_at
 from llama3_paged import Step
 
@@ -82,6 +83,8 @@ class TimedGeneration(ServedGeneration):
 
 
 class TimedEngine(CachedPrefixEngine):
+    decode_longest_first = False  # features/run.py's make_engine: on CUDA (longest_first.py)
+
     def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> TimedGeneration:
         # Each request's last token, by row, on the device: its next decode step's input.
         self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,
@@ -117,6 +120,8 @@ class TimedEngine(CachedPrefixEngine):
         last tokens, and their copy to the host."""
         if step.kind != "prefill":
             self.note_the_cache(scheduler)
+        if step.kind == "decode" and self.decode_longest_first:
+            step = longest_first(step)
         self.timer.start(step.kind != "prefill")
         rows = to_device(step.rows, self.device)  # [B]
         next_tokens = (self.decode(step, self.last_tokens[rows]) if step.kind == "decode"

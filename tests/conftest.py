@@ -77,13 +77,14 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
-             max_batched_tokens=None, swap_blocks=0, overlap=False):
+             max_batched_tokens=None, swap_blocks=0, overlap=False, longest_first=False):
     """Run prompts through the core engine as the scripts do (features/run.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
     `continuous`, mixed steps (features/mixed_steps.py); `swap_blocks`: with `continuous`,
     preemption by swapping to that many host blocks (features/swapping.py); `overlap`: each step
-    scheduled before the last one's tokens are recorded (features/overlap.py)."""
+    scheduled before the last one's tokens are recorded (features/overlap.py); `longest_first`:
+    each decode step's rows longest first (features/longest_first.py)."""
     from features.timed_engine import TimedEngine
     from features.request_state import ServedRequest
     from features.cached_prefix import SamplingDecoder, greedy
@@ -114,6 +115,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
         from features.mixed_steps import MixedEngine as engine_class
     engine = engine_class(model, cache, manager, sampler, decoder)
     engine.tokens_per_pass = chunk_tokens
+    engine.decode_longest_first = longest_first
     return engine.generate(scheduler, set(stop_ids), progress=False)
 
 

@@ -74,7 +74,8 @@ MAX_SEQ_LEN = 2048
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttentionAfterPrefix, continuous=False, samples=1, share=False,
                     sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
-                    compiled=False, overlap=False, cache_class=KVCacheWithSpareSlot):
+                    compiled=False, overlap=False, cache_class=KVCacheWithSpareSlot,
+                    longest_first=False):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
@@ -90,7 +91,7 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
                       max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs,
                       max_batched_tokens=max_batched_tokens, swap_blocks=swap_blocks,
-                      overlap=overlap)
+                      overlap=overlap, longest_first=longest_first)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
     result.num_swapped = getattr(result.scheduler, "num_swapped", 0)
@@ -369,7 +370,8 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption_in_bfloat1
 
 
 @pytest.mark.parametrize("attention, block_size", [(FlashAttentionAfterPrefix, 256), ("triton", 16)])
-def test_overlapped_steps_give_the_core_loops_tokens_in_bfloat16(attention, block_size):
+def test_overlapped_steps_and_rows_longest_first_give_the_core_loops_tokens_in_bfloat16(
+        attention, block_size):
     # The same batches in the same order, each queued before the last one's tokens are back: even
     # in bf16 the same tokens. Prompts that outgrow their first block in a pool of twice the
     # largest request's need (a CPU replay of the scheduler preempts 7 times with blocks of 256,
@@ -388,6 +390,10 @@ def test_overlapped_steps_give_the_core_loops_tokens_in_bfloat16(attention, bloc
     overlapped = generate_on_gpu(model, prompts, budgets, overlap=True, **kw)
     assert core.num_preemptions > 0 and overlapped.num_preemptions == core.num_preemptions
     assert overlapped.output_tokens == core.output_tokens
+    # Rows longest first (features/longest_first.py, the default on CUDA): each row is computed
+    # on its own, so even in bf16 the tokens are the same.
+    longest_first = generate_on_gpu(model, prompts, budgets, overlap=True, longest_first=True, **kw)
+    assert longest_first.output_tokens == core.output_tokens
 
 
 def test_compiled_layers_give_the_eager_tokens_in_float32():

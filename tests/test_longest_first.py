@@ -1,0 +1,70 @@
+"""Decode rows longest first (features/longest_first.py): the same step reordered, and the same
+tokens as the batch's own order, in static and continuous batches, under preemption, overlapped,
+with shared blocks and with mixed steps."""
+
+import numpy as np
+import pytest
+import torch
+
+from block_manager import BlockManager
+from features import timed_engine
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from features.longest_first import longest_first
+from features.run import make_engine
+from llama3_paged import Llama, Step
+from plumbing.inputs import random_model
+from test_overlap import run
+from test_scheduler import MAX_SEQ_LEN, random_prompts
+
+PROMPT_LENGTHS = [5, 12, 3, 9, 14, 7, 1, 20, 16, 4]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=5)
+
+
+def test_a_step_is_reordered_longest_first_and_stays_aligned():
+    requests = ["a", "b", "c", "d"]
+    step = Step("decode", requests, np.array([10, 11, 12, 13]), positions=np.array([3, 9, 9, 1]))
+    sorted_step = longest_first(step)
+    assert sorted_step.requests == ["b", "c", "a", "d"]  # ties keep their order
+    assert sorted_step.rows.tolist() == [11, 12, 10, 13]
+    assert sorted_step.positions.tolist() == [9, 9, 3, 1]
+    assert step.requests == requests and step.rows.tolist() == [10, 11, 12, 13]  # not changed
+
+
+@pytest.mark.parametrize("kind, num_blocks, scheduling", [
+    ("paged", 200, {}),  # one static batch
+    ("paged", 14, {"continuous": True}),  # preemption and recompute
+    ("paged", 14, {"continuous": True, "overlap": True}),
+    ("sharing", 200, {"continuous": True, "max_running": 5, "overlap": True}),
+    ("paged", 200, {"continuous": True, "max_batched_tokens": 16}),  # decode rows in mixed steps
+])
+def test_rows_longest_first_give_the_batch_orders_tokens(model, monkeypatch, kind, num_blocks,
+                                                         scheduling):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=2)
+    if kind == "sharing":
+        prompts = [prompts[7][:12] + p for p in prompts]
+    in_order = run(model, prompts, num_blocks, kind, **scheduling)
+    reordered = []
+
+    def spied(step):
+        sorted_step = longest_first(step)
+        assert (np.diff(sorted_step.positions) <= 0).all()
+        reordered.append(sorted_step.rows.tolist() != step.rows.tolist())
+        return sorted_step
+    monkeypatch.setattr(timed_engine, "longest_first", spied)
+    longest = run(model, prompts, num_blocks, kind, longest_first=True, **scheduling)
+    assert longest.output_tokens == in_order.output_tokens
+    assert any(reordered), "some decode step's rows changed order"
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", False), ("cuda", True)])
+def test_rows_are_longest_first_on_cuda(model, device, expected):
+    setup = type("Run", (), {"args": type("Args", (), {
+        "overlap": False, "continuous": False, "max_batched_tokens": None}),
+        "device": torch.device(device), "model": model})
+    cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
+    assert engine.decode_longest_first is expected
