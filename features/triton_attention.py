@@ -35,9 +35,11 @@ def paged_decode_kernel(
         q_ptr, key_blocks_ptr, value_blocks_ptr, block_table_ptr, cache_seqlens_ptr, out_ptr,
         kv_scales_ptr, scale, q_stride_request, q_stride_head, kv_stride_block, kv_stride_slot,
         kv_stride_head, table_stride_request, out_stride_request, out_stride_head,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-        GROUP_PADDED: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr):
-    request, kv_head = tl.program_id(0), tl.program_id(1)
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr):
+    # Programs start in this order: a request's K/V heads one after another, so that with the
+    # rows longest first (features/longest_first.py) the last programs to start are short ones.
+    request, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
     if FP8:  # features/fp8_cache.py: K = K8 * k_scale, V = V8 * v_scale, folded in below
         k_scale, v_scale = tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)
     else:
@@ -101,12 +103,12 @@ def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens, kv_sca
     _, block_size, n_kv_heads, _ = key_blocks.shape
     group = n_heads // n_kv_heads
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
-    paged_decode_kernel[(batch, n_kv_heads)](
+    paged_decode_kernel[(batch * n_kv_heads,)](
         q, key_blocks, value_blocks, block_table, cache_seqlens, out,
         q if kv_scales is None else kv_scales, head_dim ** -0.5,
         q.stride(0), q.stride(1), key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, KV_HEADS=n_kv_heads, GROUP=group,
         GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=tile, FP8=kv_scales is not None,
         num_warps=num_warps)
     return out

@@ -4,14 +4,14 @@
     python tools/decode_kernel_cost.py                      # W's and W2's lengths, blocks of 256 and 16
     python tools/decode_kernel_cost.py --cases W W-16 --tiles 64,128 --warps 4,8
 
-Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's
-are W2's own at its middle decode step), their K/V of random values in blocks scattered over the
-pool, Llama 3 8B's heads (32 query heads, 8 K/V heads of 128). Each kernel is captured as a CUDA
-graph, as decode steps run it, so that Python's time to launch it is not counted (a Triton launch
-from Python takes tens of microseconds, as long as the kernel at W's lengths), and the replays
-are timed with CUDA events after a warm-up (medians). Each is set against reading the same K/V
-at the copy bandwidth measured in the same run. flash-attn reads blocks of 256 and up only; with
-blocks of 16 the Triton kernel is timed alone.
+Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's are
+W2's own at its middle decode step), longest first as the engine orders them, their K/V of random
+values in blocks scattered over the pool, Llama 3 8B's heads (32 query heads, 8 K/V heads of 128).
+Each kernel is captured as a CUDA graph, as decode steps run it, so that Python's time to launch it
+is not counted (a Triton launch from Python takes tens of microseconds, as long as the kernel at
+W's lengths), and the replays are timed with CUDA events after a warm-up (medians). Each is set
+against reading the same K/V at the copy bandwidth measured in the same run. flash-attn reads
+blocks of 256 and up only; with blocks of 16 the Triton kernel is timed alone.
 """
 
 import argparse
@@ -97,7 +97,8 @@ def one_case(name: str, device) -> dict:
     a block table [B, max_blocks] over a random permutation of the pool, the lengths [B]."""
     cached_tokens, block_size = CASES[name]
     g = torch.Generator(device=device).manual_seed(0)
-    lengths = cached_tokens(g, device)
+    # In the order the engine launches a decode step's rows: longest first (longest_first.py).
+    lengths = cached_tokens(g, device).sort(descending=True).values
     batch = len(lengths)
     blocks_each = [math.ceil(n / block_size) for n in lengths.tolist()]
     order = torch.randperm(sum(blocks_each), device=device, generator=g).int()
