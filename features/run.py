@@ -503,13 +503,6 @@ def main(script: str, argv=None) -> None:
 PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"
 
 
-def check_arguments(args) -> None:
-    if args.continuous or args.samples > 1 or args.temperature > 0 or args.find_max_batch:
-        raise UserError("--beam-width runs its own static search, greedy by summed "
-                        "log-probabilities: it does not combine with --continuous, --samples, "
-                        "--temperature or --find-max-batch. Drop those flags.")
-
-
 def run_beam_search(run, cache, manager) -> None:
     """--beam-width K: features/beam_search.py over the first N prompts, and the KV memory
     that sharing saved."""

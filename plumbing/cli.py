@@ -20,7 +20,6 @@ MODELS = ["8b", "1b", "tiny", "smollm2"]  # plumbing/inputs.py's PRESETS; smollm
 MAX_POSITIONS = 131_072  # Llama 3.1's longest context; a longer --max-seq-len has no model to run
 CPU_KV_BUDGET_GB = 0.125  # on the CPU the naive cache fits 7 requests in it, as the original
                           # experiment's 24 GB GPU did; the paged one fits about 300
-SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent.parent / "system_prompt.txt"
 
 USAGE = 2  # bad arguments, missing or damaged files: fix the command and run again
 OUT_OF_MEMORY = 1  # the run itself did not fit: fewer requests or a smaller cache
