@@ -21,16 +21,15 @@ import llama3_naive
 import llama3_paged as lesson
 from features.request_state import ServedRequest
 from features.sharing import SharingBlockManager
-from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
-                                    KVCacheAfterPrefix, SamplingDecoder, TorchAttentionAfterPrefix,
-                                    greedy)
+from features.cached_prefix import (CachingScheduler, FlashAttentionAfterPrefix, KVCacheAfterPrefix,
+                                    SamplingDecoder, TorchAttentionAfterPrefix, greedy)
 from features import tensor_parallel
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
                           check_host_memory, format_bytes, fraction, gigabytes, importable,
                           kv_cache_dtype, needs_features, one_paragraph_errors, positive_int,
                           refuse_output_over_input, request_rate, temperature, torchrun_process,
-                          writable_file, write_json)
+                          writable_file)
 from plumbing import inputs
 from plumbing.inputs import Run
 
@@ -492,54 +491,13 @@ def main(script: str, argv=None) -> None:
         args = parser.parse_args(argv)
         run = load(args)
         if run.args.beam_width > 1:
+            from features.beam_search import run_beam_search
             return run_beam_search(run, *allocate(run))
         if run.args.find_max_batch:
             return find_max_batch(run, allocate)
         cache, manager = allocate(run)
         from features.report import report
         report(run, cache, manager, generate(run, cache, manager))
-
-
-PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"
-
-
-def run_beam_search(run, cache, manager) -> None:
-    """--beam-width K: features/beam_search.py over the first N prompts, and the KV memory
-    that sharing saved."""
-    from features.beam_search import BeamSampler, beam_search
-    args, width = run.args, run.args.beam_width
-    sampler = BeamSampler(width)
-    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * width, True)
-    engine = CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
-    budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
-    stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    result = beam_search(engine, [p.prompt_tokens for p in run.prompts], width, budgets,
-                         stop_ids)
-    first = result.prompts[0]
-    print(f"\n--- request {run.prompts[0].id}, its {width} beams, best first ---\n"
-          f"> {run.prompts[0].prompt.strip()[:300]}")
-    for score, tokens in first.finished:
-        print(f"[{score:.2f}] {run.tokenizer.decode(tokens)[:300]}")
-    _, processes = torchrun_process() or (0, 1)
-    token_bytes = run.kv_bytes_per_token * processes  # under torchrun each holds 1 / processes
-    held = result.fullest_reserved_slots * token_bytes
-    unshared = result.fullest_unshared_slots * token_bytes
-    print(f"\nBeam search: {len(result.prompts):,} prompts x {width} beams, "
-          f"{result.decode_steps:,} decode steps.")
-    if args.no_sharing:
-        print(f"KV memory at the fullest step: {format_bytes(held)}, every beam holding blocks "
-              f"of its own (--no-sharing).")
-    else:
-        print(f"KV memory at the fullest step: {format_bytes(held)} with beams sharing blocks, "
-              f"against {format_bytes(unshared)} if each held its own (--no-sharing): "
-              f"{100 * (1 - held / unshared):.1f}% saved ({PAPER}); "
-              f"{result.num_copied_blocks:,} blocks copied on write.")
-    if args.json:
-        write_json(args, {"script": "llama3_paged.py --beam-width", "beams": [
-            [{"score": s, "output_tokens": t} for s, t in p.finished] for p in result.prompts],
-            "memory": {"fullest_reserved_bytes": held, "fullest_unshared_bytes": unshared,
-                       "copied_blocks": result.num_copied_blocks},
-            "decode_steps": result.decode_steps})
 
 
 def command_line(script: str, argv: list[str]) -> None:
