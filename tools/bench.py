@@ -324,6 +324,9 @@ def bench(a) -> dict:
     writes = process is None or process[0] == 0  # rank 0 writes, as it prints
     if not writes:
         a.json = None
+    # What it is doing, on stderr (the table goes to stdout): a run is minutes of silence otherwise
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if writes else (lambda text: None)
+    say("Measuring the copy bandwidth and the matmul rate; capturing CUDA graphs ...")
     bandwidth = copy_bandwidth(setup.device)
     matmul_rate = matmul_flops_per_second(setup.device, DTYPES[a.dtype])
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
@@ -340,11 +343,13 @@ def bench(a) -> dict:
         return engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
+    say("Warming up: each kind of pass once (compiling the layers: tens of seconds on a first run) ...")
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
     for warm_up in warm_up_prompts(a.compile, manager, a.max_seq_len, 16):  # each kind of pass
         run(warm_up, [16] * len(warm_up))
     torch.cuda.synchronize()
     mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None
+    say(f"Timing workload {a.workload}: {len(prompts):,} requests, {sum(budgets):,} new tokens ...")
     start = time.perf_counter()
     result = run(prompts, budgets, arrival_times(setup.args, len(prompts)))
     torch.cuda.synchronize()
@@ -355,6 +360,7 @@ def bench(a) -> dict:
     if a.profile:  # after the timed run, on the workload's first requests; under torchrun
         # every process runs them (their collectives pair up) and rank 0 writes
         generated = lambda prompts, budgets: run(prompts, budgets).num_generated_tokens
+        say("Profiling the workload's first requests (torch.profiler) ...")
         profile = profile_engine(generated, prompts, budgets)
         if writes:
             write_profile(a.profile, f"ours ({a.script})", a.workload, profile)
