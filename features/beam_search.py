@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from block_manager import to_device
-from features.cached_prefix import CachedPrefillStep, CachedPrefixEngine
+from features.cached_prefix import CachedPrefillStep
 from features.request_state import ServedRequest
 from features.sharing import SharingBlockManager
 from plumbing.cli import format_bytes, torchrun_process, write_json
@@ -175,15 +175,10 @@ def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty
 PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"
 
 
-def run_beam_search(run, cache, manager) -> None:
-    """--beam-width K (features/run.py's main, which imports this file only then): the search
-    over the first N prompts, its best beams, and the KV memory that sharing saved."""
-    from features.run import make_decoder, make_requests  # the decoder and budgets its flags choose
+def search_and_report(run, engine, budgets: list[int]) -> None:
+    """--beam-width K (features/run.py builds the engine and the budgets as its flags choose):
+    the search over the first N prompts, its best beams, and the KV memory that sharing saved."""
     args, width = run.args, run.args.beam_width
-    sampler = BeamSampler(width)
-    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * width, True)
-    engine = CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
-    budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
     result = beam_search(engine, [p.prompt_tokens for p in run.prompts], width, budgets,
                          stop_ids)

@@ -21,8 +21,9 @@ import llama3_naive
 import llama3_paged as lesson
 from features.request_state import ServedRequest
 from features.sharing import SharingBlockManager
-from features.cached_prefix import (CachingScheduler, FlashAttentionAfterPrefix, KVCacheAfterPrefix,
-                                    SamplingDecoder, TorchAttentionAfterPrefix, greedy)
+from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, FlashAttentionAfterPrefix,
+                                    KVCacheAfterPrefix, SamplingDecoder, TorchAttentionAfterPrefix,
+                                    greedy)
 from features import tensor_parallel
 from features.timed_engine import TimedEngine
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, add_pool_arguments, argument_parser,
@@ -491,13 +492,23 @@ def main(script: str, argv=None) -> None:
         args = parser.parse_args(argv)
         run = load(args)
         if run.args.beam_width > 1:
-            from features.beam_search import run_beam_search
             return run_beam_search(run, *allocate(run))
         if run.args.find_max_batch:
             return find_max_batch(run, allocate)
         cache, manager = allocate(run)
         from features.report import report
         report(run, cache, manager, generate(run, cache, manager))
+
+
+def run_beam_search(run, cache, manager) -> None:
+    """--beam-width K (features/beam_search.py), loaded only when asked for: the decoder as the
+    flags choose it, and each prompt's budget of new tokens."""
+    from features.beam_search import BeamSampler, search_and_report
+    sampler = BeamSampler(run.args.beam_width)
+    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * run.args.beam_width, True)
+    engine = CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
+    budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
+    search_and_report(run, engine, budgets)
 
 
 def command_line(script: str, argv: list[str]) -> None:
