@@ -28,6 +28,9 @@ TOKENS_PER_TILE = 128  # tokens loaded per loop step, whatever the block size: a
                        # tokens spans eight blocks of 16, or half a block of 256
 NUM_WARPS = 4  # with tiles of 128, faster than 8 warps or tiles of 64 at W's and W2's lengths,
                # blocks of 16 or 256 (H200: tools/decode_kernel_cost.py, README "Speed")
+# Float8 tiles are half the bytes, and the kernel's time goes to its arithmetic more than to its
+# loads (docs/fp8.md): smaller programs, more of them on each SM at once, hide it better.
+FP8_TOKENS_PER_TILE, FP8_NUM_WARPS = 64, 2
 
 
 @triton.jit
@@ -94,11 +97,15 @@ def paged_decode_kernel(
 
 
 def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens, kv_scales=None,
-                 tile: int = TOKENS_PER_TILE, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                 tile: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """q: [B, n_heads, d]; key_blocks, value_blocks: [num_blocks, block_size, n_kv_heads, d];
     block_table: [B, max_blocks] int32; cache_seqlens: [B] int32. Returns [B, n_heads, d].
     kv_scales: [2] float32 on the device, K's and V's scale, for float8 blocks
-    (features/fp8_cache.py). (tools/decode_kernel_cost.py times other tiles and warps.)"""
+    (features/fp8_cache.py). tile, num_warps: by default this dtype's (tools/decode_kernel_cost.py
+    times others)."""
+    fp8 = kv_scales is not None
+    tile = tile or (FP8_TOKENS_PER_TILE if fp8 else TOKENS_PER_TILE)
+    num_warps = num_warps or (FP8_NUM_WARPS if fp8 else NUM_WARPS)
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = key_blocks.shape
     group = n_heads // n_kv_heads
@@ -109,8 +116,7 @@ def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens, kv_sca
         q.stride(0), q.stride(1), key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, KV_HEADS=n_kv_heads, GROUP=group,
-        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=tile, FP8=kv_scales is not None,
-        num_warps=num_warps)
+        GROUP_PADDED=max(16, triton.next_power_of_2(group)), TILE=tile, FP8=fp8, num_warps=num_warps)
     return out
 
 
