@@ -100,7 +100,7 @@ class FP8KVCache(Float8Writes, KVCacheWithSpareSlot):
     """The pool in float8, with a spare slot for CUDA graphs' padding rows (used or not)."""
 
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
-        super().__init__(args, num_blocks, block_size, FP8, device, attention)  # whatever `dtype`
+        super().__init__(args, num_blocks, block_size, FP8, device, attention)  # float8, any dtype
         self.init_scales(args.n_layers, device)
         self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
 
