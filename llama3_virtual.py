@@ -24,15 +24,12 @@ if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line
     from plumbing.interrupt import exit_quietly_on_ctrl_c
     exit_quietly_on_ctrl_c(SCRIPT)
 
-from features.mapping_ahead import (BackgroundMapper, MappingAheadManager, MappingFailed,
-                                    mapping_seconds)
+from features.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
-from features.virtual_memory import DriverError, DriverOutOfMemory
-from features import run as features
-from features.report import report
-from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, format_bytes, importable,
-                          one_paragraph_errors)
+from features.virtual_memory import DriverOutOfMemory
+from features.pools import kv_budget_bytes
+from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, importable
 
 
 def add_layout_arguments(parser):
@@ -67,7 +64,7 @@ def allocate_kv_cache(run):
         cache = cache_class(run.model.args, run.num_sequences, args.max_seq_len,
                             run.dtype, run.device, run.attention, args.layout)
         page_bytes = cache.tokens_per_page * run.kv_bytes_per_token  # a page in every tensor
-        num_pages = int(features.kv_budget_bytes(run) // page_bytes)
+        num_pages = int(kv_budget_bytes(run) // page_bytes)
         if num_pages == 0:
             raise UserError(f"Not one page of {format_bytes(page_bytes)} fits in the KV budget. "
                             f"Raise --kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
@@ -107,31 +104,6 @@ def mapping_report(cache, manager, decode_steps: int) -> str:
                    f"{manager.num_idle_pages:,} pages were left mapped under idle rows at the end.")
 
 
-def main(argv=None) -> None:
-    with one_paragraph_errors(SCRIPT):
-        parser = features.argument_parser_with_features(SCRIPT, __doc__, add_layout_arguments)
-        args = parser.parse_args(argv)
-        require_cuda_and_flash_attn(args)
-        run = features.load(args)  # the model and the first N prompts
-        if run.args.find_max_batch:
-            return features.find_max_batch(run, allocate_kv_cache)
-        manager = None  # a driver call may fail at start-up, while the rows are mapped
-        try:
-            cache, manager = allocate_kv_cache(run)  # where the three scripts differ
-            generation = features.generate(run, cache, manager)
-            report(run, cache, manager, generation)
-            print(mapping_report(cache, manager, len(generation.timeline)))
-        except (DriverError, MappingFailed) as e:
-            where = "on the background thread" if isinstance(e, MappingFailed) else "in the loop"
-            raise UserError(f"A driver call mapping a KV page {where} failed ({e}), so the run "
-                            f"cannot go on: its next tokens would be written to unmapped memory. "
-                            f"Check the GPU (nvidia-smi); --sync-mapping makes every driver call "
-                            f"in the loop, where the failing one is easier to follow.",
-                            DRIVER_ERROR) from e
-        finally:
-            if isinstance(manager, MappingAheadManager):
-                manager.close()
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # its runs are all the features' (features/run.py)
+    from features.run import main
+    main(SCRIPT)

@@ -7,7 +7,7 @@
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
 /v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
 filled and unfilled bytes, live; histograms of the time to first and to last token). The engine
-runs continuous batching in a process of its own (features/engine_process.py: features/llm.py's
+runs continuous batching in a process of its own (features/engine_process.py: features/llm_engine.py's
 LLMEngine, stepped without waiting for HTTP); the handlers only send it requests and read their
 tokens. A client that goes away before its answer ends, streamed or not, has its request
 aborted: its blocks and row are free at the next step. Every flag the scripts take for the
@@ -102,7 +102,7 @@ def field(body: dict, name: str, kinds, default=None, check=None, why: str = "")
 
 
 def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
-    """features/llm.py's SamplingParams, by name (the engine's process builds it). Without
+    """features/sampling.py's SamplingParams, by name (the engine's process builds it). Without
     max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
     default_max_tokens: the context left, which the engine clamps to (vLLM's defaults)."""
     stop = field(body, "stop", (str, list), [], lambda s: isinstance(s, str) or (

@@ -29,7 +29,7 @@ from features.request_state import Status, append_tokens_at
 def why_not_overlapped(args, manager=None) -> str | None:
     """What keeps a run on the core loop, if anything: each of these reads on the host what the
     step in flight has not brought back yet, or changes what it may still touch. Without a
-    manager, what the flags alone say (features/run.py asks before loading the model)."""
+    manager, what the flags alone say (features/engine_args.py's load asks before loading the model)."""
     from features.page_manager import PageManager
     if args.continuous and args.max_batched_tokens:
         return "mixed steps read the running requests' last tokens on the host"
@@ -59,7 +59,7 @@ class OverlappedEngine(TimedEngine):
             # the in-flight step is `queued` now (self.in_flight); None at the end
 
     def let_go(self, request, scheduler) -> None:
-        """The host ends a running request between steps (features/llm.py: an abort, a stop
+        """The host ends a running request between steps (features/llm_engine.py: an abort, a stop
         string): its blocks are free at once, and the token the step in flight draws for it,
         if any, is thrown away."""
         scheduler.finish([request])

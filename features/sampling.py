@@ -8,12 +8,23 @@ is a hash of (seed, s, p), computed on the device, inside the CUDA graphs, with 
 
 One uniform number per row is enough: inverse-CDF sampling walks the cumulative probabilities to
 the first token whose running total passes it.
+
+The scripts' runs sample every row alike (`Sampler`, from the flags). A served engine's rows each
+follow their own request's `SamplingParams` (`RowSampler`; vLLM's names and defaults).
 """
 
+import dataclasses
+
+import numpy as np
 import torch
+
+from block_manager import to_device
+from features.cached_prefix import greedy
 
 MASK_32 = 0xFFFFFFFF
 ROWS_AT_ONCE = 512  # rows sampled together: the sort and sums take ~24 bytes per vocabulary entry
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy: logits / T would overflow, or make a
+                     # softmax as one-hot as the argmax for any two logits 0.001 apart
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -63,3 +74,94 @@ class Sampler:
         picked = torch.searchsorted(cumulative, target[:, None], right=True)  # first total > target
         picked = picked.clamp(max=logits.shape[-1] - 1)
         return (order.gather(-1, picked) if order is not None else picked)[:, 0]
+
+
+def make_sampler(args):
+    """The scripts' sampler, one for every row: --temperature, --top-p and --seed."""
+    if args.temperature < GREEDY_BELOW:
+        return greedy
+    return Sampler(args.temperature, args.top_p, args.seed)
+
+
+def is_whole_number(value) -> bool:
+    """An int (numpy's too), and not a bool, which Python counts as one."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): every token
+    n: int = 1
+    stop: list[str] = dataclasses.field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        """A ValueError naming the first parameter out of range (serve.py answers it with 400)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for name, ok in [("max_tokens", is_whole_number(self.max_tokens) and self.max_tokens >= 1),
+                         ("n", is_whole_number(self.n) and self.n >= 1),
+                         ("temperature", 0 <= self.temperature <= 100),
+                         ("top_p", 0 < self.top_p <= 1),
+                         ("top_k", is_whole_number(self.top_k) and self.top_k >= -1),
+                         ("seed", self.seed is None or 0 <= self.seed < 2**63),
+                         ("stop", all(isinstance(s, str) and s for s in self.stop))]:
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+
+
+class RowSampler:
+    """Each row of the block table samples with its own request's parameters. A draw depends on
+    (seed, sample index, position) only, never on the row or the batch: a request gives the
+    same tokens whoever runs beside it."""
+
+    def __init__(self, num_rows: int, device):
+        self.temperature = torch.zeros(num_rows, device=device)
+        self.top_p = torch.ones(num_rows, device=device)
+        self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.seed = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.sample = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.samples = np.zeros(num_rows, dtype=bool)  # on the host: which rows in use sample
+
+    def set_row(self, row: int, params: SamplingParams, sample: int, seed: int) -> None:
+        # From pinned memory (to_device), queued behind the step in flight: a Python number
+        # written into a GPU tensor is a copy the host waits for, and it waits for that step to
+        # end first (2 ms an added request on an H200, each stalling the overlapped steps).
+        device = self.temperature.device
+        self.temperature[row], self.top_p[row] = to_device(
+            np.array([params.temperature, params.top_p]), device, torch.float32)
+        self.top_k[row], self.seed[row], self.sample[row] = to_device(
+            np.array([max(params.top_k, 0), seed, sample]), device, torch.long)
+        self.samples[row] = params.temperature > 0
+
+    def release(self, row: int) -> None:
+        self.samples[row] = False
+
+    def any_samples(self, rows) -> bool:
+        return bool(self.samples[rows].any())
+
+    def __call__(self, logits, rows, positions) -> torch.Tensor:
+        """logits: [B, vocab]; rows, positions: [B] -> [B] token ids. Asked on the host, of every
+        row in use, not of these rows (on the device: a sync): all greedy, or greedy rows kept
+        by torch.where below."""
+        greedy = logits.argmax(-1)
+        if not self.samples.any():
+            return greedy
+        temperature = self.temperature[rows]
+        probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
+        probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
+        k = self.top_k[rows][:, None]
+        probs = probs.masked_fill((k > 0) & (torch.arange(probs.shape[-1], device=k.device) >= k), 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+        mass_before = probs.cumsum(-1) - probs  # top-p over what top-k left, as vLLM does
+        probs = probs.masked_fill(mass_before >= self.top_p[rows][:, None], 0.0)
+        cumulative = probs.cumsum(-1)
+        target = uniform(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
+        picked = torch.searchsorted(cumulative, target[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], greedy)

@@ -83,7 +83,7 @@ class TimedGeneration(ServedGeneration):
 
 
 class TimedEngine(CachedPrefixEngine):
-    decode_longest_first = False  # features/run.py's make_engine: on CUDA (longest_first.py)
+    decode_longest_first = False  # features/llm_engine.py's make_engine: on CUDA (longest_first.py)
 
     def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> TimedGeneration:
         # Each request's last token, by row, on the device: its next decode step's input.
@@ -111,7 +111,7 @@ class TimedEngine(CachedPrefixEngine):
             yield in_flight.step
 
     def let_go(self, request, scheduler) -> None:
-        """The host ends a running request between steps (features/llm.py: an abort, a stop
+        """The host ends a running request between steps (features/llm_engine.py: an abort, a stop
         string). Here no step is in flight: its blocks are free at once."""
         scheduler.finish([request])
 

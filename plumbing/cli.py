@@ -458,10 +458,10 @@ def first_paragraph(docstring: str) -> str:
 def argument_parser(script: str, description: str, add_arguments=None,
                     exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The flags of the lesson, which every script takes, and the script's own (`add_arguments`:
-    its pool's); features/run.py adds the features'. `script` names the program in messages and
+    its pool's); features/engine_args.py adds the features'. `script` names the program in messages and
     reports; the first line of `description` (the script's docstring) heads --help."""
     import torch  # for the default device, once the script has loaded it
-    # conflict_handler="resolve": features/run.py redefines --attn with the Triton kernel added.
+    # conflict_handler="resolve": features/engine_args.py redefines --attn with the Triton kernel added.
     p = argparse.ArgumentParser(prog=script, description=first_paragraph(description) or None,
                                 formatter_class=HelpFormatter, conflict_handler="resolve",
                                 exit_on_error=exit_on_error)

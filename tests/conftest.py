@@ -78,7 +78,7 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
              max_batched_tokens=None, swap_blocks=0, overlap=False, longest_first=False):
-    """Run prompts through the core engine as the scripts do (features/run.py's generate):
+    """Run prompts through the core engine as the scripts do (features/llm_engine.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
     `continuous`, mixed steps (features/mixed_steps.py); `swap_blocks`: with `continuous`,
@@ -101,14 +101,14 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
         from features.swapping import SwappingScheduler
         scheduler = SwappingScheduler(manager, requests, max_running, chunk_tokens, cache,
                                       swap_blocks)
-    if hasattr(manager, "watch_queue"):  # as features/run.py's make_scheduler does
+    if hasattr(manager, "watch_queue"):  # as features/llm_engine.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
     decoder = SamplingDecoder(model, cache, manager.block_table, sampler)
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine_class = TimedEngine  # as features/run.py runs every feature
+    engine_class = TimedEngine  # as features/llm_engine.py's make_engine runs every feature
     if overlap:
         from features.overlap import OverlappedEngine as engine_class
     elif continuous and max_batched_tokens:

@@ -123,8 +123,7 @@ def test_workload_n_draws_what_nano_vllms_bench_py_draws():
 ])
 def test_layers_compile_by_default_only_where_they_can(device, attention, extra, compiles):
     from types import SimpleNamespace
-    from features.llm import parse_script_arguments
-    from features.run import compiles_by_default
+    from features.engine_args import compiles_by_default, parse_script_arguments
     args = parse_script_arguments("paged", ["4", "--random-weights", "--device", "cpu", *extra])
     args.device = torch.device(device)  # parsed on the CPU: the choice only reads the type
     assert compiles_by_default(args, SimpleNamespace(name=attention)) is compiles

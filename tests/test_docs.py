@@ -6,8 +6,7 @@ import shlex
 import pytest
 from conftest import ROOT
 
-import llama3_virtual
-from features import run as features
+from features.engine_args import engine_arguments, parser_with_features
 from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
                    nano_vllm_bench, power_cap, preemption_cost)
 
@@ -30,23 +29,16 @@ def test_every_relative_link_resolves(page):
 def parse(command: str) -> None:
     """Parse a quoted command line with the program's own flags, without running it."""
     program, *argv = shlex.split(command.split("#")[0])[1:]
-    scripts = {"llama3_paged.py": "llama3_paged.py", "llama3_naive.py": "llama3_naive.py"}
     tools = {"tools/bench.py": bench, "tools/cascade_cost.py": cascade_cost,
              "tools/decode_kernel_cost.py": decode_kernel_cost, "tools/graph_cost.py": graph_cost,
              "tools/latency_sweep.py": latency_sweep, "tools/nano_vllm_bench.py": nano_vllm_bench,
              "tools/preemption_cost.py": preemption_cost, "tools/power_cap.py": power_cap}
-    if program in scripts:
-        module, add_pool_arguments, _ = features.SCRIPTS[scripts[program]]
-        features.argument_parser_with_features(program, module.__doc__,
-                                               add_pool_arguments).parse_args(argv)
-    elif program == "llama3_virtual.py":
-        features.argument_parser_with_features(program, llama3_virtual.__doc__,
-                                               llama3_virtual.add_layout_arguments).parse_args(argv)
+    if program in ("llama3_paged.py", "llama3_naive.py", "llama3_virtual.py"):
+        parser_with_features(program.removeprefix("llama3_").removesuffix(".py")).parse_args(argv)
     elif program in tools:
         tools[program].parse_arguments(argv)
     elif program == "serve.py":  # its own flags, and the rest are the scripts'
         import serve
-        from features.llm import engine_arguments
         args, engine_argv = serve.argument_parser().parse_known_args(argv)
         engine_arguments(args.cache, {}, engine_argv)
     else:
@@ -82,10 +74,8 @@ def parsers() -> dict:
     """Every program's argument parser, caught as it parses (a tool builds its own inside)."""
     import argparse
     caught = {}
-    for name, (module, add_pool_arguments, _) in features.SCRIPTS.items():
-        caught[name] = features.argument_parser_with_features(name, module.__doc__, add_pool_arguments)
-    caught["llama3_virtual.py"] = features.argument_parser_with_features(
-        "llama3_virtual.py", llama3_virtual.__doc__, llama3_virtual.add_layout_arguments)
+    for cache in ("paged", "naive", "virtual"):
+        caught[f"llama3_{cache}.py"] = parser_with_features(cache)
     real_parse, tool_name = argparse.ArgumentParser.parse_args, None
 
     def catch(parser, args=None, namespace=None):

@@ -583,8 +583,8 @@ def test_an_explicit_flag_that_would_change_nothing_is_refused(argv, fragment, c
 def test_the_virtual_script_on_a_cpu_is_refused_before_the_model_loads(capsys, monkeypatch):
     from plumbing import inputs
     monkeypatch.setattr(inputs, "load_run", lambda *a, **k: pytest.fail("the model was loaded"))
-    import llama3_virtual
-    assert_one_paragraph(*run_main(llama3_virtual.main, ["2", *TINY], capsys)[::2], 2,
+    virtual = lambda argv: command_line("llama3_virtual.py", argv)
+    assert_one_paragraph(*run_main(virtual, ["2", *TINY], capsys)[::2], 2,
                          "needs --device cuda")
 
 
@@ -680,7 +680,7 @@ def test_the_tools_shared_module_run_by_mistake_says_what_it_is():
 def test_float32_on_cuda_attends_with_the_reference_and_refuses_a_bf16_kernel():
     """flash-attn and the Triton kernel read fp16 and bf16 only: `auto` picks the PyTorch
     reference for --dtype fp32 (a crash inside flash-attn before), an explicit kernel is refused."""
-    from features.run import choose_attention
+    from features.engine_args import choose_attention
     from features.cached_prefix import TorchAttentionAfterPrefix
     cuda = torch.device("cuda")  # only named: nothing runs on it
     assert isinstance(choose_attention("auto", cuda, "flash", "fp32"), TorchAttentionAfterPrefix)

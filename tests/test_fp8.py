@@ -154,13 +154,13 @@ def test_what_the_fp8_cache_does_not_serve_yet_is_refused_in_one_paragraph(flags
 
 @pytest.mark.parametrize("name, chosen", [("auto", "auto"), ("fp8", "fp8"), ("fp8_e4m3", "fp8")])
 def test_vllms_names_for_the_kv_cache_dtype_choose_ours(name, chosen):
-    from features.llm import parse_script_arguments
+    from features.engine_args import parse_script_arguments
     args = parse_script_arguments("paged", ["4", "--random-weights", "--kv-cache-dtype", name])
     assert args.kv_cache_dtype == chosen
 
 
 def test_fp8_e5m2_is_refused_by_name():
-    from features.llm import parse_script_arguments
+    from features.engine_args import parse_script_arguments
     from plumbing.cli import UserError
     with pytest.raises(UserError, match="fp8_e5m2 is not built"):
         parse_script_arguments("paged", ["4", "--kv-cache-dtype", "fp8_e5m2"], raise_errors=True)

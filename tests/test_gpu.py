@@ -485,7 +485,7 @@ def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
 ], ids=["ahead-at-start-up", "ahead-in-the-run", "sync"])
 def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(budget_gb, flags,
                                                                         monkeypatch, capsys):
-    import llama3_virtual
+    from features.run import main
     from features.virtual_kv_cache import VirtualKVCache
     from features.virtual_memory import DriverError
     real_map, calls = VirtualKVCache.map, []
@@ -498,8 +498,8 @@ def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(budget_g
     monkeypatch.setattr(VirtualKVCache, "map", failing_map)
     with pytest.raises(SystemExit) as exit:
         # A small pool: a cache the failed run leaves behind holds its pages until collected.
-        llama3_virtual.main(["8", "--random-weights", "--model", "tiny", "--eager",
-                             "--kv-budget-gb", budget_gb, *flags])
+        main("llama3_virtual.py", ["8", "--random-weights", "--model", "tiny", "--eager",
+                                    "--kv-budget-gb", budget_gb, *flags])
     err = capsys.readouterr().err
     assert exit.value.code == 3 and "CUDA_ERROR_INVALID_VALUE" in err and "Traceback" not in err
     assert len(calls) == 5  # nothing mapped after the failure
@@ -668,7 +668,8 @@ def test_launching_a_prefill_never_waits_for_the_gpu():
     .tolist() of a device tensor) would put that step's rest on the request's time to first
     token (docs/serving-under-load.md: launching a short prefill took the host 14-21 ms on an
     H100). CUDA's sync debug mode raises at any such wait."""
-    from features.llm import LLMEngine, SamplingParams
+    from features.llm import SamplingParams
+    from features.llm_engine import LLMEngine
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
     engine.step()  # its prefill recorded, its first decode step in flight
@@ -686,8 +687,9 @@ def test_launching_a_prefill_never_waits_for_the_gpu():
 def test_adding_a_request_never_waits_for_the_gpu():
     """A request's sampling parameters and last token go to the device as queued copies: with
     overlapped steps one is added while a step runs, and a synchronous copy would wait for it
-    (features/llm.py's RowSampler.set_row). CUDA's sync debug mode raises at any such wait."""
-    from features.llm import LLMEngine, SamplingParams
+    (features/sampling.py's RowSampler.set_row). CUDA's sync debug mode raises at any such wait."""
+    from features.llm import SamplingParams
+    from features.llm_engine import LLMEngine
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
     torch.cuda.set_sync_debug_mode("error")
     try:

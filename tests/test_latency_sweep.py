@@ -129,6 +129,6 @@ def test_the_virtual_curve_without_flash_attn_on_a_gpu_is_refused_in_one_paragra
         parsed.device = torch.device("cuda")
         return parsed
     monkeypatch.setattr(latency_sweep, "curve_arguments", on_a_gpu)
-    monkeypatch.setattr(latency_sweep.llama3_virtual.features, "importable", lambda name: False)
+    monkeypatch.setattr(latency_sweep.llama3_virtual, "importable", lambda name: False)
     with pytest.raises(UserError, match="needs --device cuda and flash-attn"):
         latency_sweep.run_curve(base, "virtual", a, None, None)

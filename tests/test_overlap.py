@@ -20,7 +20,7 @@ from features.overlap import why_not_overlapped
 from features.sharing import SharingBlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
-from features.run import make_engine
+from features.llm_engine import make_engine
 from test_mapping_ahead import CheckedManager, FakePageTable
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 

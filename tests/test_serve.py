@@ -142,7 +142,7 @@ def test_the_warm_up_leaves_no_trace():
     """serve.py's engine runs a few requests before it serves (compiled layers compile on them,
     on a GPU): afterwards every row and block is free, the counters are zero, and answers are those
     of an engine that never warmed up."""
-    from features.llm import LLMEngine
+    from features.llm_engine import LLMEngine
     params = SamplingParams(max_tokens=12, temperature=0)
 
     def answer(warm: bool) -> list:
@@ -163,7 +163,7 @@ def test_the_warm_up_leaves_no_trace():
 def test_the_warm_up_fits_a_small_pool():
     # Its prompts take at most half the pool: a 32-token warm-up once ended an engine of 2 blocks
     # of 16 at start-up (ValueError: more KV blocks than the whole pool has).
-    from features.llm import LLMEngine
+    from features.llm_engine import LLMEngine
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, device="cpu", block_size=16,
                        num_blocks=2)
     engine.warm_up()

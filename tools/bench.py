@@ -65,8 +65,9 @@ from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
 from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
-from features.run import arrival_times, load, make_decoder, make_engine, make_scheduler
-from features.llm import SCRIPTS, allocate_kv_cache, parse_script_arguments
+from features.engine_args import CACHES, load, parse_script_arguments
+from features.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
+                                 make_scheduler)
 from tools.kernel_profile import profile_engine
 from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,
                           median_cuda_seconds, write_profile)
@@ -190,7 +191,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
 
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
-    p.add_argument("script", choices=SCRIPTS,
+    p.add_argument("script", choices=CACHES,
                    help="whose KV cache: llama3_naive.py's, llama3_paged.py's or llama3_virtual.py's")
     p.add_argument("--workload", choices=WORKLOADS, default="W",
                    help="W static, W2 stream, P long, N nano-vllm's (docs/speed.md)")

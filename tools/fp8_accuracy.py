@@ -76,8 +76,7 @@ def measure(a) -> dict:
     import torch
     from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
     from features.fp8_cache import FP8KVCache
-    from features.llm import parse_script_arguments
-    from features.run import load
+    from features.engine_args import load, parse_script_arguments
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     argv = [str(a.num_prompts), "--model", a.model, "--device", device]
     args = parse_script_arguments("paged", argv + ([] if a.model == "smollm2" else ["--random-weights"]))

@@ -52,7 +52,7 @@ from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, device, first_paragraph,
                           positive_int_list, writable_file)
 from features.report import format_seconds
 from plumbing.inputs import DTYPES, PRESETS
-from features.run import choose_attention
+from features.engine_args import choose_attention
 from tools.shared import matmul_flops_per_second, median_cuda_seconds, write_and_print
 
 BLOCK_SIZES = [16, 32, 64, 128, 256]

@@ -1,0 +1,416 @@
+"""The one place an engine with features is assembled from the lesson's parts, and `LLMEngine`,
+the Python API's engine that takes requests one at a time (vLLM's LLMEngine).
+
+From the flags (features/engine_args.py) and a pool (features/pools.py), `make_scheduler`,
+`make_decoder` and `make_engine` choose the lesson's classes or the features' that extend them.
+Everything that runs requests builds through them: the scripts' feature runs (`generate`, which
+features/run.py calls), tools/bench.py and tools/latency_sweep.py, and `LLMEngine`, which
+features/llm.py's `LLM` and serve.py's engine process drive. So a served request runs through
+the same continuous batching, CUDA graphs and cache as `llama3_paged.py N --continuous`.
+
+What serving adds to the scripts' runs:
+- Rows come back. A script's request r owns row r of the block table for the whole run; a server
+  sees requests without end. Here a request takes a free row when it is added and gives it back
+  when it finishes or is aborted, as its blocks go back to the free list.
+- A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
+  paged cache: the samples after the first fork (features/sharing.py), as `--samples` does.
+- Each request samples with its own parameters (features/sampling.py's `RowSampler`), and ends at
+  its own stop strings, at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are
+  checked here, on the host, between steps. On CUDA steps overlap (features/overlap.py) as in the
+  scripts' runs: the next step is in flight when a request is found to end, so the engine lets it
+  go (`let_go`) and throws away the token that step draws for it, as it does for a stop token.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import math
+import random
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+import llama3_paged as lesson
+from block_manager import to_device
+from features.cached_prefix import CachingScheduler, SamplingDecoder, greedy
+from features.continuous import RequestTooLarge
+from features.engine_args import engine_arguments, load, refuse_overlap, script_parts
+from features.pools import allocate_paged, decodes_with_graphs
+from features.request_state import ServedRequest, Status
+from features.sampling import RowSampler, SamplingParams, make_sampler
+from features.sharing import SharingBlockManager
+from features.timed_engine import StepTimer, TimedEngine
+from plumbing import inputs
+from plumbing.cli import GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes, torchrun_process
+from plumbing.inputs import Run
+
+SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
+
+
+def allocate_kv_cache(cache: str, run):
+    """A served engine's KV cache and block manager, as llama3_<cache>.py's flags make them. In
+    the paged cache a request's n samples share their prompt's blocks, as --samples's do."""
+    if cache == "paged":
+        return allocate_paged(run, samples=True)
+    return script_parts(cache)[2](run)
+def make_requests(run: Run) -> list[lesson.Request]:
+    """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
+    each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""
+    args, requests = run.args, []
+    arrivals = arrival_times(args, len(run.prompts))
+    for prompt, arrival, budget in zip(run.prompts, arrivals, inputs.new_token_budgets(run)):
+        requests += [ServedRequest(len(requests) + k, prompt.prompt_tokens, budget,
+                                    arrival_time=float(arrival)) for k in range(args.samples)]
+    return requests
+
+
+def arrival_times(args, n: int) -> list[float]:
+    """When each of n prompts arrives, in seconds from the start: all at once unless
+    --request-rate."""
+    if math.isinf(args.request_rate):
+        return [0.0] * n
+    from features.arrivals import poisson_arrival_times
+    return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
+
+
+def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
+    """Static batching, or with --continuous a stream with preemption, in mixed steps with
+    --max-batched-tokens, swapping with --preemption swap."""
+    scheduler = scheduler_for_flags(run, cache, manager, requests)
+    from features.mapping_ahead import MappingAheadManager
+    if isinstance(manager, MappingAheadManager):  # it maps the next prompts' pages ahead
+        manager.watch_queue(scheduler.waiting)
+    return scheduler
+
+
+def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
+    args = run.args
+    if not args.continuous:
+        return CachingScheduler(manager, requests)
+    from features.continuous import ContinuousScheduler
+    try:
+        if args.preemption == "swap":
+            return swapping_scheduler(run, cache, manager, requests)
+        if args.max_batched_tokens:
+            if isinstance(manager, SharingBlockManager):
+                raise UserError("--max-batched-tokens does not combine with shared blocks yet "
+                                "(--samples above 1, or a system prompt's prefix cache): add "
+                                "--no-sharing, or drop --max-batched-tokens.")
+            from features.mixed_steps import MixedScheduler
+            return MixedScheduler(manager, requests, args.max_running, args.max_batched_tokens)
+        return ContinuousScheduler(manager, requests, args.max_running, lesson.Engine.tokens_per_pass)
+    except RequestTooLarge as e:
+        prompt = len(e.request.prompt_tokens)
+        raise UserError(
+            f"Request {e.request.row} can grow to {e.largest_tokens:,} tokens ({prompt:,} prompt + "
+            f"{e.request.max_new_tokens:,} new), {e.blocks:,} blocks of {e.block_size:,}: more "
+            f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
+            f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
+            f"--max-new-tokens.", OUT_OF_MEMORY) from e
+
+
+def swapping_scheduler(run, cache, manager, requests: list[lesson.Request]):
+    """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
+    if not isinstance(cache, lesson.KVCache) or isinstance(manager, SharingBlockManager):
+        raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
+                        "cache; it does not combine with shared blocks (--samples, a system "
+                        "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
+    block_bytes = cache.block_size * run.kv_bytes_per_token
+    swap_space = run.args.swap_space or SWAP_SPACE_GB
+    swap_blocks = int(swap_space * GB // block_bytes)
+    if swap_blocks == 0:
+        raise UserError(f"--swap-space {swap_space:g} GB holds no block of "
+                        f"{format_bytes(block_bytes)}: raise it.")
+    check_host_memory(swap_blocks * block_bytes, "--swap-space", "Lower --swap-space.")
+    from features.swapping import SwappingScheduler
+    return SwappingScheduler(manager, requests, run.args.max_running, lesson.Engine.tokens_per_pass, cache,
+                             swap_blocks)
+
+
+def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: bool):
+    """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
+    unless --eager; else the eager decoder. With a shared system prompt, attention may be a
+    cascade (--cascade, the paged script's)."""
+    if run.args.compile:
+        from features.compiled_layers import compile_layers
+        compile_layers(run.model, cache)
+        if progress:
+            print("Compiling the layers' small kernels (torch.compile) on their first step: "
+                  "tens of seconds on a machine's first run, cached after; --no-compile skips it")
+    cascade = None
+    shared_prefix = isinstance(manager, SharingBlockManager) and manager.prefix_cache is not None
+    if shared_prefix and run.args.cascade != "off":  # a system prompt, cached
+        from features.cascade import cascade_for
+        cascade = cascade_for(run, cache, manager)  # before the graphs record attention
+    eager = decoder = SamplingDecoder(run.model, cache, manager.block_table, sampler)
+    if decodes_with_graphs(run):
+        from features.cuda_graphs import GraphDecoder
+        start = time.perf_counter()
+        decoder = GraphDecoder(eager, largest_batch)
+        if progress:
+            print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
+                  f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    if cascade:
+        from features.cascade import CascadeDecoder
+        return CascadeDecoder(decoder, eager, cascade, manager.table)
+    return decoder
+
+
+def make_engine(run, cache, manager, sampler, decoder) -> TimedEngine:
+    """The core loop, or with --overlap (the default on CUDA) steps scheduled while the GPU runs
+    the one before, where the run allows it."""
+    overlap = run.args.overlap
+    if overlap is None:
+        overlap = run.device.type == "cuda"
+    engine_class = TimedEngine
+    if run.args.continuous and run.args.max_batched_tokens:
+        from features.mixed_steps import MixedEngine as engine_class
+    if overlap:
+        from features.overlap import OverlappedEngine, why_not_overlapped
+        why_not = why_not_overlapped(run.args, manager)  # the manager too: --find-max-batch's
+        if run.args.overlap:
+            refuse_overlap(why_not)
+        engine_class = engine_class if why_not else OverlappedEngine
+    engine = engine_class(run.model, cache, manager, sampler, decoder)
+    # The attention kernel's programs, longest first: its last wave short (longest_first.py).
+    engine.decode_longest_first = run.device.type == "cuda"
+    return engine
+
+
+def generate(run, cache, manager, progress: bool = True):
+    """Every request of the run through `cache`, with the parts the flags choose: what the
+    scripts call."""
+    args, requests = run.args, make_requests(run)
+    sampler = make_sampler(args)
+    scheduler = make_scheduler(run, cache, manager, requests)
+    largest_batch = min(len(requests), args.max_running or len(requests))
+    decoder = make_decoder(run, cache, manager, sampler, largest_batch, progress)
+    stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
+    engine = make_engine(run, cache, manager, sampler, decoder)
+    return engine.generate(scheduler, stop_ids, progress)
+
+
+@dataclasses.dataclass
+class GreedyOrSampling:
+    """The engine's decoder. Greedy decode steps may be CUDA graphs; a step with a sampling row
+    runs eagerly, with the per-row sampler (a graph would have recorded one path for every row
+    forever). Chosen as each step is launched, which with overlapped steps is a step ahead of
+    the one LLMEngine.step returns."""
+
+    graphs: object
+    eager: SamplingDecoder
+    sampler: RowSampler
+
+    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
+        decoder = self.eager if self.sampler.any_samples(rows) else self.graphs
+        return decoder.step(tokens, positions, rows, slots)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One of a request's n samples: a row of the engine, and what the client has been sent."""
+
+    request: ServedRequest
+    request_id: str
+    index: int
+    params: SamplingParams
+    text: str = ""  # the answer so far, each character whole
+    num_sent_tokens: int = 0
+    num_text_tokens: int = 0  # the tokens `text` decodes: up to the last whole character
+    finish_reason: str | None = None
+
+    @property
+    def sendable_text(self) -> str:
+        """What a stream may show now. While the request runs, its last len(stop) - 1
+        characters wait: the next token may complete a stop string they begin, and a stop
+        string is never shown (vLLM holds them back too)."""
+        held = max(map(len, self.params.stop), default=1) - 1
+        if self.finish_reason is not None or not held:
+            return self.text
+        return self.text[:max(len(self.text) - held, 0)]
+
+
+class QueueFull(Exception):
+    """Every row is taken: serve.py answers 503 with Retry-After."""
+
+
+class LLMEngine:
+    """Requests in, tokens out, one step at a time (serve.py's engine process calls `step`)."""
+
+    def __init__(self, cache: str = "paged", max_num_seqs: int = 256, argv: list[str] = (),
+                 run=None, progress: bool = False, **options):
+        """The model and flags from argv and options, or `run`: a model loaded already, with the
+        flags it was loaded for (tools/latency_sweep.py's, whose curves share one model).
+        progress: say what the start-up's long parts took (serve.py's engine does)."""
+        if torchrun_process() is not None:  # each process would serve, none would split
+            raise UserError("The Python API and serve.py run in one process for now, not under "
+                            "torchrun: run them without it.")
+        if run is None:
+            args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)
+            if cache == "virtual":  # as its script does: from the flags, before loading
+                import llama3_virtual
+                llama3_virtual.require_cuda_and_flash_attn(args)
+            run = load(args)
+        elif run.args.max_running is None:  # the scripts' "all at once": here, every row
+            run = dataclasses.replace(run, args=argparse.Namespace(
+                **vars(run.args) | {"max_running": max_num_seqs}))
+        self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
+        self.cache, self.manager = allocate_kv_cache(cache, self.run)
+        self.sampler = RowSampler(max_num_seqs, self.run.device)
+        graphs = make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs,
+                                       progress)
+        eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table, self.sampler)
+        self.engine = make_engine(self.run, self.cache, self.manager, self.sampler,
+                                           GreedyOrSampling(graphs, eager, self.sampler))
+        self.scheduler = make_scheduler(self.run, self.cache, self.manager, [])
+        self.engine.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=self.run.device)
+        self.engine.timeline = []
+        self.free_rows = deque(range(max_num_seqs))
+        self.sequences: dict[int, Sequence] = {}  # by row
+        self.tokenizer, self.max_seq_len = self.run.tokenizer, self.run.args.max_seq_len
+        self.stop_ids = self.tokenizer.stop_ids
+        self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
+        self._steps = None
+        self._ids = itertools.count()
+        if self.run.args.compile:
+            start = time.perf_counter()
+            self.warm_up()
+            if progress:
+                print(f"Warmed up in {time.perf_counter() - start:.1f} s: prefill passes compiled "
+                      f"before the first request", flush=True)
+
+    def warm_up(self) -> None:
+        """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
+        the first ones (tens of seconds; decode compiled as its CUDA graphs were captured), which
+        would otherwise fall on the first clients' time to first token."""
+        from features.compiled_layers import warm_up_prompts
+        for prompts in warm_up_prompts(self.run.args.compile, self.manager, self.max_seq_len, 8):
+            for prompt in prompts:  # added together: one prefill pass
+                self.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                        ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
+        self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.run.kv_bytes_per_token
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request's n samples; raises ValueError for one that cannot run, QueueFull
+        when there are not n free rows. arrival_time: when it arrived on the scheduler's clock
+        (a replayed trace's time; by default now), from which its latencies count."""
+        params.check()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if not prompt_token_ids or len(prompt_token_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; it must have "
+                             f"1 to {self.max_seq_len - 1:,} (--max-seq-len {self.max_seq_len:,})")
+        if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
+            raise ValueError("a prompt token id is outside the vocabulary")
+        if params.n > len(self.free_rows):
+            if params.n > len(self.sampler.samples):
+                raise ValueError(f"n = {params.n} is more than the {len(self.sampler.samples)} "
+                                 f"sequences the engine runs at once (--max-num-seqs)")
+            raise QueueFull(f"{len(self.sequences)} sequences queued or running; no free row")
+        max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_token_ids))
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        arrived = self.scheduler.now() if arrival_time is None else arrival_time
+        rows = [self.free_rows.popleft() for _ in range(params.n)]
+        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived)
+                    for row in rows]
+        try:
+            for request in requests:
+                self.scheduler._refuse_if_larger_than_the_pool(request)
+        except RequestTooLarge as e:
+            self.free_rows.extend(rows)
+            raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole pool "
+                             f"has ({e})") from e
+        last_token = to_device(np.array(prompt_token_ids[-1:]), self.run.device)  # [1], as set_row
+        for index, request in enumerate(requests):
+            self.sampler.set_row(request.row, params, index, seed)
+            self.engine.last_tokens[request.row] = last_token[0]
+            self.sequences[request.row] = Sequence(request, request_id, index, params)
+            self.scheduler.waiting.append(request)
+        self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """End a request's samples now: their blocks and rows are free at once."""
+        for sequence in [s for s in self.sequences.values() if s.request_id == request_id]:
+            self._end(sequence, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that changed (new tokens or finished). In
+        inference mode, as the scripts' Engine.generate runs and the CUDA graphs were captured:
+        no autograd, and compiled layers meet the mode they were compiled in (a step in another
+        would recompile every layer, tens of seconds: on an H200 a server at 64 requests/s
+        stalled so when its batch first outgrew the graphs' 512 rows)."""
+        if not self.scheduler.has_work():
+            return []
+        if self._steps is None:
+            self._steps = self.engine.steps(self.scheduler, frozenset())  # stops: checked here
+        self.engine.timer = StepTimer(self.run.device)  # one step's events, not a run's
+        try:
+            step = next(self._steps)
+        except StopIteration:
+            self._steps = None
+            return []
+        del self.engine.timeline[:-1]  # a server runs forever: keep only the latest snapshot
+        return self._collect(step.requests)
+
+    def _collect(self, requests: list[ServedRequest]) -> list[Sequence]:
+        """The step's requests that took a token or finished: stop tokens and strings, text."""
+        changed = []
+        for request in requests:
+            sequence = self.sequences.get(request.row)
+            if sequence is None or sequence.request is not request or (
+                    len(request.output_tokens) == sequence.num_sent_tokens
+                    and request.status != Status.FINISHED):
+                continue  # aborted already, or a prompt computed only in part
+            changed.append(sequence)
+            self.num_generated_tokens += len(request.output_tokens) - sequence.num_sent_tokens
+            if (request.output_tokens and request.output_tokens[-1] in self.stop_ids
+                    and not sequence.params.ignore_eos):
+                request.output_tokens.pop()  # the stop token is not part of the answer
+                self._end(sequence, "stop")
+            # Only the new tokens are decoded: from the last whole character on, the bytes start
+            # a character afresh. One cut between tokens ends in U+FFFD: it waits for the rest.
+            tail = self.tokenizer.decode(request.output_tokens[sequence.num_text_tokens:])
+            text = sequence.text
+            if not tail.endswith("\ufffd") or request.status == Status.FINISHED:
+                text, sequence.num_text_tokens = text + tail, len(request.output_tokens)
+            look_from = max(len(sequence.text) - max(map(len, sequence.params.stop), default=0), 0)
+            stop_at = min((i for i in (text.find(s, look_from) for s in sequence.params.stop)
+                           if i >= 0), default=-1)
+            if stop_at >= 0:
+                text = text[:stop_at]
+                self._end(sequence, "stop")
+            sequence.text, sequence.num_sent_tokens = text, len(request.output_tokens)
+            if sequence.finish_reason is None and request.status == Status.FINISHED:
+                sequence.finish_reason = "length"
+                self._release(sequence)
+        return changed
+
+    def _end(self, sequence: Sequence, reason: str) -> None:
+        if sequence.finish_reason is not None:
+            return
+        sequence.finish_reason, request = reason, sequence.request
+        if request.status == Status.RUNNING:
+            self.engine.let_go(request, self.scheduler)
+        elif request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+            request.status = Status.FINISHED
+        self._release(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        self.sequences.pop(sequence.request.row, None)
+        self.sampler.release(sequence.request.row)
+        self.free_rows.append(sequence.request.row)
+        self.num_finished += 1
