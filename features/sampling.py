@@ -37,7 +37,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(seed, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A number in [0, 1) for each (sequence, position), the same on every device: [B] float32.
-    seed: one int, or [B] int64, a seed per row (features/llm.py's requests each have theirs)."""
+    seed: one int, or [B] int64, a seed per row (a served engine's requests each have theirs)."""
     seed32 = (seed ^ (seed >> 32)) & MASK_32
     start = torch.full_like(sequences, seed32) if isinstance(seed32, int) else seed32
     x = mix32(mix32(mix32(start) ^ sequences) ^ positions)
@@ -150,9 +150,9 @@ class RowSampler:
         """logits: [B, vocab]; rows, positions: [B] -> [B] token ids. Asked on the host, of every
         row in use, not of these rows (on the device: a sync): all greedy, or greedy rows kept
         by torch.where below."""
-        greedy = logits.argmax(-1)
+        argmax = logits.argmax(-1)
         if not self.samples.any():
-            return greedy
+            return argmax
         temperature = self.temperature[rows]
         probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
         probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
@@ -164,4 +164,4 @@ class RowSampler:
         cumulative = probs.cumsum(-1)
         target = uniform(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
         picked = torch.searchsorted(cumulative, target[:, None], right=True).clamp(max=probs.shape[-1] - 1)
-        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], greedy)
+        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], argmax)
