@@ -16,6 +16,9 @@ start-up (features/mapping_ahead.py, vAttention's way).
 (features/page_manager.py): simpler to read, and the driver calls are then on the critical path.
 --kv-cache-dtype fp8 stores K and V in 8 bits and decodes with the Triton kernel
 (features/fp8_virtual_kv_cache.py).
+
+Its run is features/run.py's `main` and `run_virtual`: the flags, the model, this file's
+`allocate_kv_cache` (where the three scripts differ), generate, the report, `mapping_report`.
 """
 
 SCRIPT = "llama3_virtual.py"
