@@ -34,7 +34,8 @@ import torch
 
 import llama3_paged as lesson
 from block_manager import to_device
-from features.cached_prefix import CachingScheduler, SamplingDecoder, greedy
+from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, SamplingDecoder,
+                                    greedy)
 from features.continuous import RequestTooLarge
 from features.engine_args import engine_arguments, load, refuse_overlap, script_parts
 from features.pools import allocate_paged, decodes_with_graphs
@@ -43,7 +44,8 @@ from features.sampling import RowSampler, SamplingParams, make_sampler
 from features.sharing import SharingBlockManager
 from features.timed_engine import StepTimer, TimedEngine
 from plumbing import inputs
-from plumbing.cli import GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes, torchrun_process
+from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
+                          torchrun_process)
 from plumbing.inputs import Run
 
 SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
@@ -190,6 +192,15 @@ def generate(run, cache, manager, progress: bool = True):
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
     engine = make_engine(run, cache, manager, sampler, decoder)
     return engine.generate(scheduler, stop_ids, progress)
+
+
+def make_beam_engine(run, cache, manager) -> CachedPrefixEngine:
+    """--beam-width K: the decoder the flags choose, drawing K beams per prompt, under the core
+    loop (a search is one static batch: no overlap, no mixed steps; features/beam_search.py)."""
+    from features.beam_search import BeamSampler
+    sampler = BeamSampler(run.args.beam_width)
+    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * run.args.beam_width, True)
+    return CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
 
 
 @dataclasses.dataclass

@@ -9,9 +9,8 @@ while the GPU computes the one before (features/overlap.py; --no-overlap). llama
 runs all come here: its pages are a feature (features/virtual_memory.py).
 """
 
-from features.cached_prefix import CachedPrefixEngine
 from features.engine_args import load, parser_with_features, script_parts
-from features.llm_engine import generate, make_decoder, make_requests
+from features.llm_engine import generate, make_beam_engine, make_requests
 from features.report import report
 from plumbing.cli import (DRIVER_ERROR, UserError, add_pool_arguments, needs_features,
                           one_paragraph_errors)
@@ -63,14 +62,11 @@ def run_virtual(run: Run) -> None:
 
 
 def run_beam_search(run, cache, manager) -> None:
-    """--beam-width K (features/beam_search.py), loaded only when asked for: the decoder as the
-    flags choose it, and each prompt's budget of new tokens."""
-    from features.beam_search import BeamSampler, search_and_report
-    sampler = BeamSampler(run.args.beam_width)
-    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * run.args.beam_width, True)
-    engine = CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
+    """--beam-width K (features/beam_search.py), loaded only when asked for: its engine, and each
+    prompt's budget of new tokens."""
+    from features.beam_search import search_and_report
     budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
-    search_and_report(run, engine, budgets)
+    search_and_report(run, make_beam_engine(run, cache, manager), budgets)
 
 
 def find_max_batch(run: Run, allocate_kv_cache) -> None:
