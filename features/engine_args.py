@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -96,26 +97,38 @@ def beam_width(text: str) -> int:
 CACHES = ("naive", "paged", "virtual")  # each the cache of its script, llama3_<cache>.py
 
 
-def script_parts(cache: str):
-    """llama3_<cache>.py's module, the flags of its pool and its pool with features. The virtual
-    script is imported for its own runs only: the others never touch CUDA's virtual memory."""
+class ScriptParts(NamedTuple):
+    module: object  # llama3_<cache>.py
+    add_pool_arguments: Callable  # the flags of its pool
+    allocate_kv_cache: Callable  # run -> (cache, manager), with the features its flags ask for
+
+
+def script_parts(cache: str) -> ScriptParts:
+    """What differs between the three scripts. The virtual script is imported for its own runs
+    only: the others never touch CUDA's virtual memory."""
     if cache == "virtual":
         import llama3_virtual
-        return llama3_virtual, llama3_virtual.add_layout_arguments, llama3_virtual.allocate_kv_cache
-    return {"paged": (lesson, add_paged_feature_arguments, allocate_paged),
-            "naive": (llama3_naive, lambda parser: None, allocate_naive)}[cache]
+        return ScriptParts(llama3_virtual, llama3_virtual.add_layout_arguments,
+                           llama3_virtual.allocate_kv_cache)
+    return {"paged": ScriptParts(lesson, add_paged_feature_arguments, allocate_paged),
+            "naive": ScriptParts(llama3_naive, lambda parser: None, allocate_naive)}[cache]
+
+
+def cache_of(script: str) -> str:
+    """llama3_paged.py -> paged"""
+    return script.removeprefix("llama3_").removesuffix(".py")
 
 
 def parser_with_features(cache: str) -> argparse.ArgumentParser:
     """`python llama3_<cache>.py`'s flags: the lesson's, every feature's and its pool's."""
-    module, add_pool_arguments, _ = script_parts(cache)
-    parser = argument_parser(f"llama3_{cache}.py", module.__doc__)
+    parts = script_parts(cache)
+    parser = argument_parser(f"llama3_{cache}.py", parts.module.__doc__)
     add_feature_arguments(parser)
     # The paged and the virtual script's own flags, as their defaults set them, for the other scripts
     # (a parser's defaults win over its flags': these are the same).
     parser.set_defaults(beam_width=1, decode_kernel="flash", cascade="auto", no_prefix_cache=False,
                         no_sharing=False, sync_mapping=False)
-    add_pool_arguments(parser)
+    parts.add_pool_arguments(parser)
     return parser
 
 

@@ -56,7 +56,7 @@ def allocate_kv_cache(cache: str, run):
     the paged cache a request's n samples share their prompt's blocks, as --samples's do."""
     if cache == "paged":
         return allocate_paged(run, samples=True)
-    return script_parts(cache)[2](run)
+    return script_parts(cache).allocate_kv_cache(run)
 def make_requests(run: Run) -> list[lesson.Request]:
     """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
     each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""

@@ -9,7 +9,7 @@ while the GPU computes the one before (features/overlap.py; --no-overlap). llama
 runs all come here: its pages are a feature (features/virtual_memory.py).
 """
 
-from features.engine_args import load, parser_with_features, script_parts
+from features.engine_args import cache_of, load, parser_with_features, script_parts
 from features.llm_engine import generate, make_beam_engine, make_requests
 from features.report import report
 from plumbing.cli import (DRIVER_ERROR, UserError, add_pool_arguments, needs_features,
@@ -20,12 +20,13 @@ from plumbing.inputs import Run
 def main(script: str, argv=None) -> None:
     """A script's run with the features its flags ask for: parse, load, allocate the cache,
     generate, report."""
-    kind = script.removeprefix("llama3_").removesuffix(".py")  # paged, naive or virtual
-    module, _, allocate = script_parts(kind)
+    kind = cache_of(script)  # paged, naive or virtual
+    parts = script_parts(kind)
+    allocate = parts.allocate_kv_cache
     with one_paragraph_errors(script):
         args = parser_with_features(kind).parse_args(argv)
         if kind == "virtual":  # from the flags, before minutes of loading the model
-            module.require_cuda_and_flash_attn(args)
+            parts.module.require_cuda_and_flash_attn(args)
         run = load(args)
         if run.args.beam_width > 1:
             return run_beam_search(run, *allocate(run))
@@ -78,8 +79,8 @@ def find_max_batch(run: Run, allocate_kv_cache) -> None:
 def command_line(script: str, argv: list[str]) -> None:
     """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
     lesson's main, or with features this file's. llama3_virtual.py's runs are all features'."""
-    kind = script.removeprefix("llama3_").removesuffix(".py")
+    kind = cache_of(script)
     pool_arguments = add_pool_arguments if kind == "paged" else None
     if kind == "virtual" or needs_features(script, argv, pool_arguments):
         return main(script, argv)
-    return script_parts(kind)[0].main(argv)
+    return script_parts(kind).module.main(argv)

@@ -6,7 +6,7 @@ import shlex
 import pytest
 from conftest import ROOT
 
-from features.engine_args import engine_arguments, parser_with_features
+from features.engine_args import cache_of, engine_arguments, parser_with_features
 from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
                    nano_vllm_bench, power_cap, preemption_cost)
 
@@ -34,7 +34,7 @@ def parse(command: str) -> None:
              "tools/latency_sweep.py": latency_sweep, "tools/nano_vllm_bench.py": nano_vllm_bench,
              "tools/preemption_cost.py": preemption_cost, "tools/power_cap.py": power_cap}
     if program in ("llama3_paged.py", "llama3_naive.py", "llama3_virtual.py"):
-        parser_with_features(program.removeprefix("llama3_").removesuffix(".py")).parse_args(argv)
+        parser_with_features(cache_of(program)).parse_args(argv)
     elif program in tools:
         tools[program].parse_arguments(argv)
     elif program == "serve.py":  # its own flags, and the rest are the scripts'
