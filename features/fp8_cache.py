@@ -75,6 +75,12 @@ class Float8Writes:
         self.scales = torch.ones(n_layers, 2, dtype=torch.float32, device=device)
         self.scaled = [False] * n_layers  # on the host: no sync to ask
 
+    def forget_scales(self) -> None:
+        """Unset again, for the next prefill to set: after warm-up passes (a token repeated,
+        not the data the scales are for). In place: CUDA graphs read this tensor."""
+        self.scales.fill_(1.0)
+        self.scaled = [False] * len(self.scaled)
+
     def write_float8(self, layer: int, k, v, batch, key_slots, value_slots) -> None:
         """k, v: [T, n_kv_heads, head_dim] in the model's dtype, into rows batch.slot_mapping of
         key_slots and value_slots ([slots, n_kv_heads, head_dim], float8)."""

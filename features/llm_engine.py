@@ -160,9 +160,12 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
     return decoder
 
 
-def make_engine(run, cache, manager, sampler, decoder) -> TimedEngine:
+def make_engine(run, cache, manager, sampler, decoder, progress: bool = False,
+                arrivals: bool = False) -> TimedEngine:
     """The core loop, or with --overlap (the default on CUDA) steps scheduled while the GPU runs
-    the one before, where the run allows it."""
+    the one before, where the run allows it. With `arrivals` (requests come over time, so most
+    prefill passes are a prompt or two), short passes as CUDA graphs where decode steps are: a
+    static batch's prompts are packed into long passes, which a graph would not speed up."""
     overlap = run.args.overlap
     if overlap is None:
         overlap = run.device.type == "cuda"
@@ -178,6 +181,15 @@ def make_engine(run, cache, manager, sampler, decoder) -> TimedEngine:
     engine = engine_class(run.model, cache, manager, sampler, decoder)
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
     engine.decode_longest_first = run.device.type == "cuda"
+    if arrivals and decodes_with_graphs(run):
+        from features.prefill_graphs import BUCKETS, GraphPrefill, supports_prefill_graphs
+        if supports_prefill_graphs(cache):
+            start = time.perf_counter()
+            fp8 = run.args.kv_cache_dtype == "fp8"
+            engine.prefill_logits = GraphPrefill(engine, float8=fp8).logits
+            if progress:
+                print(f"Captured {len(BUCKETS)} CUDA graphs of a prefill pass, {BUCKETS[0]} to "
+                      f"{BUCKETS[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
     return engine
 
 
@@ -190,7 +202,8 @@ def generate(run, cache, manager, progress: bool = True):
     largest_batch = min(len(requests), args.max_running or len(requests))
     decoder = make_decoder(run, cache, manager, sampler, largest_batch, progress)
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    engine = make_engine(run, cache, manager, sampler, decoder)
+    engine = make_engine(run, cache, manager, sampler, decoder, progress,
+                         arrivals=not math.isinf(args.request_rate))
     return engine.generate(scheduler, stop_ids, progress)
 
 
@@ -270,11 +283,11 @@ class LLMEngine:
         self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(cache, self.run)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
-        graphs = make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs,
-                                       progress)
+        graphs = make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs, progress)
         eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table, self.sampler)
         self.engine = make_engine(self.run, self.cache, self.manager, self.sampler,
-                                           GreedyOrSampling(graphs, eager, self.sampler))
+                                  GreedyOrSampling(graphs, eager, self.sampler), progress,
+                                  arrivals=True)  # a client's, or the server's
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [])
         self.engine.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=self.run.device)
         self.engine.timeline = []
@@ -303,6 +316,8 @@ class LLMEngine:
                                                         ignore_eos=True))
             while self.has_unfinished():
                 self.step()
+        if self.run.args.kv_cache_dtype == "fp8":  # scales for the requests, not the warm-up's
+            self.cache.forget_scales()
         self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
 
     @property

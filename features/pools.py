@@ -51,7 +51,7 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
 def decodes_with_graphs(run: Run) -> bool:
     """CUDA graphs where they can run: on CUDA, with an attention that reads its lengths on the
     GPU, unless --eager."""
-    return not run.args.eager and run.device.type == "cuda" and run.attention.name != "torch"
+    return run.device.type == "cuda" and not run.args.eager and run.attention.name != "torch"
 
 
 def allocate_paged(run: Run, samples: bool = False):

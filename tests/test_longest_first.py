@@ -62,8 +62,8 @@ def test_rows_longest_first_give_the_batch_orders_tokens(model, monkeypatch, kin
 
 @pytest.mark.parametrize("device, expected", [("cpu", False), ("cuda", True)])
 def test_rows_are_longest_first_on_cuda(model, device, expected):
-    setup = type("Run", (), {"args": type("Args", (), {
-        "overlap": False, "continuous": False, "max_batched_tokens": None}),
+    setup = type("Run", (), {"args": type("Args", (), {  # eager: no graphs of a CPU model
+        "overlap": False, "continuous": False, "max_batched_tokens": None, "eager": True}),
         "device": torch.device(device), "model": model})
     cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)

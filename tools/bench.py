@@ -334,7 +334,8 @@ def bench(a) -> dict:
     cache, manager = allocate_kv_cache(a.script, setup)
     decoder = make_decoder(setup, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
-    engine = make_engine(setup, cache, manager, greedy, decoder)
+    engine = make_engine(setup, cache, manager, greedy, decoder,
+                         arrivals=not math.isinf(a.request_rate))
     prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)
 
     def run(prompts, budgets, arrivals=None):
@@ -348,6 +349,8 @@ def bench(a) -> dict:
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
     for warm_up in warm_up_prompts(a.compile, manager, a.max_seq_len, 16):  # each kind of pass
         run(warm_up, [16] * len(warm_up))
+    if setup.args.kv_cache_dtype == "fp8":  # scales for the workload, not the warm-up's
+        cache.forget_scales()
     torch.cuda.synchronize()
     mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None
     say(f"Timing workload {a.workload}: {len(prompts):,} requests, {sum(budgets):,} new tokens ...")

@@ -224,7 +224,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
         decoder = make_decoder(setup, cache, manager, greedy, largest_batch, progress=False)
-        engine = make_engine(setup, cache, manager, greedy, decoder)
+        engine = make_engine(setup, cache, manager, greedy, decoder, arrivals=True)
         warm_up(engine, setup, cache, manager)
         serve = lambda rate, n: run_point(engine, setup, cache, manager, rate, n)
     try:
@@ -252,6 +252,8 @@ def warm_up(engine, setup, cache, manager) -> None:
     for prompts in warm_up_prompts(setup.args.compile, manager, setup.args.max_seq_len, 8):
         requests = [ServedRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
         engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
+    if setup.args.kv_cache_dtype == "fp8":  # scales for the requests, not the warm-up's
+        cache.forget_scales()
 
 
 def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> dict:

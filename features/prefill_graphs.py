@@ -1,0 +1,117 @@
+"""Short prefill passes as CUDA graphs: one launch where Python launched some 700 kernels.
+
+Decode steps replay CUDA graphs (features/cuda_graphs.py); a prefill pass was launched kernel by
+kernel from Python. A server's passes are short: a request or two that arrived during the last
+step, a few hundred tokens. Launching such a pass took the host 11 to 18 ms on an H200 (random 8B
+weights), longer than the GPU's work on it, so every new request's first token waited for Python
+(docs/serving-under-load.md). A graph of the pass launches in one call.
+
+A graph replays fixed shapes and addresses, so a pass is padded to a graph's size: a bucket of
+tokens (16 to 1,024) and MAX_PROMPTS prompts.
+- The tokens past the pass's own form one more prompt, which writes its K/V to the cache's spare
+  slot (features/cuda_graphs.py's) and whose output no one reads.
+- The prompts past that one are empty: flash-attn's varlen kernel ends their programs at once.
+- The kernel's longest-prompt bound, a host number frozen into the graph, is the bucket's size.
+Each prompt's last token's logits come back, [MAX_PROMPTS, vocab], and the caller samples the first
+B rows as it would the eager pass's.
+
+Longer passes (their GPU work outlasts the launch), passes of more prompts, passes after cached
+tokens (features/cached_prefix.py's other path) and an FP8 cache's first pass (it sets the scales,
+features/fp8_cache.py) run as before.
+"""
+
+import bisect
+
+import numpy as np
+import torch
+
+from block_manager import to_device
+from llama3_paged import FlashAttention, PrefillBatch
+
+BUCKETS = [16, 32, 64, 128] + list(range(192, 1025, 64))  # tokens of a pass that has a graph
+MAX_PROMPTS = 16  # prompts of a pass that has a graph
+LARGEST = BUCKETS[-1]
+
+
+def supports_prefill_graphs(cache) -> bool:
+    """A graph can record flash-attn's varlen prefill: it reads the prompts' bounds on the GPU.
+    (The PyTorch reference and the Triton prefill read them on the host.)"""
+    return isinstance(cache.attention_backend, FlashAttention)
+
+
+def padded_pass(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                lengths: np.ndarray, bucket: int, spare_slot: int) -> np.ndarray:
+    """A pass of len(lengths) prompts, T tokens, as the graph of `bucket` tokens reads it: one
+    array for one copy to the device, [3 * LARGEST + 2 * MAX_PROMPTS + 2] (`GraphPrefill`'s
+    views). Tokens, positions and slots ([3, LARGEST]; the graph reads the first `bucket`); the
+    prompts' bounds (cu_seqlens, [MAX_PROMPTS + 2]: the pass's prompts, the padding prompt, the
+    empty ones); where each prompt's last token is ([MAX_PROMPTS]; token 0 past the pass's own)."""
+    total, num_prompts = len(tokens), len(lengths)
+    inputs = np.zeros(3 * LARGEST + 2 * MAX_PROMPTS + 2, dtype=np.int64)
+    per_token, cu_seqlens, last_token_at = np.split(inputs, [3 * LARGEST, 3 * LARGEST + MAX_PROMPTS + 2])
+    per_token = per_token.reshape(3, LARGEST)
+    per_token[:, :total] = tokens, positions, slots
+    per_token[2, total:] = spare_slot  # the padding prompt's K/V: written where no one reads
+    cu_seqlens[1:num_prompts + 1] = np.cumsum(lengths)
+    cu_seqlens[num_prompts + 1:] = bucket  # the padding prompt ends at the bucket; then empty ones
+    last_token_at[:num_prompts] = cu_seqlens[1:num_prompts + 1] - 1
+    return inputs
+
+
+class GraphPrefill:
+    """`engine.prefill_logits` (llama3_paged.py's Engine), recorded once per bucket; other passes
+    run it as it is. Captured after the decode graphs, the way they are (features/cuda_graphs.py).
+    `float8`: the cache is an FP8 one, whose scales its first pass sets."""
+
+    def __init__(self, engine, float8: bool):
+        self.eager, self.manager, self.cache = engine.prefill_logits, engine.manager, engine.cache
+        self.float8 = float8
+        # The graphs' inputs: one buffer in padded_pass's layout, and views of it.
+        self.inputs = torch.zeros(3 * LARGEST + 2 * MAX_PROMPTS + 2, dtype=torch.long,
+                                  device=engine.device)
+        per_token, cu_seqlens, last_token_at = self.inputs.split(
+            [3 * LARGEST, MAX_PROMPTS + 2, MAX_PROMPTS])
+        tokens, positions, slots = per_token.view(3, LARGEST)
+
+        def prefill(bucket):
+            batch = PrefillBatch(slots[:bucket], cu_seqlens.int(), None, max_seqlen=bucket)
+            return engine.model(tokens[:bucket], positions[:bucket], self.cache, batch,
+                                logits_at=last_token_at)  # [MAX_PROMPTS, vocab]
+
+        nothing = np.zeros(0, dtype=np.int64)
+        from features.compiled_layers import compiled_at_any_length  # here: it loads the compiler
+        # The graphs record the passes after an FP8 cache's first, which quantize with the scales
+        # that pass set (`logits` sends the first pass to the eager one).
+        scales_set = self.cache.scaled if float8 else None
+        if float8:
+            self.cache.scaled = [True] * len(scales_set)
+        try:
+            with torch.inference_mode(), compiled_at_any_length():
+                self.graphs, self.logits_out, pool = {}, {}, None
+                for bucket in reversed(BUCKETS):  # largest first: the smaller reuse its memory
+                    self.inputs.copy_(torch.from_numpy(  # a pass of padding alone
+                        padded_pass(nothing, nothing, nothing, nothing, bucket, self.cache.spare_slot)))
+                    prefill(bucket)  # eagerly first: kernels loaded, the layers compiled
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.logits_out[bucket] = prefill(bucket)
+                    self.graphs[bucket], pool = graph, graph.pool()
+        finally:
+            if float8:
+                self.cache.scaled = scales_set
+
+    def logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
+        """Same contract as Engine.prefill_logits: [B, vocab], each prompt's last token's."""
+        lengths = np.array([len(p) for p in prompts])
+        total = int(lengths.sum())
+        if (total > LARGEST or len(prompts) > MAX_PROMPTS
+                or (self.float8 and not all(self.cache.scaled))):
+            return self.eager(rows, prompts)
+        bucket = BUCKETS[bisect.bisect_left(BUCKETS, total)]
+        positions = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # [T]
+        slots = self.manager.slots(np.repeat(rows, lengths), positions)  # as decode finds them
+        self.inputs.copy_(to_device(padded_pass(np.concatenate(prompts), positions, slots, lengths,
+                                                bucket, self.cache.spare_slot), self.inputs.device))
+        self.graphs[bucket].replay()
+        # A copy: the next replay of this graph overwrites its output.
+        return self.logits_out[bucket][:len(prompts)].clone()
