@@ -21,8 +21,9 @@ before attention and the work after it. The layers share their compiled code; ba
 dynamic, so one compilation serves every CUDA-graph bucket (features/cuda_graphs.py warms each
 bucket up before capturing it, so that nothing compiles during a capture).
 
-Short passes launched from Python run eagerly. A compiled call costs more host time than the
-eager kernels' launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens
+Short passes launched from Python run eagerly (where requests arrive over time, they are CUDA
+graphs of the compiled layers instead: features/prefill_graphs.py). A compiled call costs more
+host time than the eager kernels' launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens
 took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited
 for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels win it
 back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A decode step
