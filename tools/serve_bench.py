@@ -62,10 +62,19 @@ def parse_arguments(argv=None):
     p.add_argument("--clients", type=clients, default="auto",
                    help="processes that send the requests, each every K-th; auto: one per "
                         f"{RATE_PER_CLIENT} requests/s, up to the cores less the server's two")
+    p.add_argument("--http-client", choices=["httpx", "aiohttp"], default="httpx",
+                   help="the openai package's transport: its default, or aiohttp (openai[aiohttp]), "
+                        "which takes less of a core per streamed chunk")
+    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="the client processes' event loop, as uvicorn's --loop: auto takes uvloop "
+                        "where it is installed")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     a = p.parse_args(argv)
     if a.clients == "auto":
         a.clients = min(auto_clients(a.request_rate, os.cpu_count() or 1), a.num_prompts)
+    if a.loop == "auto":
+        from plumbing.cli import importable
+        a.loop = "uvloop" if importable("uvloop") else "asyncio"
     return a
 
 
@@ -117,8 +126,10 @@ async def one_request(client, model, prompt, max_tokens, arrival, start) -> dict
 
 
 async def run_load(a, prompts, budgets, arrivals, start: float) -> list[dict]:
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=3600)
+    import openai
+    transport = {"http_client": openai.DefaultAioHttpClient()} if a.http_client == "aiohttp" else {}
+    client = openai.AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0,
+                                timeout=3600, **transport)
     model = a.model or (await client.models.list()).data[0].id
     return await asyncio.gather(*[one_request(client, model, p, b, t, start)
                                   for p, b, t in zip(prompts, budgets, arrivals)])
@@ -132,7 +143,12 @@ def run_share(a, prompts, budgets, arrivals, start: float, k: int) -> tuple[list
     import openai
     share, cpu_start = slice(k, None, a.clients), time.process_time()
     try:
-        results = asyncio.run(run_load(a, prompts[share], budgets[share], arrivals[share], start))
+        loop_factory = None
+        if a.loop == "uvloop":
+            import uvloop
+            loop_factory = uvloop.new_event_loop
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            results = runner.run(run_load(a, prompts[share], budgets[share], arrivals[share], start))
         return results, time.process_time() - cpu_start
     except openai.APIConnectionError as e:
         return (f"No server answers at {a.base_url} ({e}). Start one: python serve.py "
@@ -235,11 +251,13 @@ def print_report(r: dict) -> None:
 def main(argv=None) -> None:
     with one_paragraph_errors("serve_bench.py"):
         a = parse_arguments(argv)
-        require_packages(["openai"], "the client it measures with")
+        require_packages(["openai"] + (["aiohttp"] if a.http_client == "aiohttp" else [])
+                         + (["uvloop"] if a.loop == "uvloop" else []), "the client it measures with")
         prompts, budgets, arrivals = workload(a)
         before = server_latency_sums(a.base_url)
         results, wall, client_cpu = send_load(a, prompts, budgets, arrivals)
-        record = report(results, wall) | {"clients": a.clients,
+        record = report(results, wall) | {"clients": a.clients, "http_client": a.http_client,
+                                          "loop": a.loop,
                                           "busiest_client_cpu_share": client_cpu / wall}
         record["server_mean_seconds"] = server_means(before, server_latency_sums(a.base_url))
         if a.json:
