@@ -67,6 +67,26 @@ def test_the_cache_stores_scaled_float8_and_decodes_as_dequantize_then_attend():
         assert (out[r].double() - exact).abs().max() < 0.1 * v.abs().max()  # and near the exact
 
 
+def test_scales_forgotten_after_a_warm_up_are_set_by_the_next_prefill_as_a_fresh_cache_sets_them():
+    # The API's and the tools' warm-up passes (a token repeated) must not set the scales that
+    # the requests after them are stored with: a fresh cache, given only the request, is the truth.
+    args = PRESETS["tiny"]
+    g = torch.Generator().manual_seed(2)
+    shape = (8, args.n_kv_heads, args.head_dim)
+    warm_k, warm_v = (torch.full(shape, 0.01) for _ in range(2))
+    k, v = (torch.randn(*shape, generator=g) * 7 for _ in range(2))
+    q = torch.randn(8, args.n_heads, args.head_dim, generator=g)
+    batch = PrefillBatch(torch.arange(8), torch.tensor([0, 8], dtype=torch.int32), [0, 8], 8)
+    warmed, fresh = (FP8KVCache(args, 4, 16, torch.float32, "cpu", TorchAttention()) for _ in range(2))
+    warmed.attention(0, q, warm_k, warm_v, batch)
+    warmed.forget_scales()
+    assert warmed.scales.eq(1).all() and not any(warmed.scaled)
+    for cache in (warmed, fresh):
+        cache.attention(0, q, k, v, batch)
+    assert torch.equal(warmed.scales, fresh.scales) and warmed.scaled[0]
+    assert torch.equal(warmed.k[0, :8].view(torch.uint8), fresh.k[0, :8].view(torch.uint8))
+
+
 def test_an_fp8_pool_holds_four_times_the_float32_tokens_and_says_so(tmp_path):
     records = {}
     for dtype in ["auto", "fp8"]:
