@@ -662,7 +662,8 @@ def test_beams_sharing_blocks_on_the_gpu_find_the_unshared_beams_and_recompile_n
     assert not any("grad_mode" in log for log in logs.values())
 
 
-def test_launching_a_prefill_never_waits_for_the_gpu():
+@pytest.mark.parametrize("eager", [True, False])  # False: CUDA graphs, prefill's too
+def test_launching_a_prefill_never_waits_for_the_gpu(eager):
     """With overlapped steps a new request's prefill is launched while the decode step before it
     runs. Anything in the launch that waited for the GPU (a copy from pageable memory, .item(),
     .tolist() of a device tensor) would put that step's rest on the request's time to first
@@ -670,7 +671,8 @@ def test_launching_a_prefill_never_waits_for_the_gpu():
     H100). CUDA's sync debug mode raises at any such wait."""
     from features.llm import SamplingParams
     from features.llm_engine import LLMEngine
-    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
+    # A small pool: the tests after this one size theirs from the GPU memory it leaves
+    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=eager, kv_budget_gb=1)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
     engine.step()  # its prefill recorded, its first decode step in flight
     engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))

@@ -118,3 +118,37 @@ def test_prefill_graphs_give_the_eager_passes_logits_and_kv(float8, compiled):
         for got, want in zip(kv, expected_kv):  # float8 codes move by a step where bf16 rounds apart
             assert ((got.float() - want.float()).norm() / want.float().norm()).item() < (
                 5e-2 if float8 else 1e-2)
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_the_served_engine_gives_the_same_tokens_through_each_cache_with_prefill_graphs():
+    # The API's engine on its default GPU path (compiled layers, decode and prefill graphs): the
+    # naive, paged and virtual caches give one another's tokens, as the scripts' N = 49 runs do;
+    # requests added one step apart, so that each prefill is a pass of its own through a graph.
+    import gc
+    from features.llm import SamplingParams
+    from features.llm_engine import LLMEngine
+    from features.prefill_graphs import GraphPrefill
+    prompts = prompts_of([30, 200, 5, 700, 64, 1])
+    tokens = {}
+    for cache in ("naive", "paged", "virtual"):
+        engine = LLMEngine(cache, len(prompts), model="tiny", random_weights=True, kv_budget_gb=0.5,
+                           max_seq_len=1024)
+        assert isinstance(engine.engine.prefill_logits.__self__, GraphPrefill)
+        finished = {}
+
+        def step():
+            finished.update({s.request_id: list(s.request.output_tokens)
+                             for s in engine.step() if s.finish_reason is not None})
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            step()
+        while engine.has_unfinished():
+            step()
+        tokens[cache] = finished
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert len(tokens["paged"]) == len(prompts)
+    assert tokens["naive"] == tokens["paged"] == tokens["virtual"]
