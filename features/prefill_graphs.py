@@ -31,6 +31,9 @@ from llama3_paged import FlashAttention, PrefillBatch
 BUCKETS = [16, 32, 64, 128] + list(range(192, 1025, 64))  # tokens of a pass that has a graph
 MAX_PROMPTS = 16  # prompts of a pass that has a graph
 LARGEST = BUCKETS[-1]
+# A pass's inputs in one array, one copy to the device: tokens, positions and slots ([3, LARGEST]),
+# the prompts' bounds (cu_seqlens) and where each prompt's last token is.
+LAYOUT = (3 * LARGEST, MAX_PROMPTS + 2, MAX_PROMPTS)
 
 
 def supports_prefill_graphs(cache) -> bool:
@@ -41,14 +44,13 @@ def supports_prefill_graphs(cache) -> bool:
 
 def padded_pass(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                 lengths: np.ndarray, bucket: int, spare_slot: int) -> np.ndarray:
-    """A pass of len(lengths) prompts, T tokens, as the graph of `bucket` tokens reads it: one
-    array for one copy to the device, [3 * LARGEST + 2 * MAX_PROMPTS + 2] (`GraphPrefill`'s
-    views). Tokens, positions and slots ([3, LARGEST]; the graph reads the first `bucket`); the
-    prompts' bounds (cu_seqlens, [MAX_PROMPTS + 2]: the pass's prompts, the padding prompt, the
-    empty ones); where each prompt's last token is ([MAX_PROMPTS]; token 0 past the pass's own)."""
+    """A pass of len(lengths) prompts, T tokens, as the graph of `bucket` tokens reads it, in
+    LAYOUT: tokens, positions and slots (the graph reads the first `bucket` of each); the
+    prompts' bounds (cu_seqlens: the pass's prompts, the padding prompt, the empty ones); where
+    each prompt's last token is (token 0 past the pass's own)."""
     total, num_prompts = len(tokens), len(lengths)
-    inputs = np.zeros(3 * LARGEST + 2 * MAX_PROMPTS + 2, dtype=np.int64)
-    per_token, cu_seqlens, last_token_at = np.split(inputs, [3 * LARGEST, 3 * LARGEST + MAX_PROMPTS + 2])
+    inputs = np.zeros(sum(LAYOUT), dtype=np.int64)
+    per_token, cu_seqlens, last_token_at = np.split(inputs, np.cumsum(LAYOUT)[:-1])  # views
     per_token = per_token.reshape(3, LARGEST)
     per_token[:, :total] = tokens, positions, slots
     per_token[2, total:] = spare_slot  # the padding prompt's K/V: written where no one reads
@@ -66,11 +68,9 @@ class GraphPrefill:
     def __init__(self, engine, float8: bool):
         self.eager, self.manager, self.cache = engine.prefill_logits, engine.manager, engine.cache
         self.float8 = float8
-        # The graphs' inputs: one buffer in padded_pass's layout, and views of it.
-        self.inputs = torch.zeros(3 * LARGEST + 2 * MAX_PROMPTS + 2, dtype=torch.long,
-                                  device=engine.device)
-        per_token, cu_seqlens, last_token_at = self.inputs.split(
-            [3 * LARGEST, MAX_PROMPTS + 2, MAX_PROMPTS])
+        # The graphs' inputs: one buffer in LAYOUT, and views of it.
+        self.inputs = torch.zeros(sum(LAYOUT), dtype=torch.long, device=engine.device)
+        per_token, cu_seqlens, last_token_at = self.inputs.split(LAYOUT)
         tokens, positions, slots = per_token.view(3, LARGEST)
 
         def prefill(bucket):
@@ -82,15 +82,16 @@ class GraphPrefill:
         from features.compiled_layers import compiled_at_any_length  # here: it loads the compiler
         # The graphs record the passes after an FP8 cache's first, which quantize with the scales
         # that pass set (`logits` sends the first pass to the eager one).
-        scales_set = self.cache.scaled if float8 else None
+        scaled_before = self.cache.scaled if float8 else None
         if float8:
-            self.cache.scaled = [True] * len(scales_set)
+            self.cache.scaled = [True] * len(scaled_before)
         try:
             with torch.inference_mode(), compiled_at_any_length():
                 self.graphs, self.logits_out, pool = {}, {}, None
                 for bucket in reversed(BUCKETS):  # largest first: the smaller reuse its memory
-                    self.inputs.copy_(torch.from_numpy(  # a pass of padding alone
-                        padded_pass(nothing, nothing, nothing, nothing, bucket, self.cache.spare_slot)))
+                    padding_alone = padded_pass(nothing, nothing, nothing, nothing, bucket,
+                                                self.cache.spare_slot)
+                    self.inputs.copy_(torch.from_numpy(padding_alone))
                     prefill(bucket)  # eagerly first: kernels loaded, the layers compiled
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
@@ -98,7 +99,7 @@ class GraphPrefill:
                     self.graphs[bucket], pool = graph, graph.pool()
         finally:
             if float8:
-                self.cache.scaled = scales_set
+                self.cache.scaled = scaled_before
 
     def logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
         """Same contract as Engine.prefill_logits: [B, vocab], each prompt's last token's."""

@@ -10,7 +10,7 @@ import torch
 
 from block_manager import BlockManager
 from features.cuda_graphs import KVCacheWithSpareSlot
-from features.prefill_graphs import BUCKETS, LARGEST, MAX_PROMPTS, padded_pass
+from features.prefill_graphs import BUCKETS, LARGEST, LAYOUT, MAX_PROMPTS, padded_pass
 from llama3_paged import Engine, Llama, PrefillBatch, Request, TorchAttention
 from plumbing.cli import importable
 from plumbing.inputs import random_model
@@ -59,7 +59,7 @@ def test_a_padded_pass_gives_the_pass_logits_and_kv(lengths):
     slots = engine.manager.slots(np.repeat(rows, lengths), positions)
     inputs = torch.from_numpy(padded_pass(np.concatenate(prompts), positions, slots,
                                           np.array(lengths), bucket, engine.cache.spare_slot))
-    per_token, cu_seqlens, last_token_at = inputs.split([3 * LARGEST, MAX_PROMPTS + 2, MAX_PROMPTS])
+    per_token, cu_seqlens, last_token_at = inputs.split(LAYOUT)
     tokens, positions_in, slots_in = per_token.view(3, LARGEST)[:, :bucket]
     assert cu_seqlens[-1] == bucket and len(cu_seqlens) == MAX_PROMPTS + 2
     batch = PrefillBatch(slots_in, cu_seqlens.int(), cu_seqlens.tolist(), max_seqlen=bucket)
@@ -131,24 +131,25 @@ def test_the_served_engine_gives_the_same_tokens_through_each_cache_with_prefill
     from features.llm_engine import LLMEngine
     from features.prefill_graphs import GraphPrefill
     prompts = prompts_of([30, 200, 5, 700, 64, 1])
-    tokens = {}
-    for cache in ("naive", "paged", "virtual"):
+
+    def served_tokens(cache) -> dict:
         engine = LLMEngine(cache, len(prompts), model="tiny", random_weights=True, kv_budget_gb=0.5,
                            max_seq_len=1024)
         assert isinstance(engine.engine.prefill_logits.__self__, GraphPrefill)
         finished = {}
-
-        def step():
+        for prompt in prompts + [None] * 100:  # then steps until every request is done
+            if prompt is not None:
+                engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))
             finished.update({s.request_id: list(s.request.output_tokens)
                              for s in engine.step() if s.finish_reason is not None})
-        for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-            step()
-        while engine.has_unfinished():
-            step()
-        tokens[cache] = finished
-        del engine
-        gc.collect()
+        assert not engine.has_unfinished()
+        return finished
+
+    tokens = {}
+    for cache in ("naive", "paged", "virtual"):
+        tokens[cache] = served_tokens(cache)
+        gc.collect()  # the engine's pool, before the next one sizes its own
         torch.cuda.empty_cache()
     assert len(tokens["paged"]) == len(prompts)
     assert tokens["naive"] == tokens["paged"] == tokens["virtual"]
