@@ -8,7 +8,7 @@ from conftest import ROOT
 
 from features.engine_args import cache_of, engine_arguments, parser_with_features
 from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                   nano_vllm_bench, power_cap, preemption_cost)
+                   nano_vllm_bench, power_cap, preemption_cost, serve_bench)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target), web links left out below
@@ -32,7 +32,8 @@ def parse(command: str) -> None:
     tools = {"tools/bench.py": bench, "tools/cascade_cost.py": cascade_cost,
              "tools/decode_kernel_cost.py": decode_kernel_cost, "tools/graph_cost.py": graph_cost,
              "tools/latency_sweep.py": latency_sweep, "tools/nano_vllm_bench.py": nano_vllm_bench,
-             "tools/preemption_cost.py": preemption_cost, "tools/power_cap.py": power_cap}
+             "tools/preemption_cost.py": preemption_cost, "tools/power_cap.py": power_cap,
+             "tools/serve_bench.py": serve_bench}
     if program in ("llama3_paged.py", "llama3_naive.py", "llama3_virtual.py"):
         parser_with_features(cache_of(program)).parse_args(argv)
     elif program in tools:
