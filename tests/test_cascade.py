@@ -92,7 +92,8 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
     return result, decoder
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8: the
+# same path as 4 over fewer, longer blocks (the suite's time)
 def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size):
     model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=31)
     system = random_prompts([21], seed=3)[0]  # 5 full blocks of 4, or 2 of 8, then a part

@@ -137,6 +137,7 @@ def test_a_checkpoint_loads_each_ranks_slice(monkeypatch, tmp_path, layout, tied
     assert_slices_make_the_whole(whole, ranks)
 
 
+@SLOW  # each rank's slices are held in this process (test_a_checkpoint_loads_each_ranks_slice)
 def test_a_real_checkpoint_over_two_processes_gives_the_one_process_tokens(tmp_path):
     """Loaded slice by slice, stopping at end-of-text as real weights do."""
     hf = tiny_hf_model(rope_scaling=True, tied=False, vocab_size=128_256)
