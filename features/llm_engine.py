@@ -185,8 +185,7 @@ def make_engine(run, cache, manager, sampler, decoder, progress: bool = False,
         from features.prefill_graphs import BUCKETS, GraphPrefill, supports_prefill_graphs
         if supports_prefill_graphs(cache):
             start = time.perf_counter()
-            fp8 = run.args.kv_cache_dtype == "fp8"
-            engine.prefill_logits = GraphPrefill(engine, float8=fp8).logits
+            engine.prefill_logits = GraphPrefill(engine).logits
             if progress:
                 print(f"Captured {len(BUCKETS)} CUDA graphs of a prefill pass, {BUCKETS[0]} to "
                       f"{BUCKETS[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
@@ -260,6 +259,18 @@ class QueueFull(Exception):
     """Every row is taken: serve.py answers 503 with Retry-After."""
 
 
+def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_tokens: int) -> None:
+    """Each of warm_up_prompts' passes through `run_pass(prompts)`, which runs them to their end.
+    Then an FP8 cache forgets the scales the first of them set: a token repeated is not the data
+    they are for (features/fp8_cache.py)."""
+    from features.compiled_layers import warm_up_prompts  # here: it loads the compiler
+    for prompts in warm_up_prompts(compiled, manager, max_seq_len, new_tokens):
+        run_pass(prompts)
+    from features.fp8_cache import Float8Writes
+    if isinstance(cache, Float8Writes):
+        cache.forget_scales()
+
+
 class LLMEngine:
     """Requests in, tokens out, one step at a time (serve.py's engine process calls `step`)."""
 
@@ -309,15 +320,13 @@ class LLMEngine:
         """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
         the first ones (tens of seconds; decode compiled as its CUDA graphs were captured), which
         would otherwise fall on the first clients' time to first token."""
-        from features.compiled_layers import warm_up_prompts
-        for prompts in warm_up_prompts(self.run.args.compile, self.manager, self.max_seq_len, 8):
+        def run_pass(prompts):
             for prompt in prompts:  # added together: one prefill pass
                 self.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
                                                         ignore_eos=True))
             while self.has_unfinished():
                 self.step()
-        if self.run.args.kv_cache_dtype == "fp8":  # scales for the requests, not the warm-up's
-            self.cache.forget_scales()
+        warm_up(run_pass, self.run.args.compile, self.cache, self.manager, self.max_seq_len, 8)
         self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
 
     @property

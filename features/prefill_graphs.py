@@ -62,12 +62,12 @@ def padded_pass(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
 
 class GraphPrefill:
     """`engine.prefill_logits` (llama3_paged.py's Engine), recorded once per bucket; other passes
-    run it as it is. Captured after the decode graphs, the way they are (features/cuda_graphs.py).
-    `float8`: the cache is an FP8 one, whose scales its first pass sets."""
+    run it as it is. Captured after the decode graphs, the way they are (features/cuda_graphs.py)."""
 
-    def __init__(self, engine, float8: bool):
+    def __init__(self, engine):
         self.eager, self.manager, self.cache = engine.prefill_logits, engine.manager, engine.cache
-        self.float8 = float8
+        from features.fp8_cache import Float8Writes
+        self.float8 = float8 = isinstance(self.cache, Float8Writes)  # its first pass sets scales
         # The graphs' inputs: one buffer in LAYOUT, and views of it.
         self.inputs = torch.zeros(sum(LAYOUT), dtype=torch.long, device=engine.device)
         per_token, cu_seqlens, last_token_at = self.inputs.split(LAYOUT)

@@ -41,6 +41,7 @@ from torch import nn
 
 import llama3_paged as lesson
 from plumbing.cli import UserError, format_bytes, per_token
+from plumbing.inputs import shapes_only
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that stops answering ends the others
 
@@ -132,9 +133,9 @@ class SplitLlama(lesson.Llama):
         else:
             self.output = VocabParallelHead(nn.Parameter(torch.empty(share, args.dim, dtype=dtype)),
                                             slice(None))
-        with torch.device("meta"):  # the whole model's shapes, for drawing random weights
-            self.whole_shapes = {name: p.shape for name, p in
-                                 lesson.Llama(args, dtype).named_parameters()}
+        # The whole model's shapes, for drawing random weights
+        self.whole_shapes = {name: p.shape for name, p in
+                             shapes_only(lesson.Llama, args, dtype).named_parameters()}
 
     def share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's share of one whole tensor of parameter `name` (or of one part of a merged

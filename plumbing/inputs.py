@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import tiktoken
 import torch
+from torch import nn
 from safetensors import SafetensorError, safe_open
 from tiktoken.load import load_tiktoken_bpe
 
@@ -140,24 +141,48 @@ DOWNLOAD_HINT = (
     "folder (config.json + *.safetensors), or run with --random-weights.")
 
 
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Inside, torch.nn.init's fills return their tensor untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def shapes_only(model_class, *args):
+    """`model_class(*args)` on the "meta" device: its parameters' shapes and dtypes, no memory.
+    The modules' constructors would fill them with their default initialisation; there is nothing
+    to fill, and nn.Embedding's normal_ on "meta" imports the compiler (torch._dynamo), 0.8 s of
+    a CPU run's start-up. So the fills are skipped."""
+    with torch.device("meta"), _SkipInit():
+        return model_class(*args)
+
+
 def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int):
     """An uninitialised `model_class(args, dtype)` (llama3_paged.py's Llama) on `device`:
     parameters allocated once, never filled twice."""
-    with torch.device("meta"):
-        model = model_class(args, dtype)
+    model = shapes_only(model_class, args, dtype)
     weights = sum(p.nbytes for p in model.parameters())  # tied weights counted once
     rope_table = max_positions * args.head_dim * 8  # complex64 per pair, float32 scratch as much
     advice = "Use a smaller --model or --dtype bf16, or a GPU."
     if torch.device(device).type == "cpu":
         check_host_memory(weights + rope_table, "the model's weights", advice)
+    # Each parameter allocated on the device, unfilled: what Module.to_empty does, but its
+    # empty_like of a "meta" tensor imports PyTorch's symbolic shapes (0.4 s of a CPU start-up).
+    on_device = {}  # id of a meta parameter -> its tensor on `device`: a tied weight stays one
     try:
-        model.to_empty(device=device)
+        for module in model.modules():
+            for name, meta in module.named_parameters(recurse=False):
+                if id(meta) not in on_device:
+                    on_device[id(meta)] = nn.Parameter(
+                        torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=False)
+                setattr(module, name, on_device[id(meta)])
     except torch.OutOfMemoryError as e:
         free = torch.cuda.mem_get_info(device)[0]
         raise UserError(f"Out of GPU memory: the model's weights need {weights / 1e9:.1f} GB, "
                         f"{free / 1e9:.1f} GB are free. {advice}", OUT_OF_MEMORY) from e
-    if args.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
-        model.output.weight = model.tok_embeddings.weight
     model.rope_rotations = rope_rotations(args, max_positions).to(device)
     return model.eval().requires_grad_(False)
 
@@ -613,7 +638,7 @@ class Run:
     args: object  # the parsed command line
     device: torch.device
     dtype: torch.dtype
-    model: torch.nn.Module
+    model: nn.Module
     attention: object  # how attention reads the pool: flash-attn's kernels, PyTorch's, Triton's
     tokenizer: Tokenizer
     prompts: list[Prompt]

@@ -98,7 +98,7 @@ def test_prefill_graphs_give_the_eager_passes_logits_and_kv(float8, compiled):
     engine = engine_with_blocks(model, cache_class, attention, sum(all_prompts, []), 256, "cuda")
     if compiled:
         compile_layers(model, engine.cache)
-    graphs = GraphPrefill(engine, float8=float8)
+    graphs = GraphPrefill(engine)
 
     def eager_logits(rows, prompts):  # launched from Python, compiled as the graphs record it
         with compiled_at_any_length():

@@ -138,16 +138,17 @@ def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_toke
     assert len({tuple(t) for t in answers[0]}) > 1, "four samples, not one copied"
 
 
-def test_the_warm_up_leaves_no_trace():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_warm_up_leaves_no_trace(kv_cache_dtype):
     """serve.py's engine runs a few requests before it serves (compiled layers compile on them,
-    on a GPU): afterwards every row and block is free, the counters are zero, and answers are those
-    of an engine that never warmed up."""
+    on a GPU): afterwards every row and block is free, the counters are zero, an FP8 cache's
+    scales are unset, and answers are those of an engine that never warmed up."""
     from features.llm_engine import LLMEngine
     params = SamplingParams(max_tokens=12, temperature=0)
 
     def answer(warm: bool) -> list:
         engine = LLMEngine("paged", 8, model="tiny", random_weights=True, device="cpu",
-                           block_size=16)
+                           block_size=16, kv_cache_dtype=kv_cache_dtype)
         if warm:
             engine.warm_up()
             assert not engine.has_unfinished() and len(engine.free_rows) == 8

@@ -49,7 +49,6 @@ import torch
 from block_manager import BlockManager
 from features.request_state import ServedRequest
 from features.cached_prefix import greedy
-from features.compiled_layers import warm_up_prompts
 from llama3_paged import Decoder, append_tokens
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
@@ -67,7 +66,7 @@ from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features.engine_args import CACHES, load, parse_script_arguments
 from features.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
-                                 make_scheduler)
+                                 make_scheduler, warm_up)
 from tools.kernel_profile import profile_engine
 from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,
                           median_cuda_seconds, write_profile)
@@ -347,10 +346,8 @@ def bench(a) -> dict:
     # nothing of its own in the prefix cache.
     say("Warming up: each kind of pass once (compiling the layers: tens of seconds on a first run) ...")
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
-    for warm_up in warm_up_prompts(a.compile, manager, a.max_seq_len, 16):  # each kind of pass
-        run(warm_up, [16] * len(warm_up))
-    if setup.args.kv_cache_dtype == "fp8":  # scales for the workload, not the warm-up's
-        cache.forget_scales()
+    warm_up(lambda passes: run(passes, [16] * len(passes)),  # each kind of pass
+            a.compile, cache, manager, a.max_seq_len, 16)
     torch.cuda.synchronize()
     mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None
     say(f"Timing workload {a.workload}: {len(prompts):,} requests, {sum(budgets):,} new tokens ...")

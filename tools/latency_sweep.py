@@ -56,7 +56,6 @@ import llama3_virtual
 from features.request_state import ServedRequest
 from features.cached_prefix import greedy
 from features.arrivals import latency_report
-from features.compiled_layers import warm_up_prompts
 from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph, fraction,
                           gigabytes, image_file, json_file, one_paragraph_errors, positive_int,
                           refuse_output_over_input, seed, writable_file, write_atomically)
@@ -65,7 +64,7 @@ from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.engine_args import choose_attention, load, parse_script_arguments
 from features.llm_engine import (LLMEngine, allocate_kv_cache, make_decoder, make_engine,
-                                 make_requests, make_scheduler)
+                                 make_requests, make_scheduler, warm_up)
 from features.sampling import SamplingParams
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
@@ -225,7 +224,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         largest_batch = min(len(setup.prompts), manager.num_blocks)
         decoder = make_decoder(setup, cache, manager, greedy, largest_batch, progress=False)
         engine = make_engine(setup, cache, manager, greedy, decoder, arrivals=True)
-        warm_up(engine, setup, cache, manager)
+        warm_up_engine(engine, setup, cache, manager)
         serve = lambda rate, n: run_point(engine, setup, cache, manager, rate, n)
     try:
         curve = {"description": f"{CURVES[name][2]}; attention: {setup.attention.name}",
@@ -247,13 +246,12 @@ def run_curve(base, name: str, a, bar, save) -> dict:
             manager.close()
 
 
-def warm_up(engine, setup, cache, manager) -> None:
+def warm_up_engine(engine, setup, cache, manager) -> None:
     """Kernels chosen and compiled before anything is timed, on prompts no point uses."""
-    for prompts in warm_up_prompts(setup.args.compile, manager, setup.args.max_seq_len, 8):
+    def run_pass(prompts):
         requests = [ServedRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
         engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
-    if setup.args.kv_cache_dtype == "fp8":  # scales for the requests, not the warm-up's
-        cache.forget_scales()
+    warm_up(run_pass, setup.args.compile, cache, manager, setup.args.max_seq_len, 8)
 
 
 def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> dict:
