@@ -133,7 +133,7 @@ class SplitLlama(lesson.Llama):
         else:
             self.output = VocabParallelHead(nn.Parameter(torch.empty(share, args.dim, dtype=dtype)),
                                             slice(None))
-        # The whole model's shapes, for drawing random weights
+        # The whole model's shapes, for drawing random weights as one process draws them
         self.whole_shapes = {name: p.shape for name, p in
                              shapes_only(lesson.Llama, args, dtype).named_parameters()}
 

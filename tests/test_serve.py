@@ -153,6 +153,7 @@ def test_the_warm_up_leaves_no_trace(kv_cache_dtype):
             engine.warm_up()
             assert not engine.has_unfinished() and len(engine.free_rows) == 8
             assert engine.manager.num_used_blocks == 0 and engine.num_generated_tokens == 0
+            assert kv_cache_dtype != "fp8" or not any(engine.cache.scaled)
         engine.add_request(engine.tokenizer.encode(PROMPTS[3]), params)
         finished = []
         while engine.has_unfinished():

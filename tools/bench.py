@@ -346,7 +346,7 @@ def bench(a) -> dict:
     # nothing of its own in the prefix cache.
     say("Warming up: each kind of pass once (compiling the layers: tens of seconds on a first run) ...")
     run([[1] * len(p) for p in prompts[:8]], [16] * min(8, len(prompts)))
-    warm_up(lambda passes: run(passes, [16] * len(passes)),  # each kind of pass
+    warm_up(lambda prompts: run(prompts, [16] * len(prompts)),  # each kind of pass
             a.compile, cache, manager, a.max_seq_len, 16)
     torch.cuda.synchronize()
     mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None
