@@ -91,6 +91,28 @@ def test_a_step_floor_is_bound_by_the_weights_when_small_and_the_flops_when_larg
     assert step_floor_seconds(512, 0, weights, per_token, hardware) == 512 * 15e9 / 1e15
 
 
+def test_a_profiles_floor_counts_the_profiled_runs_token_by_token():
+    # Prompts of 3 and 5 tokens drawing 3 and 2 tokens: decode step 1 runs both (K/V of 4 and 6
+    # tokens cached), step 2 the first alone (5); 3 tokens decoded. Rates chosen so that step 1's
+    # projections are bound by their FLOPs and step 2's by reading the weights.
+    from tools.bench import decode_flops_per_token, profile_floor
+    args = random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=0).args
+    rate, bandwidth, weights, kv_bytes = 1e12, 1e9, 1e5, 1000.0
+    hardware = {"matmul_flops_per_second": rate, "copy_bandwidth_bytes_per_second": bandwidth}
+    floor = profile_floor(args, [[7] * 3, [7] * 5], [3, 2], kv_bytes, weights, hardware)
+    flops = decode_flops_per_token(args)
+    assert flops / rate < weights / bandwidth < 2 * flops / rate
+    decode = floor["decode_seconds_per_token"]
+    assert decode["matmul"] == pytest.approx((2 * flops / rate + weights / bandwidth) / 3)
+    assert decode["attention"] == pytest.approx((4 + 6 + 5) * kv_bytes / bandwidth / 3)
+    # Prefill: the query at position t meets t + 1 keys, 2 * head_dim FLOPs each for QK^T and PV.
+    attention = sum(4 * args.head_dim * (t + 1) for n in (3, 5) for t in range(n))
+    attention *= args.n_heads * args.n_layers
+    assert floor["prefill_seconds"]["attention"] == pytest.approx(attention / rate)
+    assert floor["prefill_seconds"]["matmul"] == pytest.approx(
+        (prefill_flops(args, [3, 5]) - attention) / rate)
+
+
 def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
     from features.cached_prefix import ServedSnapshot
     from llama3_paged import Generation

@@ -95,3 +95,26 @@ def test_kernels_lists_each_profiles_largest_kernels_first(tmp_path, capsys, mon
     assert [(row[1], row[3]) for row in prefill] == [("500.00", "nvjet_gemm"),
                                                       ("50.00", "flash_fwd_splitkv_kernel")]
     assert any("old: no kernel names" in line for line in out)
+
+
+def test_the_table_sets_the_floor_of_the_same_requests_beside_them(tmp_path, capsys, monkeypatch):
+    runs = iter([fake_profile({"nvjet_gemm": 0.5}), fake_profile({"nvjet_gemm": 0.9})])
+    monkeypatch.setattr(kernel_profile, "profile_seconds", lambda run: next(runs))
+    asked = []
+
+    def floor(prompts, budgets):  # as tools/bench.py's profile_floor: the runs' own requests
+        asked.append(budgets)
+        return {"prefill_seconds": {"matmul": 0.25, "attention": 0.05},
+                "decode_seconds_per_token": {"matmul": 0.004, "attention": 0.001}}
+    record = {"engine": "ours", "profile": kernel_profile.profile_engine(
+        lambda prompts, budgets: None, [[1, 2]] * 4, [100] * 4, floor)}
+    assert asked == [[kernel_profile.PROFILE_NEW_TOKENS] * 4]  # what the profiled run drew
+    path = tmp_path / "ours.json"
+    path.write_text(json.dumps(record))
+    kernel_profile.main([str(path)])
+    rows = {line[:24].strip(): line[24:].split() for line in capsys.readouterr().out.splitlines()}
+    # ours, then the floor: prefill in ms, decode in us per decoded token
+    assert rows["matmul"][1] == "250.0" and rows["matmul"][3] == "4,000.00"
+    assert rows["attention"][1] == "50.0" and rows["attention"][3] == "1,000.00"
+    assert rows["gaps"][1] == "0.0" and rows["gaps"][3] == "0.00"
+    assert rows["all (wall)"][1] == "300.0" and rows["all (wall)"][3] == "5,000.00"

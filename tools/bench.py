@@ -94,10 +94,15 @@ def prefill_flops(args, prompt_lens: list[int], cached_lens: list[int] | None = 
     per_layer_params = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.ffn_dim
     cached_lens = cached_lens or [0] * len(prompt_lens)
     tokens = sum(prompt_lens) - sum(cached_lens)
-    attention = sum(2 * args.n_heads * args.head_dim * (n * (n + 1) - c * (c + 1))
-                    for n, c in zip(prompt_lens, cached_lens))
-    return (2 * per_layer_params * tokens * args.n_layers + attention * args.n_layers
+    return (2 * per_layer_params * tokens * args.n_layers
+            + causal_attention_flops(args, prompt_lens, cached_lens)
             + 2 * args.dim * args.vocab_size * len(prompt_lens))
+
+
+def causal_attention_flops(args, prompt_lens: list[int], cached_lens: list[int]) -> float:
+    """QK^T and PV of a prefill, every layer: the query at position t meets t + 1 keys."""
+    return args.n_layers * sum(2 * args.n_heads * args.head_dim * (n * (n + 1) - c * (c + 1))
+                               for n, c in zip(prompt_lens, cached_lens))
 
 
 def decode_flops_per_token(args) -> float:
@@ -118,6 +123,31 @@ def step_floor_seconds(batch: int, kv_bytes: float, weight_bytes: float, flops_p
     projections = max(batch * flops_per_token / hardware["matmul_flops_per_second"],
                       weight_bytes / hardware["copy_bandwidth_bytes_per_second"])
     return projections + kv_bytes / hardware["copy_bandwidth_bytes_per_second"]
+
+
+def profile_floor(args, prompts: list[list[int]], budgets: list[int], kv_bytes_per_token: float,
+                  weight_bytes: float, hardware: dict) -> dict:
+    """The floor of tools/kernel_profile.py's two profiled runs, by kernel class: the least the
+    matmuls and the attention can take at the measured rates; every other class's is 0, as if
+    fused away. Prefill: the prompts' projection and causal-attention FLOPs at the matmul rate.
+    Decode, per decoded token: the requests decoding together from the first step (both engines
+    hold these few hundred at once), each step's projections as step_floor_seconds counts them,
+    and each request's cached K/V (its prompt and the tokens so far) read at the copy bandwidth."""
+    lens, rate = [len(p) for p in prompts], hardware["matmul_flops_per_second"]
+    bandwidth = hardware["copy_bandwidth_bytes_per_second"]
+    attention_flops = causal_attention_flops(args, lens, [0] * len(lens))
+    projections, kv_tokens = 0.0, 0
+    for step in range(1, max(budgets)):  # decode step `step` draws each one's token step + 1
+        decoding = [n for n, b in zip(lens, budgets) if b > step]
+        projections += step_floor_seconds(len(decoding), 0, weight_bytes,
+                                          decode_flops_per_token(args), hardware)
+        kv_tokens += sum(decoding) + step * len(decoding)  # the newest token's K/V included
+    decoded = max(sum(budgets) - len(budgets), 1)
+    return {"prefill_seconds": {"matmul": (prefill_flops(args, lens) - attention_flops) / rate,
+                                "attention": attention_flops / rate},
+            "decode_seconds_per_token": {"matmul": projections / decoded,
+                                         "attention": kv_tokens * kv_bytes_per_token
+                                         / bandwidth / decoded}}
 
 
 def weight_bytes_read_per_step(model) -> int:
@@ -329,6 +359,8 @@ def bench(a) -> dict:
     say("Measuring the copy bandwidth and the matmul rate; capturing CUDA graphs ...")
     bandwidth = copy_bandwidth(setup.device)
     matmul_rate = matmul_flops_per_second(setup.device, DTYPES[a.dtype])
+    hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
+    weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(a.script, setup)
     decoder = make_decoder(setup, cache, manager, greedy,
@@ -361,8 +393,10 @@ def bench(a) -> dict:
     if a.profile:  # after the timed run, on the workload's first requests; under torchrun
         # every process runs them (their collectives pair up) and rank 0 writes
         generated = lambda prompts, budgets: run(prompts, budgets).num_generated_tokens
+        floor = lambda prompts, budgets: profile_floor(
+            setup.model.args, prompts, budgets, setup.kv_bytes_per_token, weights_read, hardware)
         say("Profiling the workload's first requests (torch.profiler) ...")
-        profile = profile_engine(generated, prompts, budgets)
+        profile = profile_engine(generated, prompts, budgets, floor)
         if writes:
             write_profile(a.profile, f"ours ({a.script})", a.workload, profile)
 
@@ -378,8 +412,6 @@ def bench(a) -> dict:
         if isinstance(manager, MappingAheadManager):
             manager.close()
     kv_bytes_per_token = setup.kv_bytes_per_token
-    weights_read = weight_bytes_read_per_step(setup.model)
-    hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
     per_token = decode_flops_per_token(setup.model.args)
     floors = [step_floor_seconds(s.running_requests, s.filled_slots * kv_bytes_per_token,
                                  weights_read, per_token, hardware) for s in result.timeline]

@@ -13,7 +13,9 @@ time less the prefill-only run's, per decoded token, so that two engines steppin
 are compared per unit of work. "gaps" is the wall time the GPU ran no kernel: waiting for the
 host. Kernels replayed inside CUDA graphs are traced one by one, as eager ones are. Each
 profiled run's prompts begin with a token no other run's do, so that a prefix cache (nano-vllm's
-is always on) finds nothing: both engines compute every prompt token.
+is always on) finds nothing: both engines compute every prompt token. tools/bench.py's profile
+also holds the same requests' floor (matmuls and attention at the rates it measured, nothing for
+the other classes), printed as the table's last column.
 """
 
 import re
@@ -77,9 +79,11 @@ def profile_seconds(run) -> dict:
     return {"seconds": seconds, "wall_seconds": wall, "kernel_seconds": kernels}
 
 
-def profile_engine(generate, prompts: list, budgets: list) -> dict:
+def profile_engine(generate, prompts: list, budgets: list, floor=None) -> dict:
     """The two profiled runs of `generate(prompts, budgets)` (which returns how many tokens it
-    generated): prefill only, then the whole, and the decode part per decoded token."""
+    generated): prefill only, then the whole, and the decode part per decoded token. With
+    `floor(prompts, budgets)` (tools/bench.py's profile_floor), what the same runs take at least,
+    by class."""
     prompts = prompts[:PROFILE_REQUESTS]
     budgets = [min(b, PROFILE_NEW_TOKENS) for b in budgets[:PROFILE_REQUESTS]]
     # Each run's prompts begin with a token of its own: a prefix cache (nano-vllm's is always on)
@@ -94,7 +98,8 @@ def profile_engine(generate, prompts: list, budgets: list) -> dict:
                                          / max(decoded, 1) for c in CLASS_ORDER},
             "decode_kernel_seconds_per_token": {
                 name: max(s - prefill["kernel_seconds"].get(name, 0.0), 0.0) / max(decoded, 1)
-                for name, s in whole["kernel_seconds"].items()}}  # as the classes: never below 0
+                for name, s in whole["kernel_seconds"].items()},  # as the classes: never below 0
+            "floor": floor(prompts, budgets) if floor else None}
 
 
 def profile_json(text: str) -> dict:
@@ -115,14 +120,25 @@ def print_side_by_side(records: list[dict]) -> None:
     print(f"Kernel time by class: {devices}")
     print(f"  requests {joined('requests')}; prompt tokens {joined('prompt_tokens')}; decoded "
           f"tokens {joined('decoded_tokens')}")
-    head = "".join(f"{n[:12]:>14}" for n in names)
+    # Columns: (name, prefill seconds by class, prefill wall, decode seconds per token by class)
+    columns = [(n, p["prefill"]["seconds"], p["prefill"]["wall_seconds"],
+                p["decode_seconds_per_token"]) for n, p in zip(names, profiles)]
+    # The same requests' floor (tools/bench.py's profile_floor), from the first profile with one
+    with_floor = next((n for n, p in zip(names, profiles) if p.get("floor")), None)
+    if with_floor:
+        floor = profiles[names.index(with_floor)]["floor"]
+        columns.append(("floor", floor["prefill_seconds"], sum(floor["prefill_seconds"].values()),
+                        floor["decode_seconds_per_token"]))
+        print(f"  floor: the least these requests' matmuls and attention take at the matmul rate "
+              f"and copy bandwidth {with_floor} measured; nothing for the other classes")
+    head = "".join(f"{name[:12]:>14}" for name, *_ in columns)
     print(f"\n  {'class':22} prefill, ms{head}   decode, us per token{head}")
     for c in CLASS_ORDER:
-        pre = "".join(f"{1e3 * p['prefill']['seconds'][c]:>14,.1f}" for p in profiles)
-        dec = "".join(f"{1e6 * p['decode_seconds_per_token'][c]:>14,.2f}" for p in profiles)
+        pre = "".join(f"{1e3 * prefill.get(c, 0.0):>14,.1f}" for _, prefill, _, _ in columns)
+        dec = "".join(f"{1e6 * decode.get(c, 0.0):>14,.2f}" for *_, decode in columns)
         print(f"  {c:22} {'':11}{pre}   {'':20}{dec}")
-    pre = "".join(f"{1e3 * p['prefill']['wall_seconds']:>14,.1f}" for p in profiles)
-    dec = "".join(f"{1e6 * sum(p['decode_seconds_per_token'].values()):>14,.2f}" for p in profiles)
+    pre = "".join(f"{1e3 * wall:>14,.1f}" for _, _, wall, _ in columns)
+    dec = "".join(f"{1e6 * sum(decode.values()):>14,.2f}" for *_, decode in columns)
     print(f"  {'all (wall)':22} {'':11}{pre}   {'':20}{dec}")
 
 
