@@ -136,11 +136,10 @@ def profile_floor(args, prompts: list[list[int]], budgets: list[int], kv_bytes_p
     lens, rate = [len(p) for p in prompts], hardware["matmul_flops_per_second"]
     bandwidth = hardware["copy_bandwidth_bytes_per_second"]
     attention_flops = causal_attention_flops(args, lens, [0] * len(lens))
-    projections, kv_tokens = 0.0, 0
+    per_token, projections, kv_tokens = decode_flops_per_token(args), 0.0, 0
     for step in range(1, max(budgets)):  # decode step `step` draws each one's token step + 1
         decoding = [n for n, b in zip(lens, budgets) if b > step]
-        projections += step_floor_seconds(len(decoding), 0, weight_bytes,
-                                          decode_flops_per_token(args), hardware)
+        projections += step_floor_seconds(len(decoding), 0, weight_bytes, per_token, hardware)
         kv_tokens += sum(decoding) + step * len(decoding)  # the newest token's K/V included
     decoded = max(sum(budgets) - len(budgets), 1)
     return {"prefill_seconds": {"matmul": (prefill_flops(args, lens) - attention_flops) / rate,

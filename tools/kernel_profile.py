@@ -124,13 +124,13 @@ def print_side_by_side(records: list[dict]) -> None:
     columns = [(n, p["prefill"]["seconds"], p["prefill"]["wall_seconds"],
                 p["decode_seconds_per_token"]) for n, p in zip(names, profiles)]
     # The same requests' floor (tools/bench.py's profile_floor), from the first profile with one
-    with_floor = next((n for n, p in zip(names, profiles) if p.get("floor")), None)
+    with_floor = [(n, p["floor"]) for n, p in zip(names, profiles) if p.get("floor")]
     if with_floor:
-        floor = profiles[names.index(with_floor)]["floor"]
+        measured_by, floor = with_floor[0]
         columns.append(("floor", floor["prefill_seconds"], sum(floor["prefill_seconds"].values()),
                         floor["decode_seconds_per_token"]))
         print(f"  floor: the least these requests' matmuls and attention take at the matmul rate "
-              f"and copy bandwidth {with_floor} measured; nothing for the other classes")
+              f"and copy bandwidth {measured_by} measured; nothing for the other classes")
     head = "".join(f"{name[:12]:>14}" for name, *_ in columns)
     print(f"\n  {'class':22} prefill, ms{head}   decode, us per token{head}")
     for c in CLASS_ORDER:
