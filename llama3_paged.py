@@ -490,8 +490,8 @@ def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=cli.add
 
 
 if __name__ == "__main__":
-    # A flag this file does not define is a feature's, and CUDA runs three by default (CUDA
-    # graphs, compiled layers, overlapped steps): features/run.py builds those from this file.
+    # A flag this file does not define is a feature's: features/run.py builds those runs. The
+    # lesson's flags alone run main() above, on the CPU and on a GPU alike.
     if cli.needs_features("llama3_paged.py", sys.argv[1:], cli.add_pool_arguments):
         from features.run import main as main_with_features
         main_with_features("llama3_paged.py", sys.argv[1:])

@@ -1,12 +1,13 @@
 """The scripts' runs with features: parse the flags, load, allocate the script's cache, generate
 through features/llm_engine.py's engine, report.
 
-llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel. A script hands
-its command line here when it names a flag the lesson does not define, or on CUDA, where three
-features run by default: decode steps replayed as CUDA graphs (features/cuda_graphs.py; --eager
-turns them off), compiled layers (features/compiled_layers.py; --no-compile) and steps scheduled
-while the GPU computes the one before (features/overlap.py; --no-overlap). llama3_virtual.py's
-runs all come here: its pages are a feature (features/virtual_memory.py).
+llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel, on every device.
+A script hands its command line here when it names a flag the lesson does not define. The engine
+built here runs three features by default on CUDA: decode steps replayed as CUDA graphs
+(features/cuda_graphs.py; --eager turns them off), compiled layers (features/compiled_layers.py;
+--no-compile) and steps scheduled while the GPU computes the one before (features/overlap.py;
+--no-overlap). llama3_virtual.py's runs all come here: its pages are a feature
+(features/virtual_memory.py).
 """
 
 from features.engine_args import cache_of, load, parser_with_features, script_parts

@@ -507,19 +507,19 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
     """Whether a command line asks for more than the lesson's flags (argument_parser's, and
-    `add_arguments`'): --help (which lists every flag), a flag they do not define (a feature's),
-    or a CUDA device, where CUDA graphs, compiled layers and overlapped steps run by default.
-    features/run.py then
-    builds the run."""
+    `add_arguments`'): --help (which lists every flag), a flag they do not define (a feature's:
+    --eager, --no-compile and --no-overlap are the engine's too), or torchrun's processes, which
+    split the model. features/run.py then builds the run. On every device else, the lesson's own
+    loop runs: what the reader read is what runs."""
     if {"-h", "--help"} & set(argv):
         return True
     lesson_flags = argument_parser(script, "", add_arguments, exit_on_error=False)
     try:
-        args, others = lesson_flags.parse_known_args(argv)
+        _, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
         return True
     # torchrun's processes split the model: features/tensor_parallel.py
-    return bool(others) or args.device.type == "cuda" or torchrun_process() is not None
+    return bool(others) or torchrun_process() is not None
 
 
 @contextlib.contextmanager
