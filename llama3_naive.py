@@ -17,7 +17,8 @@ import sys
 
 import llama3_paged as lesson
 from block_manager import BlockManager
-from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, needs_features
+from plumbing.cli import (OUT_OF_MEMORY, UserError, format_bytes, hand_to_the_engine,
+                          needs_features)
 from plumbing.inputs import checked_kv_allocation, kv_budget_bytes
 
 
@@ -59,9 +60,8 @@ def main(argv=None) -> None:
     lesson.main(argv, "llama3_naive.py", __doc__, no_pool_arguments, allocate_kv_cache)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a feature's flag: the engine's program (python -m features.run)
     if needs_features("llama3_naive.py", sys.argv[1:]):
-        from features.run import main as main_with_features
-        main_with_features("llama3_naive.py", sys.argv[1:])
+        hand_to_the_engine("llama3_naive.py", sys.argv[1:])
     else:
         main()

@@ -27,12 +27,14 @@ if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line
     from plumbing.interrupt import exit_quietly_on_ctrl_c
     exit_quietly_on_ctrl_c(SCRIPT)
 
+import sys
+
 from features.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
 from features.virtual_memory import DriverOutOfMemory
 from features.pools import kv_budget_bytes
-from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, importable
+from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, hand_to_the_engine, importable
 
 
 def add_layout_arguments(parser):
@@ -107,6 +109,5 @@ def mapping_report(cache, manager, decode_steps: int) -> str:
                    f"{manager.num_idle_pages:,} pages were left mapped under idle rows at the end.")
 
 
-if __name__ == "__main__":  # its runs are all the features' (features/run.py)
-    from features.run import main
-    main(SCRIPT)
+if __name__ == "__main__":  # its runs are all the engine's (python -m features.run)
+    hand_to_the_engine(SCRIPT, sys.argv[1:])

@@ -18,7 +18,6 @@ import torch
 
 import llama3_naive
 import llama3_paged as lesson
-from features import tensor_parallel
 from features.cached_prefix import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
 from features.pools import allocate_naive, allocate_paged
 from plumbing.cli import (UserError, add_pool_arguments, argument_parser, fraction, gigabytes,
@@ -243,6 +242,7 @@ def load(args) -> Run:
                              "--json")
     model_class = lesson.Llama
     if torchrun_process() is not None:  # torchrun's processes split the model
+        from features import tensor_parallel
         tensor_parallel.start(args)
         model_class = tensor_parallel.SplitLlama
     decode_kernel = args.decode_kernel

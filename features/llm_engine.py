@@ -81,9 +81,8 @@ def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> lesso
     """Static batching, or with --continuous a stream with preemption, in mixed steps with
     --max-batched-tokens, swapping with --preemption swap."""
     scheduler = scheduler_for_flags(run, cache, manager, requests)
-    from features.mapping_ahead import MappingAheadManager
-    if isinstance(manager, MappingAheadManager):  # it maps the next prompts' pages ahead
-        manager.watch_queue(scheduler.waiting)
+    if run.args.script == "llama3_virtual.py":  # its page managers may map the next prompts'
+        manager.watch_queue(scheduler.waiting)   # pages ahead (features/mapping_ahead.py)
     return scheduler
 
 

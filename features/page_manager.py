@@ -39,6 +39,10 @@ class PageManager(BlockManager):
         self.mapper, self.pages_per_row = mapper, pages_per_row
         self.row_tokens = pages_per_row * tokens_per_page
 
+    def watch_queue(self, waiting) -> None:
+        """Pages are mapped as requests need them, never ahead for the queue's prompts
+        (features/mapping_ahead.py's manager does that)."""
+
     def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
         # Request r lives in virtual row r + 1 (row 0 is the cache's spare row).
         for start, end in consecutive_runs(rows, columns):  # a prompt's pages: one run

@@ -8,7 +8,6 @@ import torch
 
 import llama3_naive
 import llama3_paged as lesson
-from features import tensor_parallel
 from features.cached_prefix import KVCacheAfterPrefix
 from features.sampling import GREEDY_BELOW, ROWS_AT_ONCE, make_sampler
 from plumbing import inputs
@@ -19,6 +18,7 @@ from plumbing.inputs import Run
 def kv_budget_bytes(run: Run) -> float:
     budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
     if torchrun_process() is not None:  # every process sizes the same pool
+        from features import tensor_parallel
         budget = tensor_parallel.least_over_processes(budget)
     return budget
 

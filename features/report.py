@@ -12,10 +12,7 @@ import statistics
 import numpy as np
 import torch
 
-from features.mapping_ahead import MappingAheadManager
-from features.page_manager import PageManager
-from features.tensor_parallel import SplitLlama, report_line, summed_over_processes
-from plumbing.cli import format_bytes, per_token, write_json
+from plumbing.cli import format_bytes, per_token, torchrun_process, write_json
 from plumbing.inputs import device_total_bytes, lengths_note, print_answers
 
 
@@ -24,8 +21,9 @@ def report(run, cache, manager, generation) -> None:
     that a reader who stops reading the output early (`| head`) still gets it."""
     args = run.args
     memory = memory_report(run, cache, manager, generation)
-    split = isinstance(run.model, SplitLlama)  # over torchrun's processes
+    split = torchrun_process() is not None  # the model split over torchrun's processes
     if split:
+        from features.tensor_parallel import report_line, summed_over_processes
         memory["summed_over_processes"] = summed_over_processes(memory, run.device)
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
@@ -78,7 +76,7 @@ def memory_report(run, cache, manager, generation) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_pool_bytes": cache.nbytes,
         "kv_pool_blocks": manager.num_blocks,
-        "kv_pool_unit": "pages" if isinstance(manager, (PageManager, MappingAheadManager)) else "blocks",
+        "kv_pool_unit": "pages" if run.args.script == "llama3_virtual.py" else "blocks",
         "block_size_tokens": manager.block_size,
         "peak_allocated_bytes": (torch.cuda.max_memory_allocated(run.device)
                                  if run.device.type == "cuda" else None),

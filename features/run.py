@@ -85,3 +85,12 @@ def command_line(script: str, argv: list[str]) -> None:
     if kind == "virtual" or needs_features(script, argv, pool_arguments):
         return main(script, argv)
     return script_parts(kind).module.main(argv)
+
+
+if __name__ == "__main__":  # python -m features.run llama3_paged.py 49 --continuous ...
+    import sys
+    if len(sys.argv) < 2 or sys.argv[1] not in ("llama3_paged.py", "llama3_naive.py",
+                                                 "llama3_virtual.py"):
+        sys.exit("usage: python -m features.run {llama3_paged.py,llama3_naive.py,"
+                 "llama3_virtual.py} N [flags]: a script's run with features (--help lists them)")
+    main(sys.argv[1], sys.argv[2:])

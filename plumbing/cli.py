@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import math
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -509,7 +510,7 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
     """Whether a command line asks for more than the lesson's flags (argument_parser's, and
     `add_arguments`'): --help (which lists every flag), a flag they do not define (a feature's:
     --eager, --no-compile and --no-overlap are the engine's too), or torchrun's processes, which
-    split the model. features/run.py then builds the run. On every device else, the lesson's own
+    split the model: `hand_to_the_engine` then runs it. On every device else, the lesson's own
     loop runs: what the reader read is what runs."""
     if {"-h", "--help"} & set(argv):
         return True
@@ -520,6 +521,18 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
         return True
     # torchrun's processes split the model: features/tensor_parallel.py
     return bool(others) or torchrun_process() is not None
+
+
+ENGINE_PROGRAM = "features.run"  # `python -m features.run SCRIPT ARGS`: a run with features
+
+
+def hand_to_the_engine(script: str, argv: list[str]) -> None:
+    """Run `python -m features.run script argv`, in this process: the engine's program, which
+    builds the run from the lesson's parts and the features' its flags ask for. A hand-off from
+    one program to another, as a shell makes it: the lesson's files import nothing of the
+    engine, which imports them, so the imports run one way."""
+    sys.argv = [ENGINE_PROGRAM, script, *argv]
+    runpy.run_module(ENGINE_PROGRAM, run_name="__main__", alter_sys=True)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""The layout the README promises: the lesson reads on its own, and no module imports in a circle."""
+"""The layout the README promises: the lesson reads on its own, imports run one way (no circle,
+`__main__` blocks included), and a run executes the files of what it asks for, no others."""
 
 import ast
 import subprocess
@@ -8,7 +9,7 @@ import pytest
 
 from conftest import ROOT
 
-LESSON_IMPORTS = {"block_manager", "plumbing.cli", "plumbing.inputs"}
+LESSON_IMPORTS = {"block_manager", "plumbing.cli", "plumbing.inputs", "plumbing.interrupt"}
 
 
 def project_modules() -> dict:
@@ -17,22 +18,14 @@ def project_modules() -> dict:
     return {".".join(f.relative_to(ROOT).with_suffix("").parts): f for f in files}
 
 
-def is_main_block(node) -> bool:
-    """`if __name__ == "__main__":`: what the file runs as a program, not what the module is."""
-    test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
-            and test.left.id == "__name__")
-
-
 def imports_of(path, modules: dict) -> set:
-    """Every project module that `path` imports, at any depth of its code (a function's lazy
-    import too), but in its `__main__` block."""
+    """Every project module that `path` imports, at any depth of its code: a function's lazy
+    import too, and its `__main__` block's (a script hands a feature's command line to the
+    engine's program by name, plumbing/cli.py's hand_to_the_engine, importing none of it)."""
     found = set()
 
     def visit(node):
         for child in ast.iter_child_nodes(node):
-            if is_main_block(child):
-                continue
             names = []
             if isinstance(child, ast.Import):
                 names = [a.name for a in child.names]
@@ -65,7 +58,7 @@ def test_no_module_imports_in_a_circle():
     assert not circles, circles
 
 
-def test_the_lesson_imports_the_block_manager_and_two_support_modules_only():
+def test_the_lesson_imports_the_block_manager_and_three_support_modules_only():
     modules = project_modules()
     assert imports_of(modules["llama3_paged"], modules) == LESSON_IMPORTS
     naive = imports_of(modules["llama3_naive"], modules)
@@ -84,7 +77,7 @@ def hook(frame, event, arg):
     if here and not here.startswith(".") and here not in seen:
         seen.append(here)  # the project's own files, not a virtual environment inside it
 sys.argv = ["llama3_paged.py", "3", "--random-weights", "--model", "tiny", "--device", "cpu",
-            "--max-new-tokens", "4"]
+            "--max-new-tokens", "4", *EXTRA_FLAGS]
 sys.path.insert(0, os.getcwd())
 sys.setprofile(hook)
 try:
@@ -100,13 +93,18 @@ finally:
 COMPILER_MODULES = ["torch._dynamo", "torch.fx.experimental.symbolic_shapes"]
 
 
-@pytest.fixture(scope="module")
-def plain_run() -> list[str]:
-    """A plain CPU run's stderr lines: the project's files it executed, then what it loaded."""
-    result = subprocess.run([sys.executable, "-c", f"COMPILER_MODULES = {COMPILER_MODULES!r}" + WALK],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+def walk(extra_flags: list[str]) -> list[str]:
+    """A CPU run's stderr lines: the project's files it executed, then what it loaded."""
+    settings = f"COMPILER_MODULES = {COMPILER_MODULES!r}; EXTRA_FLAGS = {extra_flags!r}"
+    result = subprocess.run([sys.executable, "-c", settings + WALK], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stderr.splitlines()
+
+
+@pytest.fixture(scope="module")
+def plain_run() -> list[str]:
+    return walk([])
 
 
 def test_a_plain_cpu_run_executes_the_lesson_and_four_files_beside_it(plain_run):
@@ -117,3 +115,13 @@ def test_a_plain_cpu_run_executes_the_lesson_and_four_files_beside_it(plain_run)
 
 def test_a_plain_cpu_run_loads_no_compiler(plain_run):
     assert plain_run[-1] == "loaded:", plain_run[-1]
+
+
+FEATURES_NOT_ASKED_FOR = ("virtual", "mapping", "page_manager", "tensor_parallel", "beam",
+                          "cascade", "fp8", "triton")
+
+
+def test_a_continuous_run_executes_no_file_of_a_feature_it_did_not_ask_for():
+    executed = [line for line in walk(["--continuous"]) if line.endswith(".py")]
+    assert "features/continuous.py" in executed, executed  # the engine's program ran it
+    assert not [f for f in executed if any(name in f for name in FEATURES_NOT_ASKED_FOR)], executed
