@@ -42,7 +42,7 @@ from features.pools import allocate_paged, decodes_with_graphs
 from features.request_state import ServedRequest, Status
 from features.sampling import RowSampler, SamplingParams, make_sampler
 from features.sharing import SharingBlockManager
-from features.timed_engine import StepTimer, TimedEngine
+from features.timed_engine import TimedEngine
 from plumbing import inputs
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
                           torchrun_process)
@@ -177,14 +177,14 @@ def make_engine(run, cache, manager, sampler, decoder, progress: bool = False,
         if run.args.overlap:
             refuse_overlap(why_not)
         engine_class = engine_class if why_not else OverlappedEngine
-    engine = engine_class(run.model, cache, manager, sampler, decoder)
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
-    engine.decode_longest_first = run.device.type == "cuda"
+    engine = engine_class(run.model, cache, manager, sampler, decoder,
+                          longest_first=run.device.type == "cuda")
     if arrivals and decodes_with_graphs(run):
-        from features.prefill_graphs import BUCKETS, GraphPrefill, supports_prefill_graphs
+        from features.prefill_graphs import BUCKETS, supports_prefill_graphs
         if supports_prefill_graphs(cache):
             start = time.perf_counter()
-            engine.prefill_logits = GraphPrefill(engine).logits
+            engine.capture_prefill_graphs()
             if progress:
                 print(f"Captured {len(BUCKETS)} CUDA graphs of a prefill pass, {BUCKETS[0]} to "
                       f"{BUCKETS[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
@@ -299,8 +299,7 @@ class LLMEngine:
                                   GreedyOrSampling(graphs, eager, self.sampler), progress,
                                   arrivals=True)  # a client's, or the server's
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [])
-        self.engine.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=self.run.device)
-        self.engine.timeline = []
+        self.engine.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row
         self.tokenizer, self.max_seq_len = self.run.tokenizer, self.run.args.max_seq_len
@@ -365,7 +364,7 @@ class LLMEngine:
         last_token = to_device(np.array(prompt_token_ids[-1:]), self.run.device)  # [1], as set_row
         for index, request in enumerate(requests):
             self.sampler.set_row(request.row, params, index, seed)
-            self.engine.last_tokens[request.row] = last_token[0]
+            self.engine.set_last_token(request.row, last_token[0])
             self.sequences[request.row] = Sequence(request, request_id, index, params)
             self.scheduler.waiting.append(request)
         self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
@@ -390,13 +389,12 @@ class LLMEngine:
             return []
         if self._steps is None:
             self._steps = self.engine.steps(self.scheduler, frozenset())  # stops: checked here
-        self.engine.timer = StepTimer(self.run.device)  # one step's events, not a run's
+        self.engine.time_next_step()
         try:
             step = next(self._steps)
         except StopIteration:
             self._steps = None
             return []
-        del self.engine.timeline[:-1]  # a server runs forever: keep only the latest snapshot
         return self._collect(step.requests)
 
     def _collect(self, requests: list[ServedRequest]) -> list[Sequence]:

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from features.cached_prefix import CachedPrefixEngine
-from features.cached_prefix import ServedGeneration
+from features.cached_prefix import CachedPrefixEngine, ServedGeneration, greedy
 from features.longest_first import longest_first
 from features.request_state import append_tokens_at
 from llama3_paged import Step
@@ -83,7 +82,37 @@ class TimedGeneration(ServedGeneration):
 
 
 class TimedEngine(CachedPrefixEngine):
-    decode_longest_first = False  # features/llm_engine.py's make_engine: on CUDA (longest_first.py)
+
+    def __init__(self, model, cache, manager, sampler=greedy, decoder=None,
+                 longest_first: bool = False, tokens_per_pass: int | None = None):
+        """longest_first: decode steps' rows longest first, so that the attention kernel's last
+        wave is short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's
+        size, if not the lesson's."""
+        super().__init__(model, cache, manager, sampler, decoder)
+        self.decode_longest_first = longest_first
+        self.tokens_per_pass = tokens_per_pass or self.tokens_per_pass
+
+    def capture_prefill_graphs(self) -> None:
+        """Short prefill passes replayed as CUDA graphs (features/prefill_graphs.py), for
+        requests that arrive over time: most of their passes are a prompt or two."""
+        from features.prefill_graphs import GraphPrefill
+        self.prefill_logits = GraphPrefill(self).logits
+
+    def serve(self, num_rows: int) -> None:
+        """Steps without `generate`'s run (features/llm_engine.py's LLMEngine adds requests one
+        at a time and steps itself): each row's last token, set by `set_last_token`, and a
+        timeline that keeps only the latest snapshot, as a server runs forever."""
+        self.last_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        self.timeline = []
+
+    def set_last_token(self, row: int, token: torch.Tensor) -> None:
+        """A served request's last prompt token ([] on the device): its first step's input."""
+        self.last_tokens[row] = token
+
+    def time_next_step(self) -> None:
+        """A served step's own events, not a run's; the snapshots before the latest go."""
+        self.timer = StepTimer(self.device)
+        del self.timeline[:-1]
 
     def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> TimedGeneration:
         # Each request's last token, by row, on the device: its next decode step's input.

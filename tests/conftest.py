@@ -113,9 +113,8 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
         from features.overlap import OverlappedEngine as engine_class
     elif continuous and max_batched_tokens:
         from features.mixed_steps import MixedEngine as engine_class
-    engine = engine_class(model, cache, manager, sampler, decoder)
-    engine.tokens_per_pass = chunk_tokens
-    engine.decode_longest_first = longest_first
+    engine = engine_class(model, cache, manager, sampler, decoder, longest_first=longest_first,
+                          tokens_per_pass=chunk_tokens)
     return engine.generate(scheduler, set(stop_ids), progress=False)
 
 
