@@ -58,6 +58,12 @@ class CachedPrefillStep(Step):
 
 
 class KVCacheAfterPrefix(KVCache):
+    def attend_with(self, backend) -> None:
+        """Attention through `backend` from now on: the seam where features/cascade.py puts its
+        two-part attention around the backend chosen at start-up, once a system prompt's blocks
+        are known."""
+        self.attention_backend = backend
+
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         if not isinstance(batch, CachedPrefillBatch):
             return super().attention(layer, q, k, v, batch)

@@ -176,5 +176,5 @@ def cascade_for(setup, cache, manager) -> CascadeAttention | None:
           f"({prefix_blocks} blocks) read once per step in {when}.")
     cascade = CascadeAttention(cache.attention_backend, prefix_blocks, cache.block_size,
                                manager.block_table.device, min_batch)
-    cache.attention_backend = cascade
+    cache.attend_with(cascade)
     return cascade

@@ -54,7 +54,7 @@ class ContinuousScheduler(CachingScheduler):
         self.sleep = time.sleep  # tests give a fake one, with a fake clock
         self.said_wait = False
         for request in requests:
-            self._refuse_if_larger_than_the_pool(request)
+            self.refuse_if_larger_than_the_pool(request)
 
     def schedule(self) -> Step:
         """A prefill of newly admitted requests if any can join, else a decode of all running."""
@@ -128,7 +128,9 @@ class ContinuousScheduler(CachingScheduler):
         when it returns. (features/swapping.py copies them to host memory instead.)"""
         self.num_recomputed_tokens += int(self.manager.num_tokens[victim.row])
 
-    def _refuse_if_larger_than_the_pool(self, request) -> None:
+    def refuse_if_larger_than_the_pool(self, request) -> None:
+        """RequestTooLarge for a request that could never finish, even alone in the pool: asked
+        of every request as it is queued (features/llm_engine.py's add_request too)."""
         # The most a request caches: its prompt and every generated token but the last.
         largest = len(request.prompt_tokens) + request.max_new_tokens - 1
         blocks = self.manager.blocks_needed(largest)

@@ -356,7 +356,7 @@ class LLMEngine:
                     for row in rows]
         try:
             for request in requests:
-                self.scheduler._refuse_if_larger_than_the_pool(request)
+                self.scheduler.refuse_if_larger_than_the_pool(request)
         except RequestTooLarge as e:
             self.free_rows.extend(rows)
             raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole pool "

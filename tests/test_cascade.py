@@ -84,7 +84,7 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
         system_blocks = 21 // block_size
         cascade = CascadeAttention(cache.attention_backend, system_blocks, block_size, "cpu",
                                    min_batch=2)
-        cache.attention_backend = cascade
+        cache.attend_with(cascade)
         decoder = CascadeDecoder(eager, eager, cascade, manager.table)
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = ContinuousScheduler(manager, requests, max_running=4, chunk_tokens=64)

@@ -35,8 +35,9 @@ def test_a_step_is_reordered_longest_first_and_stays_aligned():
 
 
 @pytest.mark.parametrize("kind, num_blocks, scheduling", [
-    ("paged", 200, {}),  # one static batch
-    ("paged", 14, {"continuous": True}),  # preemption and recompute
+    # slow: the core loop's paths, which the overlapped cases below take too
+    pytest.param("paged", 200, {}, marks=pytest.mark.slow),  # one static batch
+    pytest.param("paged", 14, {"continuous": True}, marks=pytest.mark.slow),  # preemption
     ("paged", 14, {"continuous": True, "overlap": True}),
     ("sharing", 200, {"continuous": True, "max_running": 5, "overlap": True}),
     ("paged", 200, {"continuous": True, "max_batched_tokens": 16}),  # decode rows in mixed steps

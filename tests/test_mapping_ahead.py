@@ -278,9 +278,11 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, star
 
 
 @pytest.mark.parametrize("num_pages, start_mapped, scheduling", [
-    (64, False, {}),  # ample: one static batch, the look-ahead never runs dry
-    (64, True, {}),  # and with the rows mapped at start-up
-    (14, False, {"continuous": True}),  # tight: preemption, rows reused, pages taken back
+    # slow: paths the two tight cases below take too
+    pytest.param(64, False, {}, marks=pytest.mark.slow),  # ample: the look-ahead never runs dry
+    pytest.param(64, True, {}, marks=pytest.mark.slow),  # and with the rows mapped at start-up
+    pytest.param(14, False, {"continuous": True},  # tight: preemption, rows reused, pages
+                 marks=pytest.mark.slow),  # taken back
     (16, True, {"continuous": True}),  # from idle rows; and with 8 pages mapped at start-up
     (14, False, {"continuous": True, "max_batched_tokens": 24}),  # and in mixed steps
 ])

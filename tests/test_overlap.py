@@ -70,8 +70,11 @@ def stop_tokens(model, prompts) -> set[int]:
 
 @pytest.mark.parametrize("kind, num_blocks, scheduling, with_stops", [
     ("paged", 200, {}, True),  # one static batch
-    ("paged", 200, {"continuous": True, "max_running": 4}, True),  # the queue fills freed rows
-    ("paged", 14, {"continuous": True}, False),  # a tight pool: preemption and recompute
+    # slow: paths the tight pool's case with stops takes too
+    pytest.param("paged", 200, {"continuous": True, "max_running": 4}, True,
+                 marks=pytest.mark.slow),  # the queue fills freed rows
+    pytest.param("paged", 14, {"continuous": True}, False,
+                 marks=pytest.mark.slow),  # a tight pool: preemption and recompute
     ("paged", 14, {"continuous": True}, True),
     ("sharing", 200, {"continuous": True, "max_running": 5}, True),  # blocks from the prefix cache
     ("mapping ahead", 14, {"continuous": True}, True),  # pages reused, taken back, unmapped
