@@ -118,11 +118,15 @@ def cache_of(script: str) -> str:
     return script.removeprefix("llama3_").removesuffix(".py")
 
 
-def parser_with_features(cache: str) -> argparse.ArgumentParser:
-    """`python llama3_<cache>.py`'s flags: the lesson's, every feature's and its pool's."""
+def parser_with_features(cache: str, served: bool = False) -> argparse.ArgumentParser:
+    """`python llama3_<cache>.py`'s flags: the lesson's, every feature's and its pool's. served:
+    a served engine's (serve.py, LLM): no N, as requests come one at a time, and continuous
+    batching, as they come over time."""
     parts = script_parts(cache)
-    parser = argument_parser(f"llama3_{cache}.py", parts.module.__doc__)
+    parser = argument_parser(f"llama3_{cache}.py", parts.module.__doc__, requests=not served)
     add_feature_arguments(parser)
+    if served:
+        parser.set_defaults(continuous=True)
     # The paged and the virtual script's own flags, as their defaults set them, for the other scripts
     # (a parser's defaults win over its flags': these are the same).
     parser.set_defaults(beam_width=1, decode_kernel="flash", cascade="auto", no_prefix_cache=False,
@@ -131,18 +135,9 @@ def parser_with_features(cache: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_script_arguments(cache: str, argv: list[str], raise_errors: bool = False):
-    """argv parsed as `python llama3_<cache>.py argv` would parse it (features included).
-    raise_errors: a bad flag raises UserError (the Python API's callers), rather than printing
-    the usage and exiting 2 (a command line's)."""
-    parser = parser_with_features(cache)
-    if raise_errors:
-        def error(message: str):
-            name = f"llama3_{cache}.py"
-            raise UserError(f"{message} (the engine's keywords are {name}'s flags, '_' for "
-                            f"'-': python {name} --help lists them)")
-        parser.error = error
-    return parser.parse_args(argv)
+def parse_script_arguments(cache: str, argv: list[str]):
+    """argv parsed as `python llama3_<cache>.py argv` would parse it (features included)."""
+    return parser_with_features(cache).parse_args(argv)
 
 
 PER_REQUEST = {  # the scripts' flags that choose what a run asks, not the engine: each request's
@@ -157,24 +152,18 @@ PER_REQUEST = {  # the scripts' flags that choose what a run asks, not the engin
 
 
 def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argparse.Namespace:
-    """The scripts' flags for a served engine: `argv` as on their command line (serve.py's: a
-    bad one exits 2 with the usage), or `options` by their names with underscores
-    (model="tiny", random_weights=True, block_size=16, ...; a bad one raises UserError).
-    Those that build the engine only: a flag that chooses what a run asks (PER_REQUEST) is
-    refused in one paragraph, not taken and silently ignored."""
+    """A served engine's flags: `argv` as on the scripts' command line (serve.py's: a bad one
+    exits 2 with the usage), then `options` by their names with underscores (LLM(model="tiny",
+    random_weights=True, block_size=16, ...)), each value checked as its flag checks it (a bad
+    one raises UserError). Those that build the engine only: a flag that chooses what a run asks
+    (PER_REQUEST) is refused in one paragraph, not taken and silently ignored."""
     if cache not in CACHES:
         raise UserError(f"cache {cache!r}: choose one of {', '.join(CACHES)}.")
-    from_python = not argv  # keywords only: LLM(...), not serve.py's command line
-    prefix = ["1", "--continuous"]
-    argv = [*prefix, *argv]
+    parser = parser_with_features(cache, served=True)
+    defaults, args = parser.parse_args([]), parser.parse_args(list(argv))
+    flags = {action.dest: action for action in parser._actions if action.option_strings}
     for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value not in (None, False):
-            argv += [flag, str(value)]
-    args = parse_script_arguments(cache, argv, raise_errors=from_python)
-    defaults = parse_script_arguments(cache, prefix)
+        setattr(args, name, option_value(flags, cache, name, value))
     asked = {"--" + name.replace("_", "-"): instead for name, instead in PER_REQUEST.items()
              if getattr(args, name) != getattr(defaults, name)}  # flag -> what replaces it
     if asked:
@@ -184,8 +173,34 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
                         f"flags that build it (model, cache, pool, kernels), and each request "
                         f"chooses the rest for itself" + (f" ({instead})" if instead else "")
                         + ". Drop " + ("it." if len(asked) == 1 else "them."))
-    args.num_requests = 0  # requests come through add_request, none from the prompts file
     return args
+
+
+def option_value(flags: dict, cache: str, name: str, value):
+    """A keyword's value as its flag takes it: a switch True or False; a value through the flag's
+    own check (`type`, `choices`), so that LLM(...) and the command line accept the same; None
+    for the flag's default."""
+    action, flag = flags.get(name), "--" + name.replace("_", "-")
+    script = f"llama3_{cache}.py"
+    if action is None:
+        raise UserError(f"{name}= is no keyword of the engine: its keywords are {script}'s flags, "
+                        f"'_' for '-' (python {script} --help lists them).")
+    if value is None:
+        return action.default
+    if action.nargs == 0:  # a switch: --random-weights, --overlap/--no-overlap
+        if not isinstance(value, bool):
+            raise UserError(f"{flag}: expected True or False, got {value!r}.")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, Path)):
+        raise UserError(f"{flag}: expected a value as {script} {flag} takes it, got {value!r}.")
+    try:
+        checked = action.type(str(value)) if action.type else str(value)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        raise UserError(f"{flag}: {e}") from e
+    if action.choices is not None and checked not in action.choices:
+        raise UserError(f"{flag}: choose from {', '.join(map(str, action.choices))}; got "
+                        f"{value!r}.")
+    return checked
 
 
 def load(args) -> Run:

@@ -457,18 +457,20 @@ def first_paragraph(docstring: str) -> str:
 
 
 def argument_parser(script: str, description: str, add_arguments=None,
-                    exit_on_error: bool = True) -> argparse.ArgumentParser:
+                    exit_on_error: bool = True, requests: bool = True) -> argparse.ArgumentParser:
     """The flags of the lesson, which every script takes, and the script's own (`add_arguments`:
     its pool's); features/engine_args.py adds the features'. `script` names the program in messages and
-    reports; the first line of `description` (the script's docstring) heads --help."""
+    reports; the first line of `description` (the script's docstring) heads --help. requests:
+    the N of a script's run (a served engine takes its requests one at a time: none here)."""
     import torch  # for the default device, once the script has loaded it
     # conflict_handler="resolve": features/engine_args.py redefines --attn with the Triton kernel added.
     p = argparse.ArgumentParser(prog=script, description=first_paragraph(description) or None,
                                 formatter_class=HelpFormatter, conflict_handler="resolve",
                                 exit_on_error=exit_on_error)
-    p.set_defaults(script=script)
-    p.add_argument("num_requests", metavar="N", type=positive_int,
-                   help="decode the first N prompts of sharegpt_filtered.json as one batch")
+    p.set_defaults(script=script, num_requests=0)
+    if requests:
+        p.add_argument("num_requests", metavar="N", type=positive_int,
+                       help="decode the first N prompts of sharegpt_filtered.json as one batch")
     p.add_argument("--ckpt-dir", type=Path,
                    help="checkpoint folder or .gguf (default: Meta-Llama-3-8B-Instruct/original)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.model (default: CKPT_DIR's, "

@@ -180,10 +180,10 @@ def test_vllms_names_for_the_kv_cache_dtype_choose_ours(name, chosen):
 
 
 def test_fp8_e5m2_is_refused_by_name():
-    from features.engine_args import parse_script_arguments
+    from features.engine_args import engine_arguments
     from plumbing.cli import UserError
     with pytest.raises(UserError, match="fp8_e5m2 is not built"):
-        parse_script_arguments("paged", ["4", "--kv-cache-dtype", "fp8_e5m2"], raise_errors=True)
+        engine_arguments("paged", {"kv_cache_dtype": "fp8_e5m2"})  # LLM(kv_cache_dtype=...)
 
 
 def test_fp8_blocks_swapped_out_and_back_give_the_recomputed_tokens():

@@ -541,8 +541,11 @@ def test_the_virtual_cache_without_cuda_is_refused_in_one_paragraph_before_loadi
 
 
 @pytest.mark.parametrize("options, says", [
-    ({"blok_size": 16}, "unrecognized arguments: --blok-size 16"),
+    ({"blok_size": 16}, "blok_size= is no keyword of the engine"),
     ({"block_size": "big"}, "--block-size: expected a positive whole number"),
+    ({"block_size": 0}, "--block-size: expected a positive whole number"),  # not the default
+    ({"no_sharing": "yes"}, "--no-sharing: expected True or False"),
+    ({"attn": "fast"}, "--attn: choose from auto, flash, triton, torch"),
 ])
 def test_a_bad_keyword_of_the_api_raises_with_the_flag_not_exits(options, says):
     from plumbing.cli import UserError
