@@ -160,10 +160,8 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
     if cache not in CACHES:
         raise UserError(f"cache {cache!r}: choose one of {', '.join(CACHES)}.")
     parser = parser_with_features(cache, served=True)
-    defaults, args = parser.parse_args([]), parser.parse_args(list(argv))
-    flags = {action.dest: action for action in parser._actions if action.option_strings}
-    for name, value in options.items():
-        setattr(args, name, option_value(flags, cache, name, value))
+    defaults = parser.parse_args([])
+    args = with_options(parser, parser.parse_args(list(argv)), cache, options)
     asked = {"--" + name.replace("_", "-"): instead for name, instead in PER_REQUEST.items()
              if getattr(args, name) != getattr(defaults, name)}  # flag -> what replaces it
     if asked:
@@ -173,6 +171,21 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
                         f"flags that build it (model, cache, pool, kernels), and each request "
                         f"chooses the rest for itself" + (f" ({instead})" if instead else "")
                         + ". Drop " + ("it." if len(asked) == 1 else "them."))
+    return args
+
+
+def script_arguments(cache: str, num_requests: int, options: dict) -> argparse.Namespace:
+    """`python llama3_<cache>.py N` with `options` by their names with underscores, each checked
+    as its flag checks it (tools/bench.py's runs)."""
+    parser = parser_with_features(cache)
+    return with_options(parser, parser.parse_args([str(num_requests)]), cache, options)
+
+
+def with_options(parser, args: argparse.Namespace, cache: str, options: dict):
+    """`args`, with each of `options` set as its flag would set it (`option_value`)."""
+    flags = {action.dest: action for action in parser._actions if action.option_strings}
+    for name, value in options.items():
+        setattr(args, name, option_value(flags, cache, name, value))
     return args
 
 

@@ -64,7 +64,8 @@ from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
 from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
-from features.engine_args import CACHES, load, parse_script_arguments
+from features import engine_args
+from features.engine_args import CACHES, load
 from features.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
                                  make_scheduler, warm_up)
 from tools.kernel_profile import profile_engine
@@ -279,27 +280,19 @@ def parse_arguments(argv=None):
 def script_arguments(bench_args):
     """The same run as the script's command line would set it up."""
     a = bench_args
-    weights = [] if a.model == "smollm2" else ["--random-weights"]  # SmolLM2's are real (its GGUF)
-    argv = [str(a.num_requests), *weights, "--model", a.model, "--dtype", a.dtype,
-            "--attn", a.attn, "--max-seq-len", str(a.max_seq_len),
-            "--max-new-tokens", str(a.new_tokens),
-            "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
-    argv += ["--kv-cache-dtype", a.kv_cache_dtype]
-    argv += ["--eager"] if a.eager else []
-    argv += [] if a.compile is None else ["--compile" if a.compile else "--no-compile"]
-    argv += [] if a.overlap is None else ["--overlap" if a.overlap else "--no-overlap"]
-    argv += ["--continuous"] if a.continuous else []
-    argv += ["--max-running", str(a.max_running)] if a.max_running else []
-    argv += ["--max-batched-tokens", str(a.max_batched_tokens)] if a.max_batched_tokens else []
-    argv += ["--request-rate", str(a.request_rate)]
-    argv += ["--system-prompt-file", str(a.system_prompt_file)] if a.system_prompt_file else []
+    options = dict(random_weights=a.model != "smollm2",  # SmolLM2's weights are real (its GGUF)
+                   model=a.model, dtype=a.dtype, attn=a.attn, max_seq_len=a.max_seq_len,
+                   max_new_tokens=a.new_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+                   kv_cache_dtype=a.kv_cache_dtype, eager=a.eager, compile=a.compile,
+                   overlap=a.overlap, continuous=a.continuous, max_running=a.max_running,
+                   max_batched_tokens=a.max_batched_tokens, request_rate=a.request_rate,
+                   system_prompt_file=a.system_prompt_file)
     if a.script == "paged":
-        argv += ["--block-size", str(a.block_size)]
-        argv += ["--no-prefix-cache"] if a.no_prefix_cache else []
-        argv += ["--cascade", a.cascade, "--decode-kernel", a.decode_kernel]
+        options |= dict(block_size=a.block_size, no_prefix_cache=a.no_prefix_cache,
+                        cascade=a.cascade, decode_kernel=a.decode_kernel)
     if a.script == "virtual":
-        argv += ["--layout", a.layout] + (["--sync-mapping"] if a.sync_mapping else [])
-    return parse_script_arguments(a.script, argv)
+        options |= dict(layout=a.layout, sync_mapping=a.sync_mapping)
+    return engine_args.script_arguments(a.script, a.num_requests, options)
 
 
 def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:
