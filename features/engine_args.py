@@ -4,8 +4,8 @@ and prompts loaded, and the attention (vLLM's EngineArgs).
 llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel. Each feature is
 a file in features/ that extends the lesson's classes. This file adds their flags to a script's
 and checks how they combine, before minutes of loading the model: the scripts' feature runs
-(`python -m features.run`, features/run.py) parse their command line here, and a served engine (features/llm_engine.py)
-its flags, from serve.py's command line or the Python API's keywords.
+(`python -m features.run`, features/run.py) parse their command line here, and a served engine
+(features/llm_engine.py) its flags, from serve.py's command line or the Python API's keywords.
 """
 
 import argparse

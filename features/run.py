@@ -10,6 +10,8 @@ built here runs three features by default on CUDA: decode steps replayed as CUDA
 (features/virtual_memory.py).
 """
 
+import sys
+
 from features.engine_args import cache_of, load, parser_with_features, script_parts
 from features.llm_engine import generate, make_beam_engine, make_requests
 from features.report import report
@@ -88,7 +90,6 @@ def command_line(script: str, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":  # python -m features.run llama3_paged.py 49 --continuous ...
-    import sys
     if len(sys.argv) < 2 or sys.argv[1] not in ("llama3_paged.py", "llama3_naive.py",
                                                  "llama3_virtual.py"):
         sys.exit("usage: python -m features.run {llama3_paged.py,llama3_naive.py,"
