@@ -50,7 +50,6 @@ class ContinuousScheduler(CachingScheduler):
         # cache) never needs another, so its pool keeps none.
         self.grows = manager.table.shape[1] > 1
         self.watermark_blocks = int(WATERMARK * manager.num_blocks) if self.grows else 0
-        self.num_preemptions = self.num_recomputed_tokens = 0
         self.sleep = time.sleep  # tests give a fake one, with a fake clock
         self.said_wait = False
         for request in requests:

@@ -175,7 +175,7 @@ def snapshot(engine) -> dict:
         "kv_reserved_bytes": reserved * per_token,
         "kv_filled_bytes": (reserved - unfilled) * per_token,
         "kv_unfilled_bytes": unfilled * per_token,
-        "num_preemptions_total": getattr(engine.scheduler, "num_preemptions", 0),
+        "num_preemptions_total": engine.scheduler.num_preemptions,
         "prompt_tokens_total": engine.num_prompt_tokens,
         "generation_tokens_total": engine.num_generated_tokens,
         "request_success_total": engine.num_finished,

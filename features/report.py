@@ -113,9 +113,9 @@ def scheduling_report(generation, continuous: bool) -> dict:
         "requests_completed": len(waits),
         "max_running": g.most_running,
         # Only continuous batching preempts (features/continuous.py).
-        "preemptions": getattr(g.scheduler, "num_preemptions", 0),
-        "recomputed_tokens": getattr(g.scheduler, "num_recomputed_tokens", 0),
-        "swapped": getattr(g.scheduler, "num_swapped", 0),  # --preemption swap
+        "preemptions": g.scheduler.num_preemptions,
+        "recomputed_tokens": g.scheduler.num_recomputed_tokens,
+        "swapped": g.scheduler.num_swapped,  # --preemption swap
         "queue_wait_median_seconds": statistics.median(waits) if waits else 0.0,
         "queue_wait_max_seconds": max(waits, default=0.0),
     }

@@ -33,12 +33,14 @@ class ServedRequest(Request):
 
 
 class ClockedScheduler(Scheduler):
-    """The lesson's scheduler with a clock, each request's status, and the most requests that
-    ran at once."""
+    """The lesson's scheduler with a clock, each request's status, the most requests that ran at
+    once, and what preemption cost: none in a static batch (features/continuous.py and
+    swapping.py count theirs), so that the report asks every scheduler the same."""
 
     def __init__(self, manager, requests: list[ServedRequest]):
         super().__init__(manager, requests)
         self.most_running, self.start = 0, time.perf_counter()
+        self.num_preemptions = self.num_recomputed_tokens = self.num_swapped = 0
         self.clock = time.perf_counter  # tests give a fake one
 
     def now(self) -> float:

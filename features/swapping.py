@@ -90,7 +90,6 @@ class SwappingScheduler(ContinuousScheduler):
         super().__init__(manager, requests, max_running, chunk_tokens)
         self.host = HostBlocks(cache, swap_blocks)
         self.swapped: dict = {}  # request -> its blocks in host memory
-        self.num_swapped = 0
 
     def schedule(self):
         """The step, with the K/V copies its preemptions and returns queued made before it runs."""

@@ -273,7 +273,7 @@ def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> 
     arriving = deque(make_requests(point))  # in order of arrival
     scheduler, served = engine.scheduler, []
     generated_before = engine.num_generated_tokens
-    preempted_before = getattr(scheduler, "num_preemptions", 0)
+    preempted_before = scheduler.num_preemptions
     scheduler.start_clock()  # time 0 of this point's arrivals
     scheduler.most_running = 0
     start = time.perf_counter()
@@ -289,7 +289,7 @@ def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> 
         engine.step()
     return point_record(point, start, served, engine.num_generated_tokens - generated_before,
                         scheduler.most_running,
-                        getattr(scheduler, "num_preemptions", 0) - preempted_before)
+                        scheduler.num_preemptions - preempted_before)
 
 
 def arriving_at(setup, rate: float, num_requests: int):
