@@ -351,7 +351,7 @@ class Engine:
         with cli.decode_progress(scheduler, self.manager, progress) as advance_the_bar:
             start = time.perf_counter()
             for step in self.steps(scheduler, stop_ids):
-                decodes = step.kind != "prefill"  # features/mixed_steps.py's steps do both
+                decodes = step.kind != "prefill"  # the engine's mixed steps do both
                 seconds[decodes] += time.perf_counter() - start  # [in prefill, in decode]
                 start = time.perf_counter()
                 if decodes:

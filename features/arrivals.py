@@ -3,7 +3,7 @@
 The PagedAttention paper serves requests that arrive as a Poisson process at a given rate, and
 judges a system by its normalized latency: each request's end-to-end latency divided by its
 output length, averaged. A Poisson process has independent, exponentially distributed gaps
-between arrivals, of mean 1 / rate. features/continuous.py admits no request before its
+between arrivals, of mean 1 / rate. engine/scheduler.py admits no request before its
 arrival time; this file draws those times, and measures per request:
 
 - time to first token (TTFT): from its arrival to its first token on the host;

@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 
 from block_manager import to_device
-from features.cached_prefix import CachedPrefillStep
-from features.request_state import ServedRequest
+from engine.scheduler import CachedPrefillStep
+from engine.sequence import ServedRequest
 from features.sharing import SharingBlockManager
 from plumbing.cli import format_bytes, torchrun_process, write_json
 

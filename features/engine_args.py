@@ -228,9 +228,6 @@ def load(args) -> Run:
     if args.preemption == "swap" and not args.continuous:
         raise UserError("--preemption swap chooses how continuous batching preempts; a static "
                         "batch never preempts. Add --continuous.")
-    if args.preemption == "swap" and args.max_batched_tokens:
-        raise UserError("--preemption swap does not combine with --max-batched-tokens yet: drop "
-                        "one of the two.")
     if args.max_batched_tokens and not args.continuous:
         raise UserError("--max-batched-tokens sets the size of continuous batching's mixed "
                         "steps; add --continuous (a static batch prefills every prompt first).")
@@ -241,7 +238,6 @@ def load(args) -> Run:
         raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
                         "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
     if args.overlap:  # refused now, not after minutes of loading the model
-        from features.overlap import why_not_overlapped
         refuse_overlap(why_not_overlapped(args))
     if args.beam_width > 1 and (args.continuous or args.samples > 1
                                                or args.temperature > 0 or args.find_max_batch):
@@ -301,6 +297,21 @@ def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
     if what:
         raise UserError(f"--kv-cache-dtype fp8 does not combine with {what} yet: {why}. Drop one "
                         f"of the two.")
+
+
+def why_not_overlapped(args, manager=None) -> str | None:
+    """What keeps a run on the core loop, if anything: each of these reads on the host what the
+    step in flight has not brought back yet, or changes what it may still touch. Without a
+    manager, what the flags alone say (`load` asks, before the model loads)."""
+    from features.page_manager import PageManager
+    if args.continuous and args.max_batched_tokens:
+        return "mixed steps read the running requests' last tokens on the host"
+    if args.continuous and args.preemption == "swap":
+        return "swapping checks on the host whether a victim has its last token"
+    if isinstance(manager, PageManager) or args.sync_mapping:
+        return ("mapping in the loop (--sync-mapping; --find-max-batch's runs too) unmaps a "
+                "finished request's pages at once")
+    return None
 
 
 def refuse_overlap(why_not: str | None) -> None:

@@ -16,7 +16,7 @@ What serving adds to the scripts' runs:
   paged cache: the samples after the first fork (features/sharing.py), as `--samples` does.
 - Each request samples with its own parameters (features/sampling.py's `RowSampler`), and ends at
   its own stop strings, at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are
-  checked here, on the host, between steps. On CUDA steps overlap (features/overlap.py) as in the
+  checked here, on the host, between steps. On CUDA steps overlap (engine/model_runner.py) as in the
   scripts' runs: the next step is in flight when a request is found to end, so the engine lets it
   go (`let_go`) and throws away the token that step draws for it, as it does for a stop token.
 """
@@ -34,15 +34,16 @@ import torch
 
 import llama3_paged as lesson
 from block_manager import to_device
-from features.cached_prefix import (CachedPrefixEngine, CachingScheduler, SamplingDecoder,
-                                    greedy)
-from features.continuous import RequestTooLarge
-from features.engine_args import engine_arguments, load, refuse_overlap, script_parts
+from engine.model_runner import ModelRunner
+from engine.scheduler import RequestTooLarge, Scheduler
+from engine.sequence import ServedRequest, Status
+from engine.swap import HostBlocks
+from features.cached_prefix import SamplingDecoder, greedy
+from features.engine_args import (engine_arguments, load, refuse_overlap, script_parts,
+                                  why_not_overlapped)
 from features.pools import allocate_paged, decodes_with_graphs
-from features.request_state import ServedRequest, Status
 from features.sampling import RowSampler, SamplingParams, make_sampler
 from features.sharing import SharingBlockManager
-from features.timed_engine import TimedEngine
 from plumbing import inputs
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
                           torchrun_process)
@@ -77,31 +78,22 @@ def arrival_times(args, n: int) -> list[float]:
     return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
 
 
-def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
-    """Static batching, or with --continuous a stream with preemption, in mixed steps with
-    --max-batched-tokens, swapping with --preemption swap."""
-    scheduler = scheduler_for_flags(run, cache, manager, requests)
-    if run.args.script == "llama3_virtual.py":  # its page managers may map the next prompts'
-        manager.watch_queue(scheduler.waiting)   # pages ahead (features/mapping_ahead.py)
-    return scheduler
-
-
-def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> lesson.Scheduler:
+def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> Scheduler:
+    """Static batching, or with --continuous a stream with preemption (recomputing, or swapping
+    with --preemption swap), in mixed steps with --max-batched-tokens."""
     args = run.args
-    if not args.continuous:
-        return CachingScheduler(manager, requests)
-    from features.continuous import ContinuousScheduler
+    shares_blocks = isinstance(manager, SharingBlockManager)
+    if args.continuous and args.max_batched_tokens and shares_blocks:
+        raise UserError("--max-batched-tokens does not combine with shared blocks yet "
+                        "(--samples above 1, or a system prompt's prefix cache): add "
+                        "--no-sharing, or drop --max-batched-tokens.")
+    swaps = args.continuous and args.preemption == "swap"
+    host = host_blocks(run, cache, shares_blocks) if swaps else None
     try:
-        if args.preemption == "swap":
-            return swapping_scheduler(run, cache, manager, requests)
-        if args.max_batched_tokens:
-            if isinstance(manager, SharingBlockManager):
-                raise UserError("--max-batched-tokens does not combine with shared blocks yet "
-                                "(--samples above 1, or a system prompt's prefix cache): add "
-                                "--no-sharing, or drop --max-batched-tokens.")
-            from features.mixed_steps import MixedScheduler
-            return MixedScheduler(manager, requests, args.max_running, args.max_batched_tokens)
-        return ContinuousScheduler(manager, requests, args.max_running, lesson.Engine.tokens_per_pass)
+        scheduler = Scheduler(manager, requests, args.continuous, args.max_running,
+                              args.max_batched_tokens or lesson.Engine.tokens_per_pass,
+                              mixed=bool(args.continuous and args.max_batched_tokens), host=host,
+                              shares_blocks=shares_blocks)
     except RequestTooLarge as e:
         prompt = len(e.request.prompt_tokens)
         raise UserError(
@@ -110,11 +102,14 @@ def scheduler_for_flags(run, cache, manager, requests: list[lesson.Request]) -> 
             f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
             f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
             f"--max-new-tokens.", OUT_OF_MEMORY) from e
+    if args.script == "llama3_virtual.py":  # its page managers may map the next prompts'
+        manager.watch_queue(scheduler.waiting)  # pages ahead (features/mapping_ahead.py)
+    return scheduler
 
 
-def swapping_scheduler(run, cache, manager, requests: list[lesson.Request]):
+def host_blocks(run, cache, shares_blocks: bool) -> HostBlocks:
     """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
-    if not isinstance(cache, lesson.KVCache) or isinstance(manager, SharingBlockManager):
+    if not isinstance(cache, lesson.KVCache) or shares_blocks:
         raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
                         "cache; it does not combine with shared blocks (--samples, a system "
                         "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
@@ -125,9 +120,7 @@ def swapping_scheduler(run, cache, manager, requests: list[lesson.Request]):
         raise UserError(f"--swap-space {swap_space:g} GB holds no block of "
                         f"{format_bytes(block_bytes)}: raise it.")
     check_host_memory(swap_blocks * block_bytes, "--swap-space", "Lower --swap-space.")
-    from features.swapping import SwappingScheduler
-    return SwappingScheduler(manager, requests, run.args.max_running, lesson.Engine.tokens_per_pass, cache,
-                             swap_blocks)
+    return HostBlocks(cache, swap_blocks)
 
 
 def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: bool):
@@ -160,26 +153,22 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
 
 
 def make_engine(run, cache, manager, sampler, decoder, progress: bool = False,
-                arrivals: bool = False) -> TimedEngine:
-    """The core loop, or with --overlap (the default on CUDA) steps scheduled while the GPU runs
-    the one before, where the run allows it. With `arrivals` (requests come over time, so most
-    prefill passes are a prompt or two), short passes as CUDA graphs where decode steps are: a
-    static batch's prompts are packed into long passes, which a graph would not speed up."""
+                arrivals: bool = False) -> ModelRunner:
+    """The engine's loop, with steps overlapped (--overlap, the default on CUDA) where the run
+    allows it. With `arrivals` (requests come over time, so most prefill passes are a prompt or
+    two), short passes as CUDA graphs where decode steps are: a static batch's prompts are
+    packed into long passes, which a graph would not speed up."""
     overlap = run.args.overlap
     if overlap is None:
         overlap = run.device.type == "cuda"
-    engine_class = TimedEngine
-    if run.args.continuous and run.args.max_batched_tokens:
-        from features.mixed_steps import MixedEngine as engine_class
     if overlap:
-        from features.overlap import OverlappedEngine, why_not_overlapped
         why_not = why_not_overlapped(run.args, manager)  # the manager too: --find-max-batch's
         if run.args.overlap:
             refuse_overlap(why_not)
-        engine_class = engine_class if why_not else OverlappedEngine
+        overlap = why_not is None
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
-    engine = engine_class(run.model, cache, manager, sampler, decoder,
-                          longest_first=run.device.type == "cuda")
+    engine = ModelRunner(run.model, cache, manager, sampler, decoder, overlap=overlap,
+                         longest_first=run.device.type == "cuda")
     if arrivals and decodes_with_graphs(run):
         from features.prefill_graphs import BUCKETS, supports_prefill_graphs
         if supports_prefill_graphs(cache):
@@ -205,13 +194,13 @@ def generate(run, cache, manager, progress: bool = True):
     return engine.generate(scheduler, stop_ids, progress)
 
 
-def make_beam_engine(run, cache, manager) -> CachedPrefixEngine:
+def make_beam_engine(run, cache, manager) -> ModelRunner:
     """--beam-width K: the decoder the flags choose, drawing K beams per prompt, under the core
     loop (a search is one static batch: no overlap, no mixed steps; features/beam_search.py)."""
     from features.beam_search import BeamSampler
     sampler = BeamSampler(run.args.beam_width)
     decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * run.args.beam_width, True)
-    return CachedPrefixEngine(run.model, cache, manager, sampler, decoder)
+    return ModelRunner(run.model, cache, manager, sampler, decoder)
 
 
 @dataclasses.dataclass
@@ -355,8 +344,7 @@ class LLMEngine:
         requests = [ServedRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived)
                     for row in rows]
         try:
-            for request in requests:
-                self.scheduler.refuse_if_larger_than_the_pool(request)
+            self.scheduler.refuse_if_larger_than_the_pool(requests[0])  # its samples are alike
         except RequestTooLarge as e:
             self.free_rows.extend(rows)
             raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole pool "
@@ -366,7 +354,7 @@ class LLMEngine:
             self.sampler.set_row(request.row, params, index, seed)
             self.engine.set_last_token(request.row, last_token[0])
             self.sequences[request.row] = Sequence(request, request_id, index, params)
-            self.scheduler.waiting.append(request)
+            self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
         return request_id
 

@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
+from engine.swap import consecutive_runs
 from plumbing.inputs import TOKENS_PER_PASS
-from features.page_manager import PageManager, consecutive_runs
+from features.page_manager import PageManager
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
 MAP_RUN_TOKENS = 64  # a row found short gets pages for this many tokens more, in one call: 4 pages
@@ -73,7 +74,7 @@ class BackgroundMapper:
 
     def unmap(self, row: int, first_page: int, num_pages: int) -> int:
         # Unlike the GPU's writes, an unmap is not queued behind the steps already queued, which
-        # may still use the pages (features/overlap.py queues a step before the last one ends):
+        # may still use the pages (engine/model_runner.py queues a step before the last one ends):
         # the thread waits until the GPU has passed this point.
         queued = None
         if torch.cuda.is_initialized():

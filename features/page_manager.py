@@ -15,20 +15,11 @@ with pages of tokens_per_page tokens for blocks.
 import numpy as np
 
 from block_manager import BlockManager, OutOfBlocks
+from engine.swap import consecutive_runs
 
 
 class OutOfPages(OutOfBlocks):
     unit = "pages"
-
-
-def consecutive_runs(rows: np.ndarray, columns: np.ndarray):
-    """(start, end) of each run of entries on one row in consecutive columns: pages that one
-    driver call can allow access to at once."""
-    if len(rows) == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(rows) != 0) | (np.diff(columns) != 1)) + 1
-    bounds = [0, *breaks.tolist(), len(rows)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class PageManager(BlockManager):

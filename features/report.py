@@ -112,7 +112,7 @@ def scheduling_report(generation, continuous: bool) -> dict:
         "mode": "continuous" if continuous else "static",
         "requests_completed": len(waits),
         "max_running": g.most_running,
-        # Only continuous batching preempts (features/continuous.py).
+        # Only continuous batching preempts (engine/scheduler.py).
         "preemptions": g.scheduler.num_preemptions,
         "recomputed_tokens": g.scheduler.num_recomputed_tokens,
         "swapped": g.scheduler.num_swapped,  # --preemption swap

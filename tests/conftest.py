@@ -81,26 +81,23 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     """Run prompts through the core engine as the scripts do (features/llm_engine.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
-    `continuous`, mixed steps (features/mixed_steps.py); `swap_blocks`: with `continuous`,
-    preemption by swapping to that many host blocks (features/swapping.py); `overlap`: each step
-    scheduled before the last one's tokens are recorded (features/overlap.py); `longest_first`:
+    `continuous`, mixed steps; `swap_blocks`: with `continuous`,
+    preemption by swapping to that many host blocks (engine/swap.py); `overlap`: each step
+    scheduled before the last one's tokens are recorded; `longest_first`:
     each decode step's rows longest first (features/longest_first.py)."""
-    from features.timed_engine import TimedEngine
-    from features.request_state import ServedRequest
+    from engine.model_runner import ModelRunner
+    from engine.sequence import ServedRequest
+    from engine.scheduler import Scheduler
+    from engine.swap import HostBlocks
     from features.cached_prefix import SamplingDecoder, greedy
-    from features.cached_prefix import CachingScheduler
-    from features.continuous import ContinuousScheduler
+    from features.sharing import SharingBlockManager
     requests = [ServedRequest(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
-    scheduler = (ContinuousScheduler(manager, requests, max_running, chunk_tokens) if continuous
-                 else CachingScheduler(manager, requests))
-    if continuous and max_batched_tokens:
-        from features.mixed_steps import MixedScheduler
-        scheduler = MixedScheduler(manager, requests, max_running, max_batched_tokens)
-    if continuous and swap_blocks:
-        from features.swapping import SwappingScheduler
-        scheduler = SwappingScheduler(manager, requests, max_running, chunk_tokens, cache,
-                                      swap_blocks)
+    host = HostBlocks(cache, swap_blocks) if continuous and swap_blocks else None
+    scheduler = Scheduler(manager, requests, continuous, max_running,
+                          max_batched_tokens or chunk_tokens,
+                          mixed=bool(continuous and max_batched_tokens), host=host,
+                          shares_blocks=isinstance(manager, SharingBlockManager))
     if hasattr(manager, "watch_queue"):  # as features/llm_engine.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
@@ -108,19 +105,14 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine_class = TimedEngine  # as features/llm_engine.py's make_engine runs every feature
-    if overlap:
-        from features.overlap import OverlappedEngine as engine_class
-    elif continuous and max_batched_tokens:
-        from features.mixed_steps import MixedEngine as engine_class
-    engine = engine_class(model, cache, manager, sampler, decoder, longest_first=longest_first,
-                          tokens_per_pass=chunk_tokens)
+    engine = ModelRunner(model, cache, manager, sampler, decoder, overlap=overlap,
+                         longest_first=longest_first, tokens_per_pass=chunk_tokens)
     return engine.generate(scheduler, set(stop_ids), progress=False)
 
 
 def request(row: int, n: int, first: int = 0):
     """A request of n distinct prompt tokens, for the block manager's tests."""
-    from features.request_state import ServedRequest
+    from engine.sequence import ServedRequest
     return ServedRequest(row, tokens(n, first), max_new_tokens=1)
 
 

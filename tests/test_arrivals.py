@@ -10,13 +10,12 @@ import torch
 from block_manager import BlockManager
 from conftest import tokens
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from features.cached_prefix import greedy
 from llama3_paged import Decoder
 from features.arrivals import latency_report, poisson_arrival_times
-from features.continuous import ContinuousScheduler
-from features.timed_engine import TimedEngine
-from features.mixed_steps import MixedEngine, MixedScheduler
+from engine.scheduler import Scheduler
+from engine.model_runner import ModelRunner
 from test_mixed_steps import takes_a_token
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -68,10 +67,9 @@ def test_no_request_is_admitted_before_it_arrives(mixed):
     arrivals = [0.0, 0.0, 2.5, 2.5, 10.0, 30.0]
     queue = [ServedRequest(r, tokens(5, 10 * r), 3, arrival_time=t) for r, t in enumerate(arrivals)]
     manager = BlockManager(64, 4, len(queue), 8)
-    scheduler = (MixedScheduler(manager, queue, None, 64) if mixed
-                 else ContinuousScheduler(manager, queue, None, 64))
     clock = FakeClock()
-    scheduler.clock, scheduler.sleep, scheduler.start = clock, clock.sleep, 0.0
+    scheduler = Scheduler(manager, queue, continuous=True, token_budget=64, mixed=mixed,
+                          clock=clock, sleep=clock.sleep)
     while scheduler.has_work():
         step = scheduler.schedule()
         for request, draws in zip(step.requests, takes_a_token(step)):
@@ -103,10 +101,9 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
     manager = BlockManager(64, 16, len(prompts), math.ceil(MAX_SEQ_LEN / 16))
     requests = [ServedRequest(r, p, b, arrival_time=float(t))
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
-    scheduler = (MixedScheduler(manager, requests, None, 24) if mixed
-                 else ContinuousScheduler(manager, requests, None, 8192))
-    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else TimedEngine
-    engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    scheduler = Scheduler(manager, requests, continuous=True, token_budget=24 if mixed else 8192,
+                          mixed=mixed)
+    engine = ModelRunner(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert result.output_tokens == static.output_tokens
     for r in requests:
@@ -116,9 +113,9 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
 
 def test_a_long_wait_for_the_next_arrival_is_said_once(capsys):
     queue = [ServedRequest(r, tokens(5, 10 * r), 2, arrival_time=t) for r, t in enumerate([100.0, 300.0])]
-    scheduler = ContinuousScheduler(BlockManager(64, 4, 2, 8), queue, None, 64)
     clock = FakeClock()
-    scheduler.clock, scheduler.sleep, scheduler.start = clock, clock.sleep, 0.0
+    scheduler = Scheduler(BlockManager(64, 4, 2, 8), queue, continuous=True, token_budget=64,
+                          clock=clock, sleep=clock.sleep)
     while scheduler.has_work():
         step = scheduler.schedule()
         for request in step.requests:

@@ -8,7 +8,8 @@ import torch
 from conftest import forward_modes, tiny_hf_model
 
 from block_manager import BlockManager
-from features.cached_prefix import (CachedPrefixEngine, KVCacheAfterPrefix, SamplingDecoder,
+from engine.model_runner import ModelRunner
+from features.cached_prefix import (KVCacheAfterPrefix, SamplingDecoder,
                                     TorchAttentionAfterPrefix)
 from features.beam_search import BeamSampler, beam_search
 from features.sharing import SharingBlockManager
@@ -27,7 +28,7 @@ def our_beams(model, prompts, width, new_tokens, stop_ids, sharing=True, block_s
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=False) if sharing
                else BlockManager(num_blocks, block_size, n, max_blocks))
     sampler = BeamSampler(width)
-    engine = CachedPrefixEngine(model, cache, manager, sampler,
+    engine = ModelRunner(model, cache, manager, sampler,
                     SamplingDecoder(model, cache, manager.block_table, sampler))
     result = beam_search(engine, prompts, width, [new_tokens] * len(prompts), stop_ids,
                          progress=False)

@@ -114,7 +114,7 @@ def test_a_profiles_floor_counts_the_profiled_runs_token_by_token():
 
 
 def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
-    from features.cached_prefix import ServedSnapshot
+    from engine.model_runner import ServedSnapshot
     from llama3_paged import Generation
     steps = [ServedSnapshot(i, 4, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
     generation = Generation([], 0.0, decode_seconds=0.036, timeline=steps)

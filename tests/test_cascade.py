@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
+from engine.model_runner import ModelRunner
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from features.cached_prefix import greedy
 from llama3_paged import Decoder
 from llama3_paged import DecodeBatch
 from features.cascade import CascadeAttention, CascadeDecoder
-from features.continuous import ContinuousScheduler
+from engine.scheduler import Scheduler
 from features.sharing import SharingBlockManager
 from plumbing.cli import importable
 from plumbing.inputs import random_model
@@ -87,8 +88,9 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
         cache.attend_with(cascade)
         decoder = CascadeDecoder(eager, eager, cascade, manager.table)
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
-    scheduler = ContinuousScheduler(manager, requests, max_running=4, chunk_tokens=64)
-    result = CachedPrefixEngine(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
+    scheduler = Scheduler(manager, requests, continuous=True, max_running=4, token_budget=64,
+                          shares_blocks=True)
+    result = ModelRunner(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
     return result, decoder
 
 

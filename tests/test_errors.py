@@ -604,13 +604,13 @@ def test_set_up_after_the_scheduler_is_made_is_not_counted_as_waiting(tmp_path, 
                                                                      capsys):
     # A host pool that takes a second to pin (4 GB can) is made with the scheduler, before
     # the first step: the requests' time to first token must not include it.
-    from features import swapping
-    pin = swapping.HostBlocks.__init__
+    from engine import swap
+    pin = swap.HostBlocks.__init__
 
     def slow_pin(self, *args, **kwargs):
         time.sleep(1.0)
         pin(self, *args, **kwargs)
-    monkeypatch.setattr(swapping.HostBlocks, "__init__", slow_pin)
+    monkeypatch.setattr(swap.HostBlocks, "__init__", slow_pin)
     out = tmp_path / "run.json"
     code, _, err = run_main(SCRIPTS["paged"], ["3", *TINY, "--max-new-tokens", "4", "--continuous",
                                                "--preemption", "swap", "--swap-space", "0.01",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from conftest import generate, request

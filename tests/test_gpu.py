@@ -331,7 +331,7 @@ def test_preemption_changes_no_token_on_the_gpu_in_float32(max_batched_tokens):
     # decoding of random weights turns any difference into a new sequence; float32 does not.
     # Short prompts that grow by 120 tokens in a pool of twice the largest one's need: admitted
     # while small, they outgrow it (a CPU replay of the scheduler preempts 14 times). With
-    # max_batched_tokens, in mixed steps (features/mixed_steps.py): prompts chunked, decode rows
+    # max_batched_tokens, in mixed steps (engine/scheduler.py): prompts chunked, decode rows
     # computed as one-token chunks through the block table.
     model = random_model(Llama, "1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=5)
     g = torch.Generator().manual_seed(5)

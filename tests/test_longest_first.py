@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from features import timed_engine
+from engine import model_runner
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from features.longest_first import longest_first
 from features.llm_engine import make_engine
@@ -55,7 +55,7 @@ def test_rows_longest_first_give_the_batch_orders_tokens(model, monkeypatch, kin
         assert (np.diff(sorted_step.positions) <= 0).all()
         reordered.append(sorted_step.rows.tolist() != step.rows.tolist())
         return sorted_step
-    monkeypatch.setattr(timed_engine, "longest_first", spied)
+    monkeypatch.setattr(model_runner, "longest_first", spied)
     longest = run(model, prompts, num_blocks, kind, longest_first=True, **scheduling)
     assert longest.output_tokens == in_order.output_tokens
     assert any(reordered), "some decode step's rows changed order"

@@ -1,4 +1,4 @@
-"""Mixed steps (features/mixed_steps.py): the tokens of a static batch, whatever chunking and
+"""Mixed steps (engine/scheduler.py, `mixed`): the tokens of a static batch, whatever chunking and
 preemption do on the way, and a token budget that no step exceeds."""
 
 import math
@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from block_manager import BlockManager
 from conftest import tokens
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from features.cached_prefix import greedy
 from llama3_paged import Decoder
-from features.timed_engine import TimedEngine
-from features.mixed_steps import MixedEngine, MixedScheduler, MixedStep
+from engine.scheduler import MixedStep, Scheduler
+from engine.model_runner import ModelRunner
 from features.sharing import SharingBlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -34,17 +34,16 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [ServedRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
-    scheduler = StepRecorder(manager, requests, max_running, max_batched_tokens)
-    engine_class = MixedEngine if isinstance(scheduler, MixedScheduler) else TimedEngine
-    engine = engine_class(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    scheduler = StepRecorder(manager, requests, True, max_running, max_batched_tokens, mixed=True)
+    engine = ModelRunner(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     return engine.generate(scheduler, progress=False), manager, scheduler.steps
 
 
-class StepRecorder(MixedScheduler):
+class StepRecorder(Scheduler):
     """The mixed scheduler, keeping a copy of what each step computes: (decoding, chunks)."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.steps = []
 
     def schedule(self):
@@ -76,7 +75,8 @@ def test_mixed_steps_give_the_static_batchs_tokens_with_chunks_and_preemption(mo
 def test_mixed_steps_refuse_a_block_manager_that_shares_blocks():
     manager = SharingBlockManager(FakeCache(8, 4), 2, 4, True)
     with pytest.raises(ValueError, match="do not share blocks"):
-        MixedScheduler(manager, [ServedRequest(0, tokens(3), 2)], None, 8)
+        Scheduler(manager, [ServedRequest(0, tokens(3), 2)], True, None, 8, mixed=True,
+                  shares_blocks=True)
 
 
 def test_the_worked_example_of_the_readme(model):
@@ -123,7 +123,7 @@ def test_mixed_scheduler_invariants_hold_under_any_workload(requests, block_size
     num_blocks = largest + spare_blocks
     manager = BlockManager(num_blocks, block_size, n, largest)
     queue = [ServedRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
-    scheduler = MixedScheduler(manager, queue, max_running, budget)
+    scheduler = Scheduler(manager, queue, True, max_running, budget, mixed=True)
     for _ in range(10_000):
         if not scheduler.has_work():
             break

@@ -1,4 +1,4 @@
-"""Overlapped steps (features/overlap.py): scheduling one step behind gives the tokens of the core
+"""Overlapped steps (engine/model_runner.py, `overlap`): scheduling one step behind gives the tokens of the core
 loop, which records every step before it schedules the next: in static and continuous batches,
 under preemption, with stop tokens (a request runs one step too many, whose token is thrown
 away), with shared blocks and with pages mapped ahead; and every block comes back."""
@@ -13,10 +13,9 @@ from features.run import command_line
 from block_manager import BlockManager
 from conftest import generate
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from features.timed_engine import StepTimer
+from engine.model_runner import ModelRunner, StepTimer
 from features.mapping_ahead import BackgroundMapper
-from features import overlap
-from features.overlap import why_not_overlapped
+from features.engine_args import why_not_overlapped
 from features.sharing import SharingBlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -106,13 +105,13 @@ def test_a_request_preempted_while_its_stop_token_is_in_flight_leaves_the_queue(
     free = run(model, prompts, num_blocks=200).output_tokens
     stops = {out[4] for out in free if len(out) > 4}
     left_the_queue = []
-    record = overlap.OverlappedEngine._record
+    record = ModelRunner._record
 
     def counted(self, launched, scheduler, stop_ids):
         waiting = set(scheduler.waiting)
         record(self, launched, scheduler, stop_ids)
         left_the_queue.extend(r for r in waiting if r.status.value == "finished")
-    monkeypatch.setattr(overlap.OverlappedEngine, "_record", counted)
+    monkeypatch.setattr(ModelRunner, "_record", counted)
     core = run(model, prompts, 11, stop_ids=stops, continuous=True)
     overlapped = run(model, prompts, 11, stop_ids=stops, continuous=True, overlap=True)
     assert overlapped.output_tokens == core.output_tokens
@@ -155,9 +154,9 @@ def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags,
 
 
 @pytest.mark.parametrize("overlap, device, expected", [
-    (None, "cpu", "TimedEngine"),  # nothing runs ahead on the CPU: one step after the other
-    (True, "cpu", "OverlappedEngine"),
-    (False, "cpu", "TimedEngine"),
+    (None, "cpu", False),  # nothing runs ahead on the CPU: one step after the other
+    (True, "cpu", True),
+    (False, "cpu", False),
 ])
 def test_the_flag_chooses_the_loop(model, overlap, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {
@@ -165,7 +164,7 @@ def test_the_flag_chooses_the_loop(model, overlap, device, expected):
         "preemption": "recompute", "sync_mapping": False}), "device": torch.device(device), "model": model})
     cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
-    assert type(engine).__name__ == expected
+    assert engine.overlap == expected
 
 
 def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):

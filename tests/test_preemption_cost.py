@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import preemption_cost
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from features.swapping import HostBlocks
+from engine.swap import HostBlocks
 from plumbing.inputs import PRESETS
 
 

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from conftest import generate
-from features.continuous import ContinuousScheduler, RequestTooLarge
+from engine.scheduler import RequestTooLarge, Scheduler
 from features.sharing import SharingBlockManager
 
 MAX_SEQ_LEN = 640  # room for prompts of two blocks of 256 and their new tokens
@@ -79,7 +79,7 @@ def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
     prompts, budgets = random_prompts([4, 4], seed=5), [2, 5]  # 1 grows to 8 tokens: 2 blocks
     manager = BlockManager(2, 4, max_requests=2, max_blocks_per_request=8)
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
-    scheduler = ContinuousScheduler(manager, requests, max_running=None, chunk_tokens=64)
+    scheduler = Scheduler(manager, requests, continuous=True, token_budget=64)
     steps = []
     while scheduler.has_work():
         step = scheduler.schedule()
@@ -144,7 +144,7 @@ def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spar
     manager = (SharingBlockManager(FakeCache(num_blocks, block_size), n, max_blocks, True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks))
     queue = [ServedRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
-    scheduler = ContinuousScheduler(manager, queue, max_running, chunk_tokens)
+    scheduler = Scheduler(manager, queue, True, max_running, chunk_tokens, shares_blocks=share)
     finished: set[int] = set()
     for _ in range(10_000):
         if not scheduler.has_work():

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from block_manager import OutOfBlocks
 from conftest import tokens
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from llama3_paged import Request
 from features.sharing import SharingBlockManager
 

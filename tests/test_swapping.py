@@ -1,4 +1,4 @@
-"""Preemption by swapping (features/swapping.py): the tokens of a run without preemption, with no
+"""Preemption by swapping (engine/swap.py): the tokens of a run without preemption, with no
 token recomputed, and recompute where host memory runs short."""
 
 import math
@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix, CachedPrefixEngine
-from features.request_state import ServedRequest
+from engine.model_runner import ModelRunner
+from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.sequence import ServedRequest
 from features.cached_prefix import greedy
 from llama3_paged import Decoder
-from features.swapping import HostBlocks, SwappingScheduler
+from engine.scheduler import Scheduler
+from engine.swap import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts
@@ -39,12 +41,14 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
     assert torch.equal(cache.k[:, 8:16], b_k)
 
 
-def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype):
+def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype,
+                 mixed_budget=None):
     cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
-    scheduler = SwappingScheduler(manager, requests, None, 8192, cache, swap_blocks)
-    engine = CachedPrefixEngine(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,
+                          mixed=mixed_budget is not None, host=HostBlocks(cache, swap_blocks))
+    engine = ModelRunner(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
     result = engine.generate(scheduler, progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     assert sorted(scheduler.host.free) == list(range(swap_blocks)), "every host block back"
@@ -65,6 +69,20 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
     assert scheduler.num_swapped > 0 and scheduler.num_swapped == scheduler.num_preemptions
     assert scheduler.num_recomputed_tokens == 0
     assert swapped.output_tokens == ample.output_tokens
+
+
+def test_swapping_in_mixed_steps_gives_the_tokens_of_a_run_without_preemption():
+    # Steps of at most 8 tokens: prompts are chunked over several steps beside decode rows. A
+    # victim that is decoding is swapped; one halfway through its prompt is recomputed.
+    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
+    budgets = [40] * 6
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
+    needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
+    mixed, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64,
+                                    dtype=torch.float32, mixed_budget=8)
+    assert scheduler.num_swapped > 0
+    assert mixed.output_tokens == ample.output_tokens
 
 
 def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed():

@@ -47,15 +47,14 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from features.cached_prefix import greedy
 from llama3_paged import Decoder, append_tokens
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
 from features.arrivals import latency_report
-from features.continuous import ContinuousScheduler
+from engine.scheduler import Scheduler
 from features.mapping_ahead import MappingAheadManager, mapping_seconds
-from features.overlap import OverlappedEngine
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
@@ -180,7 +179,7 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
                            max_requests=n, max_blocks_per_request=2048 // block_size)
     requests = [ServedRequest(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
-    scheduler = ContinuousScheduler(manager, requests, running, TOKENS_PER_PASS)
+    scheduler = Scheduler(manager, requests, True, running, TOKENS_PER_PASS)
     times = []
     while scheduler.has_work() and len(times) < steps:
         start = time.perf_counter()
@@ -456,7 +455,7 @@ def bench(a) -> dict:
         "decode_steps": len(result.timeline),
         "gpu_wait_seconds_per_decode_step": gpu_wait_seconds_per_step(result),
         "gpu_idle_seconds_per_step": result.gpu_idle_seconds / max(result.num_steps, 1),
-        "overlap": isinstance(engine, OverlappedEngine),
+        "overlap": engine.overlap,
         "median_step": {"step": median_step, "seconds": step_seconds,
                         "running_requests": result.timeline[median_step].running_requests,
                         "weight_bytes": weights_read,
@@ -477,7 +476,7 @@ def bench(a) -> dict:
 
 
 def mixed_steps(workload) -> bool:
-    """Whether the run mixed prompt chunks into decode steps (features/mixed_steps.py)."""
+    """Whether the run mixed prompt chunks into decode steps (engine/scheduler.py)."""
     workload = workload if isinstance(workload, dict) else vars(workload)
     return bool(workload["continuous"] and workload["max_batched_tokens"])
 
@@ -506,7 +505,7 @@ def print_table(r: dict) -> None:
              f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
     print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s; between "
           f"steps the GPU idles {r['gpu_idle_seconds_per_step'] * 1e3:.3f} ms per step "
-          f"({'overlapped' if r['overlap'] else 'not overlapped'}: features/overlap.py)")
+          f"({'overlapped' if r['overlap'] else 'not overlapped'}: engine/model_runner.py)")
     if r["latency"]:
         mean_p99 = lambda key: (f"{r['latency'][key]['mean'] * 1e3:,.1f} ms (p99 "
                                 f"{r['latency'][key]['p99'] * 1e3:,.1f} ms)")

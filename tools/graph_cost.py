@@ -32,7 +32,7 @@ import torch
 from block_manager import BlockManager
 from features.compiled_layers import compile_layers, compiled_at_any_length
 from features.cuda_graphs import KVCacheWithSpareSlot
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from llama3_paged import FlashAttention
 from llama3_paged import Decoder
 from plumbing.inputs import random_model

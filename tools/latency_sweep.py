@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 import llama3_virtual
-from features.request_state import ServedRequest
+from engine.sequence import ServedRequest
 from features.cached_prefix import greedy
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph, fraction,
@@ -274,8 +274,7 @@ def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> 
     scheduler, served = engine.scheduler, []
     generated_before = engine.num_generated_tokens
     preempted_before = scheduler.num_preemptions
-    scheduler.start_clock()  # time 0 of this point's arrivals
-    scheduler.most_running = 0
+    scheduler.start_clock()  # time 0 of this point's arrivals and of its most running
     start = time.perf_counter()
     while arriving or engine.has_unfinished():
         while arriving and arriving[0].arrival_time <= scheduler.now():

@@ -8,10 +8,10 @@ Requests are grown token by token, as decoding grows them, so that their blocks 
 the pool, and the pool holds random K/V. Then, per block size, the time to preempt all of them
 and have them back, each way, as --continuous does it:
 
-- swap (features/swapping.py): copy every victim's blocks to host memory, free them, take new
+- swap (engine/swap.py): copy every victim's blocks to host memory, free them, take new
   blocks, copy the K/V back. Each way, the copies of all victims are made at once: one gather
   of K and one of V on the GPU, and one transfer per run of consecutive host blocks.
-- recompute (features/continuous.py): free the blocks, take new ones, and prefill every token
+- recompute (engine/scheduler.py): free the blocks, take new ones, and prefill every token
   again. A prefill with nothing cached runs the contiguous attention kernel over the packed
   tokens, so the block size enters only where each token's K/V is written.
 
@@ -42,9 +42,11 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from features.cached_prefix import CachedPrefillStep, CachedPrefixEngine, KVCacheAfterPrefix
-from features.request_state import ServedRequest
-from features.swapping import HostBlocks
+from engine.scheduler import CachedPrefillStep
+from engine.model_runner import ModelRunner
+from features.cached_prefix import KVCacheAfterPrefix
+from engine.sequence import ServedRequest
+from engine.swap import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, device, first_paragraph, format_bytes,
@@ -114,7 +116,7 @@ def grown_requests(manager, num_requests: int, tokens: int) -> list[SimpleNamesp
 
 
 def swap_seconds(host, manager, requests, tokens: int, timer) -> float:
-    """Preempt every request by swapping and bring it back, as features/swapping.py does."""
+    """Preempt every request by swapping and bring it back, as engine/scheduler.py does."""
 
     def preempt_and_return():
         kept = {r.row: host.copy_out(manager.owned_blocks[r.row]) for r in requests}
@@ -160,7 +162,7 @@ def measure_block_size(model, attention, block_size: int, a, timer) -> dict:
     cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, device, attention)
     cache.k.normal_(), cache.v.normal_()  # K/V as a run holds them, never zeros
     manager = BlockManager(num_blocks, block_size, a.requests, blocks_per_request, device)
-    engine = CachedPrefixEngine(model, cache, manager)
+    engine = ModelRunner(model, cache, manager)
     host = HostBlocks(cache, num_blocks=a.requests * blocks_per_request)
     figures = {}
     grown = lambda: grown_requests(manager, a.requests, a.tokens)  # again before each timing

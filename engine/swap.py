@@ -1,23 +1,27 @@
-"""Preemption by swapping (--preemption swap): a preempted request's K/V go to host memory.
+"""The host pool that preemption by swapping copies to (`--preemption swap`).
 
-The PagedAttention paper (section 4.5) gives two ways to preempt. Recompute, features/
-continuous.py's: the victim's blocks are freed and, when it returns, its prompt and generated
-tokens are prefilled again. Swap, this file's: its blocks are first copied to a pool of blocks in
-host memory (`--swap-space`, pinned on a GPU so that the copies run at the link's speed), and
-copied back into new blocks when it returns; it then rejoins the decode batch where it stopped,
-with no prefill. The K/V it continues from are the very ones it left with, so its tokens are
-those of a run without preemption, in any precision (a recomputed prefill rounds differently
-from the decode steps it replaces). A victim that finds too few host blocks free, or that is
-halfway through its prompt (mixed steps), is recomputed instead.
+The PagedAttention paper (section 4.5) gives two ways to preempt. Recompute: the victim's blocks
+are freed and, when it returns, its prompt and generated tokens are prefilled again. Swap: its
+blocks are first copied to a pool of blocks in host memory (`--swap-space`, pinned on a GPU so
+that the copies run at the link's speed), and copied back into new blocks when it returns; it
+then rejoins the decode batch where it stopped, with no prefill. The K/V it continues from are
+the very ones it left with, so its tokens are those of a run without preemption, in any
+precision (a recomputed prefill rounds differently from the decode steps it replaces). The
+scheduler (engine/scheduler.py) chooses who goes and comes back; this file moves their blocks.
 """
-
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from features.continuous import ContinuousScheduler
-from features.page_manager import consecutive_runs
+
+def consecutive_runs(rows: np.ndarray, columns: np.ndarray):
+    """(start, end) of each run of entries on one row in consecutive columns: blocks that one
+    copy moves at once (and pages that one driver call maps, features/page_manager.py)."""
+    if len(rows) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(rows) != 0) | (np.diff(columns) != 1)) + 1
+    bounds = [0, *breaks.tolist(), len(rows)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class HostBlocks:
@@ -82,37 +86,3 @@ class HostBlocks:
                         staged[start:end].copy_(mine[host[start]:host[start] + end - start],
                                                 non_blocking=True)
                     theirs[:, index] = staged.transpose(0, 1)
-
-
-class SwappingScheduler(ContinuousScheduler):
-    def __init__(self, manager, requests: list, max_running: int | None, chunk_tokens: int,
-                 cache, swap_blocks: int):
-        super().__init__(manager, requests, max_running, chunk_tokens)
-        self.host = HostBlocks(cache, swap_blocks)
-        self.swapped: dict = {}  # request -> its blocks in host memory
-
-    def schedule(self):
-        """The step, with the K/V copies its preemptions and returns queued made before it runs."""
-        step = super().schedule()
-        self.host.flush()
-        return step
-
-    def _keep(self, victim) -> None:
-        """Copy the victim's K/V to host memory if it is decoding and there is room there."""
-        decoding = self.manager.num_tokens[victim.row] == victim.num_tokens - 1
-        host = self.host.copy_out(self.manager.owned_blocks[victim.row]) if decoding else None
-        if host is None:
-            return super()._keep(victim)  # recompute
-        self.swapped[victim] = host
-        self.num_swapped += 1
-
-    def _allocate(self, request) -> int:
-        """A swapped request takes blocks for all its tokens but the last (whose K/V its next
-        decode step computes, as before it left) and gets its K/V back: nothing to prefill."""
-        host = self.swapped.pop(request, None)
-        if host is None:
-            return super()._allocate(request)
-        cached = request.num_tokens - 1
-        self.manager.allocate(SimpleNamespace(row=request.row, tokens=request.tokens[:-1]))
-        self.host.copy_in(host, self.manager.owned_blocks[request.row])
-        return cached

@@ -1,0 +1,305 @@
+"""The engine's loop: the lesson's Engine, with steps queued on the device and overlapped.
+
+The lesson's loop (llama3_paged.py's Engine) copies each request's last token to the device at
+every decode step, waits for the step's tokens, records them, lets the finished requests go,
+schedules the next step and only then queues it: all that time the GPU has nothing to do. Here:
+
+- Each request's last token stays on the device (`last_tokens`, by row), where the next step
+  reads it, and every copy to the device is from pinned memory, queued like a kernel
+  (block_manager.py's `to_device`): a step's inputs never wait for the host.
+- A step is *launched* (its forward pass, its tokens stored as last tokens and copied to pinned
+  host memory, a CUDA event after them) and later *waited for*. With `overlap` (on CUDA by
+  default; --no-overlap) the host launches step t+1 before it waits for step t's tokens, so the
+  GPU finds the next step queued when it finishes one.
+- With overlap the scheduler runs one step behind: when it schedules step t+1 it has not seen
+  step t's tokens. That matters only for who is done. A request whose token in flight is its
+  last (its max_new_tokens) is let go before step t+1 is scheduled. One that draws a stop token
+  at step t is found out only once step t+1 is queued: it runs one step too many, whose token is
+  thrown away. vLLM's and SGLang's overlapped schedulers do the same. Blocks freed while a step
+  is in flight can go to the next step at once: the GPU runs the steps in order, so the
+  in-flight step's writes into them come first.
+- A prompt whose first tokens are cached (a fork, a system prompt's blocks, a request back from
+  the host pool, a mixed step's later chunk) computes only the rest (`prefill_from`).
+- Each step's GPU time is read from CUDA events once at the end, so timing adds no sync, and the
+  time between steps is time the GPU waited for the host.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from block_manager import to_device
+from engine.scheduler import CachedPrefillStep
+from engine.sequence import ServedRequest, Status, append_tokens_at
+from features.cached_prefix import CachedPrefillBatch, SamplingDecoder, greedy
+from features.longest_first import longest_first
+from llama3_paged import Engine, Generation, KVSnapshot, Step, packed_passes
+
+
+class StepTimer:
+    """Each step's GPU time from CUDA events, read once at the end so that timing adds no sync;
+    wall time on the CPU. The time between one step's end and the next one's start is time the
+    GPU had nothing to do: it waited for the host."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.starts, self.stops, self.decodes = [], [], []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, decodes: bool) -> None:
+        self.starts.append(self._now())
+        self.decodes.append(decodes)
+
+    def stop(self) -> None:
+        self.stops.append(self._now())
+
+    def _between(self, starts, stops) -> list[float]:
+        if not self.cuda:
+            return [stop - start for start, stop in zip(starts, stops)]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(stop) / 1000 for start, stop in zip(starts, stops)]
+
+    def seconds(self) -> list[float]:
+        """Each step's GPU time, in order; `decodes` says which decoded."""
+        return self._between(self.starts, self.stops)
+
+    def idle_seconds(self) -> float:
+        """The GPU's time between steps, in all (on the CPU, the host's: nothing runs ahead)."""
+        return sum(self._between(self.stops[:-1], self.starts[1:]))
+
+
+@dataclass
+class StepInFlight:
+    """A step queued on the device. Its tokens reach `tokens` on the host once `done` has passed
+    (a CUDA event; on the CPU they are there already)."""
+
+    step: Step
+    requests: list  # the requests that take a new token: all but a mixed step's partial prompts
+    tokens: torch.Tensor  # [len(requests)]
+    done: object = None
+
+
+@dataclass
+class ServedSnapshot(KVSnapshot):
+    waiting_requests: int = 0  # admitted later: arrivals, preempted requests, a capped batch
+    seconds: float = 0.0  # the step's time on the GPU
+
+
+@dataclass
+class ServedGeneration(Generation):
+    num_prefilled_tokens: int = 0  # tokens computed by prefill passes: cached ones are not
+    most_running: int = 0  # the most requests running at once
+    scheduler: object = None  # who ran when: preemptions, swaps (the scheduler)
+    gpu_idle_seconds: float = 0.0  # the GPU's time between one step's end and the next's start
+    num_steps: int = 0  # prefill, decode and mixed
+    prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU
+
+    @property
+    def output_tokens(self) -> list[list[int]]:
+        return [r.output_tokens for r in self.requests]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(map(len, self.output_tokens))
+
+
+def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
+    """request.tokens[start:end], without copying the rest (a step computes a few of many)."""
+    past_prompt = lambda i: max(i - len(request.prompt_tokens), 0)
+    return (request.prompt_tokens[start:end]
+            + request.output_tokens[past_prompt(start):past_prompt(end)])
+
+
+class ModelRunner(Engine):
+    def __init__(self, model, cache, manager, sampler=greedy, decoder=None, overlap: bool = False,
+                 longest_first: bool = False, tokens_per_pass: int | None = None):
+        """sampler: how tokens are drawn (features/sampling.py); decoder: how a decode step runs
+        (eager, features/cuda_graphs.py's graphs, features/cascade.py's two-part attention).
+        longest_first: decode steps' rows longest first, so that the attention kernel's last
+        wave is short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's
+        size, if not the lesson's."""
+        super().__init__(model, cache, manager)
+        self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
+        self.decoder = decoder or SamplingDecoder(model, cache, manager.block_table, sampler)
+        self.tokens_per_pass = tokens_per_pass or self.tokens_per_pass
+        self.num_prefilled = 0  # tokens computed by prefill passes, over every run
+        self.in_flight: StepInFlight | None = None  # overlap: the step the GPU is computing
+        self.stopped = set()  # requests let go of while in flight: their next token is dropped
+
+    def capture_prefill_graphs(self) -> None:
+        """Short prefill passes replayed as CUDA graphs (features/prefill_graphs.py), for
+        requests that arrive over time: most of their passes are a prompt or two."""
+        from features.prefill_graphs import GraphPrefill
+        self.prefill_logits = GraphPrefill(self).logits
+
+    def serve(self, num_rows: int) -> None:
+        """Steps without `generate`'s run (features/llm_engine.py's LLMEngine adds requests one
+        at a time and steps itself): each row's last token, set by `set_last_token`, and a
+        timeline that keeps only the latest snapshot, as a server runs forever."""
+        self.last_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        self.timeline = []
+
+    def set_last_token(self, row: int, token: torch.Tensor) -> None:
+        """A served request's last prompt token ([] on the device): its first step's input."""
+        self.last_tokens[row] = token
+
+    def time_next_step(self) -> None:
+        """A served step's own events, not a run's; the snapshots before the latest go."""
+        self.timer = StepTimer(self.device)
+        del self.timeline[:-1]
+
+    def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> ServedGeneration:
+        # Each request's last token, by row, on the device: its next decode step's input.
+        self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,
+                                       device=self.device)
+        rows = np.array([r.row for r in scheduler.waiting], dtype=np.int64)
+        last = np.array([r.tokens[-1] for r in scheduler.waiting], dtype=np.int64)
+        self.last_tokens[to_device(rows, self.device)] = to_device(last, self.device)
+        self.timer, prefilled_before = StepTimer(self.device), self.num_prefilled
+        scheduler.start_clock()
+        g = super().generate(scheduler, stop_ids, progress)
+        gpu_seconds = self.timer.seconds()
+        decoding = [s for s, decodes in zip(gpu_seconds, self.timer.decodes) if decodes]
+        for snapshot, step_seconds in zip(self.timeline, decoding):
+            snapshot.seconds = step_seconds
+        return ServedGeneration(
+            **vars(g), num_prefilled_tokens=self.num_prefilled - prefilled_before,
+            most_running=scheduler.most_running, scheduler=scheduler,
+            gpu_idle_seconds=self.timer.idle_seconds(), num_steps=len(gpu_seconds),
+            prefill_gpu_seconds=sum(gpu_seconds) - sum(decoding))
+
+    def steps(self, scheduler, stop_ids):
+        """Launch a step and record its tokens; with overlap, launch step t+1 first and then
+        wait for step t's. Yields each step once its tokens are recorded."""
+        self.stopped, self.in_flight = set(), None
+        while scheduler.has_work() or self.in_flight:
+            if not self.overlap:
+                waited = self.launch(scheduler.schedule(), scheduler)
+            else:
+                waited = self.in_flight  # step t, which step t+1 is launched behind
+                if waited:
+                    scheduler.finish(self._last_token_in_flight(waited))
+                self.in_flight = (self.launch(scheduler.schedule(), scheduler)
+                                  if scheduler.has_work() else None)
+            if waited:
+                self._record(waited, scheduler, stop_ids)
+                yield waited.step
+
+    def let_go(self, request, scheduler) -> None:
+        """The host ends a running request between steps (features/llm_engine.py: an abort, a stop
+        string): its blocks are free at once, and the token the step in flight draws for it,
+        if any, is thrown away."""
+        scheduler.finish([request])
+        if self.in_flight and request in self.in_flight.requests:
+            self.stopped.add(request)
+
+    def launch(self, step, scheduler) -> StepInFlight:
+        """Queue one step on the device: its forward pass, its tokens stored as the requests'
+        last tokens, and their copy to the host."""
+        if step.kind != "prefill":
+            self.note_the_cache(scheduler)
+        if step.kind == "decode" and self.decode_longest_first:
+            step = longest_first(step)
+        self.timer.start(step.kind != "prefill")
+        rows = to_device(step.rows, self.device)  # [B]
+        next_tokens = (self.decode(step, self.last_tokens[rows]) if step.kind == "decode"
+                       else self.prefill(step))  # a prefill, or a mixed step's pass
+        requests, rows, next_tokens = self._taking_tokens(step, rows, next_tokens)
+        self.last_tokens[rows] = next_tokens  # where the next step reads them
+        on_gpu = self.device.type == "cuda"
+        tokens = torch.empty(len(requests), dtype=torch.long, pin_memory=on_gpu)
+        tokens.copy_(next_tokens, non_blocking=True)  # [B] to the host, queued with the rest
+        self.timer.stop()
+        done = torch.cuda.Event() if on_gpu else None
+        if done:
+            done.record()
+        return StepInFlight(step, requests, tokens, done)
+
+    def wait_for_tokens(self, in_flight: StepInFlight) -> np.ndarray:
+        """The step's tokens on the host ([B]): the wait for the GPU, once per step."""
+        if in_flight.done:
+            in_flight.done.synchronize()
+        return in_flight.tokens.numpy()
+
+    def note_the_cache(self, scheduler) -> None:
+        self.timeline.append(ServedSnapshot(
+            len(self.timeline), len(scheduler.running), self.manager.num_reserved_slots,
+            self.manager.num_unfilled_slots, waiting_requests=len(scheduler.waiting)))
+
+    def prefill(self, step: CachedPrefillStep) -> torch.Tensor:
+        """Each request's tokens from its first uncached one on, or in a mixed step up to its
+        end there (a decode row is no prompt token)."""
+        if step.kind != "mixed":
+            return self.prefill_from(step, [r.tokens[int(start):]
+                                            for r, start in zip(step.requests, step.num_cached)])
+        new = [tokens_between(r, int(start), int(end))
+               for r, start, end in zip(step.requests, step.num_cached, step.ends)]
+        tokens = self.prefill_from(step, new)
+        self.num_prefilled -= step.num_decoding
+        return tokens
+
+    def prefill_from(self, step: CachedPrefillStep, new: list[list[int]]) -> torch.Tensor:
+        """new[i]: the tokens of request i computed here, from position step.num_cached[i]."""
+        self.num_prefilled += sum(map(len, new))
+        return torch.cat([self._prefill_pass(step.rows[p], [new[i] for i in p], step.num_cached[p])
+                          for p in packed_passes(list(map(len, new)), self.tokens_per_pass)])
+
+    def _prefill_pass(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
+        """One forward pass over new_tokens[i], request rows[i]'s tokens from position starts[i]."""
+        on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
+        new = np.array([len(t) for t in new_tokens])
+        lengths = starts + new  # each one's tokens, cached and new
+        if not starts.any():  # the lesson's pass, with this run's sampler
+            return self.sampler(self.prefill_logits(rows, new_tokens), on_device(rows),
+                                on_device(lengths))
+        cu_seqlens, cu_seqlens_k = (np.concatenate([[0], np.cumsum(n)]) for n in (new, lengths))
+        # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
+        slots = self.manager.slots(np.repeat(rows, new), positions)
+        batch = CachedPrefillBatch(
+            on_device(slots), on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(),
+            int(new.max()), self.manager.block_table[on_device(rows)],
+            on_device(cu_seqlens_k, torch.int32), cu_seqlens_k.tolist(), int(lengths.max()))
+        logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions), self.cache,
+                            batch, logits_at=on_device(cu_seqlens[1:] - 1))
+        return self.sampler(logits, on_device(rows), on_device(lengths))  # [B]
+
+    def _taking_tokens(self, step, rows, next_tokens):
+        """The step's requests that take a new token, their rows and tokens: all but a mixed
+        step's prompts computed only in part."""
+        if step.kind != "mixed" or step.takes_a_token().all():
+            return step.requests, rows, next_tokens
+        takes = step.takes_a_token()
+        taking = to_device(np.flatnonzero(takes), self.device)
+        return [r for r, t in zip(step.requests, takes) if t], rows[taking], next_tokens[taking]
+
+    @staticmethod
+    def _last_token_in_flight(in_flight: StepInFlight) -> list:
+        """The requests that the step in flight gives their last allowed token."""
+        return [r for r in in_flight.requests if r.status is Status.RUNNING
+                and len(r.output_tokens) + 1 >= r.max_new_tokens]
+
+    def _record(self, in_flight: StepInFlight, scheduler, stop_ids) -> None:
+        """Append the step's tokens, but those drawn after the host let go of their request, and
+        let go of the requests that are done."""
+        tokens, drawing = self.wait_for_tokens(in_flight), in_flight.requests
+        if self.stopped:
+            kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
+            self.stopped.difference_update(drawing)  # stopped while this step ran: done with
+            tokens, drawing = tokens[kept], [drawing[i] for i in kept]
+        for request in append_tokens_at(drawing, tokens, stop_ids, scheduler.now()):
+            if request.status is Status.FINISHED:
+                continue  # its last token: let go of already
+            if request.status is Status.WAITING:  # preempted while its stop token was in flight
+                scheduler.waiting.remove(request)
+                request.status = Status.FINISHED
+            else:
+                self.let_go(request, scheduler)
