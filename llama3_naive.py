@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     lesson.main(argv, "llama3_naive.py", __doc__, no_pool_arguments, allocate_kv_cache)
 
 
-if __name__ == "__main__":  # a feature's flag: the engine's program (python -m features.run)
+if __name__ == "__main__":  # a feature's flag: the engine's program (python -m engine.run)
     if needs_features("llama3_naive.py", sys.argv[1:]):
         hand_to_the_engine("llama3_naive.py", sys.argv[1:])
     else:

@@ -491,7 +491,7 @@ def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=cli.add
 
 if __name__ == "__main__":
     # A flag this file does not define is a feature's: the engine's program runs that command
-    # line (python -m features.run). The lesson's flags alone run main() above, on every device.
+    # line (python -m engine.run). The lesson's flags alone run main() above, on every device.
     if cli.needs_features("llama3_paged.py", sys.argv[1:], cli.add_pool_arguments):
         cli.hand_to_the_engine("llama3_paged.py", sys.argv[1:])
     else:

@@ -17,7 +17,7 @@ start-up (features/mapping_ahead.py, vAttention's way).
 --kv-cache-dtype fp8 stores K and V in 8 bits and decodes with the Triton kernel
 (features/fp8_virtual_kv_cache.py).
 
-Its run is features/run.py's `main` and `run_virtual`: the flags, the model, this file's
+Its run is engine/run.py's `main` and `run_virtual`: the flags, the model, this file's
 `allocate_kv_cache` (where the three scripts differ), generate, the report, `mapping_report`.
 """
 
@@ -109,5 +109,5 @@ def mapping_report(cache, manager, decode_steps: int) -> str:
                    f"{manager.num_idle_pages:,} pages were left mapped under idle rows at the end.")
 
 
-if __name__ == "__main__":  # its runs are all the engine's (python -m features.run)
+if __name__ == "__main__":  # its runs are all the engine's (python -m engine.run)
     hand_to_the_engine(SCRIPT, sys.argv[1:])

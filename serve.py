@@ -7,7 +7,7 @@
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
 /v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
 filled and unfilled bytes, live; histograms of the time to first and to last token). The engine
-runs continuous batching in a process of its own (features/engine_process.py: features/llm_engine.py's
+runs continuous batching in a process of its own (engine/engine_process.py: engine/llm_engine.py's
 LLMEngine, stepped without waiting for HTTP); the handlers only send it requests and read their
 tokens. A client that goes away before its answer ends, streamed or not, has its request
 aborted: its blocks and row are free at the next step. Every flag the scripts take for the
@@ -160,7 +160,7 @@ def chat_prompt(body: dict) -> dict:
 # --- The HTTP application ------------------------------------------------------------------------
 
 def build_app(engine, model_name: str, api_key: str | None):
-    """engine: features/engine_process.py's EngineClient, the server's end of the engine."""
+    """engine: engine/engine_process.py's EngineClient, the server's end of the engine."""
     from fastapi import FastAPI, Request
     from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                    StreamingResponse)
@@ -419,7 +419,7 @@ def main(argv=None) -> None:
         if open_to_others(args.host) and not args.api_key:
             print(f"Serving on {args.host}, beyond this machine, without --api-key: anyone who can "
                   f"reach it can send it requests.", file=sys.stderr, flush=True)
-        from features.engine_process import EngineClient
+        from engine.engine_process import EngineClient
         engine = EngineClient(args.cache, args.max_num_seqs, engine_argv)
         name, info = args.served_model_name or engine.info["model"], engine.info
         url_host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in brackets

@@ -141,7 +141,7 @@ class ModelRunner(Engine):
         self.prefill_logits = GraphPrefill(self).logits
 
     def serve(self, num_rows: int) -> None:
-        """Steps without `generate`'s run (features/llm_engine.py's LLMEngine adds requests one
+        """Steps without `generate`'s run (engine/llm_engine.py's LLMEngine adds requests one
         at a time and steps itself): each row's last token, set by `set_last_token`, and a
         timeline that keeps only the latest snapshot, as a server runs forever."""
         self.last_tokens = torch.zeros(num_rows, dtype=torch.long, device=self.device)
@@ -194,7 +194,7 @@ class ModelRunner(Engine):
                 yield waited.step
 
     def let_go(self, request, scheduler) -> None:
-        """The host ends a running request between steps (features/llm_engine.py: an abort, a stop
+        """The host ends a running request between steps (engine/llm_engine.py: an abort, a stop
         string): its blocks are free at once, and the token the step in flight draws for it,
         if any, is thrown away."""
         scheduler.finish([request])

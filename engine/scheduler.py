@@ -117,7 +117,7 @@ class Scheduler(lesson.Scheduler):
         self.start, self.most_running = self.clock(), len(self.running)
 
     def add_request(self, request: ServedRequest) -> None:
-        """Queue a request that arrives while others run (features/llm_engine.py's LLMEngine),
+        """Queue a request that arrives while others run (engine/llm_engine.py's LLMEngine),
         once refuse_if_larger_than_the_pool has let it."""
         self.waiting.append(request)
 

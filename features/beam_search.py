@@ -176,8 +176,8 @@ PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2%
 
 
 def search_and_report(run, engine, budgets: list[int]) -> None:
-    """--beam-width K (features/llm_engine.py builds the engine as the flags choose, and
-    features/run.py the budgets): the search over the first N prompts, its best beams, and the
+    """--beam-width K (engine/llm_engine.py builds the engine as the flags choose, and
+    engine/run.py the budgets): the search over the first N prompts, its best beams, and the
     KV memory that sharing saved."""
     args, width = run.args, run.args.beam_width
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids

@@ -153,7 +153,7 @@ class CascadeDecoder:
 
 def cascade_for(setup, cache, manager) -> CascadeAttention | None:
     """The cascade a run whose prefix cache shares a system prompt gets, printing the rule it was
-    chosen by (features/llm_engine.py's make_decoder asks only then). --cascade auto: the prompt's full blocks, read by
+    chosen by (engine/llm_engine.py's make_decoder asks only then). --cascade auto: the prompt's full blocks, read by
     flash-attn, for batches of MIN_SHARED_TOKENS_READ / prefix tokens or more. --cascade on forces
     it for every batch (flash-attn or the reference)."""
     mode, prefix_tokens = setup.args.cascade, setup.num_system_prompt_tokens

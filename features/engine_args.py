@@ -4,8 +4,8 @@ and prompts loaded, and the attention (vLLM's EngineArgs).
 llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel. Each feature is
 a file in features/ that extends the lesson's classes. This file adds their flags to a script's
 and checks how they combine, before minutes of loading the model: the scripts' feature runs
-(`python -m features.run`, features/run.py) parse their command line here, and a served engine
-(features/llm_engine.py) its flags, from serve.py's command line or the Python API's keywords.
+(`python -m engine.run`, engine/run.py) parse their command line here, and a served engine
+(engine/llm_engine.py) its flags, from serve.py's command line or the Python API's keywords.
 """
 
 import argparse
@@ -167,7 +167,7 @@ def engine_arguments(cache: str, options: dict, argv: list[str] = ()) -> argpars
     if asked:
         flags = ", ".join(asked)
         instead = "; ".join(f"{flag}: {what}" for flag, what in asked.items() if what)
-        raise UserError(f"{flags}: a served engine (serve.py, features/llm.py's LLM) takes the "
+        raise UserError(f"{flags}: a served engine (serve.py, engine/llm.py's LLM) takes the "
                         f"flags that build it (model, cache, pool, kernels), and each request "
                         f"chooses the rest for itself" + (f" ({instead})" if instead else "")
                         + ". Drop " + ("it." if len(asked) == 1 else "them."))

@@ -525,11 +525,11 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
     return bool(others) or torchrun_process() is not None
 
 
-ENGINE_PROGRAM = "features.run"  # `python -m features.run SCRIPT ARGS`: a run with features
+ENGINE_PROGRAM = "engine.run"  # `python -m engine.run SCRIPT ARGS`: a run with features
 
 
 def hand_to_the_engine(script: str, argv: list[str]) -> None:
-    """Run `python -m features.run script argv`, in this process: the engine's program, which
+    """Run `python -m engine.run script argv`, in this process: the engine's program, which
     builds the run from the lesson's parts and the features' its flags ask for. A hand-off from
     one program to another, as a shell makes it: the lesson's files import nothing of the
     engine, which imports them, so the imports run one way."""

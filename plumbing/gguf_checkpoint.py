@@ -161,7 +161,7 @@ class ChatMLTokenizer:
 
     def chat(self, messages: list[dict]) -> list[int]:
         """Any turns ({"role", "content"}), after the template's system turn unless the first is
-        one (features/llm.py)."""
+        one (engine/llm.py)."""
         system = [] if messages and messages[0]["role"] == "system" else self.shared_prefix(None)
         turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
         return system + turns + [self.im_start] + self.encode("assistant\n")

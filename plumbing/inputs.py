@@ -520,7 +520,7 @@ class Tokenizer:
                 + self.header("assistant"))
 
     def chat(self, messages: list[dict]) -> list[int]:
-        """Any turns ({"role", "content"}), then the assistant's header (features/llm.py)."""
+        """Any turns ({"role", "content"}), then the assistant's header (engine/llm.py)."""
         turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
         return [self.bos_id] + turns + self.header("assistant")
 
@@ -673,7 +673,7 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
         tokenizer = ChatMLTokenizer(gguf_file)
     else:
         tokenizer = load_tokenizer(args.tokenizer, None if args.random_weights else checkpoint)
-    # N = 0: the Python API's engine (features/llm_engine.py), whose requests come later, not from here
+    # N = 0: the Python API's engine (engine/llm_engine.py), whose requests come later, not from here
     prompts = load_prompts(args.num_requests, tokenizer, system_prompt) if args.num_requests else []
     too_long = [p for p in prompts if len(p.prompt_tokens) >= args.max_seq_len]
     if too_long:

@@ -78,7 +78,7 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
              max_batched_tokens=None, swap_blocks=0, overlap=False, longest_first=False):
-    """Run prompts through the core engine as the scripts do (features/llm_engine.py's generate):
+    """Run prompts through the core engine as the scripts do (engine/llm_engine.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
     `continuous`, mixed steps; `swap_blocks`: with `continuous`,
@@ -98,7 +98,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
                           max_batched_tokens or chunk_tokens,
                           mixed=bool(continuous and max_batched_tokens), host=host,
                           shares_blocks=isinstance(manager, SharingBlockManager))
-    if hasattr(manager, "watch_queue"):  # as features/llm_engine.py's make_scheduler does
+    if hasattr(manager, "watch_queue"):  # as engine/llm_engine.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
     decoder = SamplingDecoder(model, cache, manager.block_table, sampler)

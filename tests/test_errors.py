@@ -29,7 +29,7 @@ from tools import (bench, build_prompts, decode_kernel_cost, graph_cost, latency
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
 TINY = ["--random-weights", "--model", "tiny", "--device", "cpu"]
-from features.run import command_line
+from engine.run import command_line
 
 SCRIPTS = {"naive": lambda argv: command_line("llama3_naive.py", argv),
            "paged": lambda argv: command_line("llama3_paged.py", argv)}

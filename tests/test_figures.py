@@ -8,7 +8,7 @@ import torch
 
 import llama3_naive
 import llama3_paged
-from features.run import command_line
+from engine.run import command_line
 from plumbing.inputs import PRESETS
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's

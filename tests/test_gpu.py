@@ -485,7 +485,7 @@ def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
 ], ids=["ahead-at-start-up", "ahead-in-the-run", "sync"])
 def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(budget_gb, flags,
                                                                         monkeypatch, capsys):
-    from features.run import main
+    from engine.run import main
     from features.virtual_kv_cache import VirtualKVCache
     from features.virtual_memory import DriverError
     real_map, calls = VirtualKVCache.map, []
@@ -669,8 +669,8 @@ def test_launching_a_prefill_never_waits_for_the_gpu(eager):
     .tolist() of a device tensor) would put that step's rest on the request's time to first
     token (docs/serving-under-load.md: launching a short prefill took the host 14-21 ms on an
     H100). CUDA's sync debug mode raises at any such wait."""
-    from features.llm import SamplingParams
-    from features.llm_engine import LLMEngine
+    from engine.llm import SamplingParams
+    from engine.llm_engine import LLMEngine
     # A small pool: the tests after this one size theirs from the GPU memory it leaves
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=eager, kv_budget_gb=1)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
@@ -690,8 +690,8 @@ def test_adding_a_request_never_waits_for_the_gpu():
     """A request's sampling parameters and last token go to the device as queued copies: with
     overlapped steps one is added while a step runs, and a synchronous copy would wait for it
     (features/sampling.py's RowSampler.set_row). CUDA's sync debug mode raises at any such wait."""
-    from features.llm import SamplingParams
-    from features.llm_engine import LLMEngine
+    from engine.llm import SamplingParams
+    from engine.llm_engine import LLMEngine
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -2,8 +2,8 @@
 between steps (stop strings, aborts) while the next step is in flight give the tokens of the
 engine without overlap, and leave every row, block and stopped request behind them free."""
 
-from features.llm import LLM, SamplingParams
-from features.llm_engine import LLMEngine
+from engine.llm import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
 from plumbing.inputs import PROMPTS_FILE, read_records
 
 ENGINE = dict(model="tiny", random_weights=True, device="cpu", block_size=16, max_num_seqs=4)

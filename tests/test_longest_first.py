@@ -10,7 +10,7 @@ from block_manager import BlockManager
 from engine import model_runner
 from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
 from features.longest_first import longest_first
-from features.llm_engine import make_engine
+from engine.llm_engine import make_engine
 from llama3_paged import Llama, Step
 from plumbing.inputs import random_model
 from test_overlap import run

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from features.run import command_line
+from engine.run import command_line
 
 from block_manager import BlockManager
 from conftest import generate
@@ -19,7 +19,7 @@ from features.engine_args import why_not_overlapped
 from features.sharing import SharingBlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
-from features.llm_engine import make_engine
+from engine.llm_engine import make_engine
 from test_mapping_ahead import CheckedManager, FakePageTable
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 

@@ -129,8 +129,8 @@ def test_the_served_engine_gives_the_same_tokens_through_each_cache_with_prefill
     # naive, paged and virtual caches give one another's tokens, as the scripts' N = 49 runs do;
     # requests added one step apart, so that each prefill is a pass of its own through a graph.
     import gc
-    from features.llm import SamplingParams
-    from features.llm_engine import LLMEngine
+    from engine.llm import SamplingParams
+    from engine.llm_engine import LLMEngine
     from features.prefill_graphs import GraphPrefill
     prompts = prompts_of([30, 200, 5, 700, 64, 1])
 

@@ -16,7 +16,7 @@ import httpx2 as httpx  # the HTTP client the openai package brings
 import pytest
 from conftest import ROOT, forward_modes
 
-from features.llm import LLM, SamplingParams
+from engine.llm import LLM, SamplingParams
 from plumbing.inputs import PROMPTS_FILE, read_records
 
 ENGINE = ["--model", "tiny", "--random-weights", "--device", "cpu", "--block-size", "16"]
@@ -143,7 +143,7 @@ def test_the_warm_up_leaves_no_trace(kv_cache_dtype):
     """serve.py's engine runs a few requests before it serves (compiled layers compile on them,
     on a GPU): afterwards every row and block is free, the counters are zero, an FP8 cache's
     scales are unset, and answers are those of an engine that never warmed up."""
-    from features.llm_engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     params = SamplingParams(max_tokens=12, temperature=0)
 
     def answer(warm: bool) -> list:
@@ -165,7 +165,7 @@ def test_the_warm_up_leaves_no_trace(kv_cache_dtype):
 def test_the_warm_up_fits_a_small_pool():
     # Its prompts take at most half the pool: a 32-token warm-up once ended an engine of 2 blocks
     # of 16 at start-up (ValueError: more KV blocks than the whole pool has).
-    from features.llm_engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, device="cpu", block_size=16,
                        num_blocks=2)
     engine.warm_up()
@@ -324,7 +324,7 @@ def test_serve_bench_sends_from_a_process_per_4_requests_a_second_on_the_cores_l
 
 
 def engine_pid(server: subprocess.Popen) -> int:
-    """The engine's process: serve.py's child that runs spawn_main (features/engine_process.py;
+    """The engine's process: serve.py's child that runs spawn_main (engine/engine_process.py;
     the other child is multiprocessing's resource tracker)."""
     from pathlib import Path
     children = [int(pid) for task in Path(f"/proc/{server.pid}/task").iterdir()
@@ -431,7 +431,7 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     second) counts that wait, as an in-process request counts its wait from its arrival: so
     that a client's time to first token less the server's is HTTP's alone."""
     import queue
-    from features.engine_process import take_commands
+    from engine.engine_process import take_commands
     engine, inbox, answers = offline.engine, queue.Queue(), []
     command = ("add", "waited", {"ids": [1, 2, 3]}, {"max_tokens": 2, "temperature": 0})
     inbox.put((command, time.perf_counter() - 0.5))

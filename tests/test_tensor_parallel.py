@@ -221,7 +221,7 @@ def test_what_is_not_split_yet_is_refused_in_one_paragraph(processes, argv, why)
 RANK_ONE_FAILS = """
 import os, sys
 sys.path.insert(0, os.getcwd())
-from features import llm_engine, run
+from engine import llm_engine, run
 from plumbing.cli import UserError
 if os.environ["RANK"] == "1":  # one process meets a failure the other does not
     def fails(*args, **kwargs):

@@ -65,7 +65,7 @@ from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features import engine_args
 from features.engine_args import CACHES, load
-from features.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
+from engine.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
                                  make_scheduler, warm_up)
 from tools.kernel_profile import profile_engine
 from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,

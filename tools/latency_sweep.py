@@ -26,7 +26,7 @@ Two capacities per curve:
 
 The model is loaded once; each curve makes its own cache in the memory the model leaves, as its
 script would (`plot` reads what `run` wrote, so curves of several runs share one picture).
-`paged-api` serves the paged curve's requests through the Python API (features/llm_engine.py's
+`paged-api` serves the paged curve's requests through the Python API (engine/llm_engine.py's
 LLMEngine: serve.py's engine, without HTTP), each added as it arrives: beside `paged`, what the
 API's engine costs; beside tools/serve_bench.py, what HTTP does.
 """
@@ -63,7 +63,7 @@ from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.engine_args import choose_attention, load, parse_script_arguments
-from features.llm_engine import (LLMEngine, allocate_kv_cache, make_decoder, make_engine,
+from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_decoder, make_engine,
                                  make_requests, make_scheduler, warm_up)
 from features.sampling import SamplingParams
 
@@ -84,7 +84,7 @@ CURVES = {
     "paged-api": ("paged", ["--block-size", "256"],
                   "paged, blocks of 256, through the Python API (serve.py's engine, no HTTP)"),
 }
-THROUGH_THE_API = {"paged-api"}  # served by features/llm_engine.py's LLMEngine, request by request
+THROUGH_THE_API = {"paged-api"}  # served by engine/llm_engine.py's LLMEngine, request by request
 DEFAULT_CURVES = ["naive-8192", "naive-2048", "paged", "paged-triton", "virtual"]
 DEFAULT_RATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
 POINT_FIELDS = ["rate", "requests", "wall_seconds", "normalized_latency"]  # what `plot` reads
@@ -266,7 +266,7 @@ def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> 
 
 
 def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> dict:
-    """run_point's requests through features/llm_engine.py's LLMEngine, as serve.py's engine process
+    """run_point's requests through engine/llm_engine.py's LLMEngine, as serve.py's engine process
     drives it: each added when it arrives (between steps), greedy, ignoring end-of-text, with
     its arrival time, then `step` until all are done."""
     point = arriving_at(setup, rate, num_requests)

@@ -1,10 +1,10 @@
 """A Python API over the engine, in vLLM's shape: `LLM(...).generate(prompts, SamplingParams(...))`.
 
-    from features.llm import LLM, SamplingParams
+    from engine.llm import LLM, SamplingParams
     llm = LLM(model="tiny", random_weights=True, device="cpu")
     outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16, temperature=0))
 
-`LLM` runs every prompt at once through features/llm_engine.py's `LLMEngine`, the incremental
+`LLM` runs every prompt at once through engine/llm_engine.py's `LLMEngine`, the incremental
 form that serve.py drives from its engine process (`add_request`, `step`, `abort`), built from
 the same flags the scripts take.
 """
@@ -15,7 +15,7 @@ from collections import deque
 
 from tqdm import tqdm
 
-from features.llm_engine import LLMEngine, QueueFull, Sequence
+from engine.llm_engine import LLMEngine, QueueFull, Sequence
 from features.sampling import SamplingParams, is_whole_number
 from plumbing.cli import chat_messages
 

@@ -20,7 +20,7 @@ Two pipes carry pickled messages, small and few:
                        ("failed", message)                   the engine stopped
 
 The engine side tokenizes (the server never loads the model's files) and detokenizes, as
-features/llm_engine.py's LLMEngine does in process; a thread of the engine's process drains the
+engine/llm_engine.py's LLMEngine does in process; a thread of the engine's process drains the
 server's pipe into a queue, so that the server never waits for a step to end to send. The
 server's event loop reads the engine's pipe when it has data (no thread: a thread would wait up
 to Python's switch interval, 5 ms, for the event loop to let it run).
@@ -65,7 +65,7 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it ends this process
     inbox = queue.Queue()  # drained from now on, so that a server gone while we load ends us
     threading.Thread(target=drain, args=(commands, inbox), daemon=True).start()
-    from features.llm_engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     from plumbing.cli import one_paragraph_errors
     try:
         with one_paragraph_errors("serve.py"):  # a bad flag or a missing file: one paragraph
@@ -129,7 +129,7 @@ def serve(engine, inbox: queue.Queue, results) -> None:
 
 def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
     """Add and abort what the server asked for since the last step; wait for work when idle."""
-    from features.llm_engine import QueueFull
+    from engine.llm_engine import QueueFull
     from features.sampling import SamplingParams
     took = False
     while True:

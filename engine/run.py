@@ -1,5 +1,5 @@
 """The scripts' runs with features: parse the flags, load, allocate the script's cache, generate
-through features/llm_engine.py's engine, report.
+through engine/llm_engine.py's engine, report.
 
 llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel, on every device.
 A script hands its command line here when it names a flag the lesson does not define. The engine
@@ -13,7 +13,7 @@ built here runs three features by default on CUDA: decode steps replayed as CUDA
 import sys
 
 from features.engine_args import cache_of, load, parser_with_features, script_parts
-from features.llm_engine import generate, make_beam_engine, make_requests
+from engine.llm_engine import generate, make_beam_engine, make_requests
 from features.report import report
 from plumbing.cli import (DRIVER_ERROR, UserError, add_pool_arguments, needs_features,
                           one_paragraph_errors)
@@ -89,9 +89,9 @@ def command_line(script: str, argv: list[str]) -> None:
     return script_parts(kind).module.main(argv)
 
 
-if __name__ == "__main__":  # python -m features.run llama3_paged.py 49 --continuous ...
+if __name__ == "__main__":  # python -m engine.run llama3_paged.py 49 --continuous ...
     if len(sys.argv) < 2 or sys.argv[1] not in ("llama3_paged.py", "llama3_naive.py",
                                                  "llama3_virtual.py"):
-        sys.exit("usage: python -m features.run {llama3_paged.py,llama3_naive.py,"
+        sys.exit("usage: python -m engine.run {llama3_paged.py,llama3_naive.py,"
                  "llama3_virtual.py} N [flags]: a script's run with features (--help lists them)")
     main(sys.argv[1], sys.argv[2:])

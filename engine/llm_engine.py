@@ -4,8 +4,8 @@ the Python API's engine that takes requests one at a time (vLLM's LLMEngine).
 From the flags (features/engine_args.py) and a pool (features/pools.py), `make_scheduler`,
 `make_decoder` and `make_engine` choose the lesson's classes or the features' that extend them.
 Everything that runs requests builds through them: the scripts' feature runs (`generate`, which
-features/run.py calls), tools/bench.py and tools/latency_sweep.py, and `LLMEngine`, which
-features/llm.py's `LLM` and serve.py's engine process drive. So a served request runs through
+engine/run.py calls), tools/bench.py and tools/latency_sweep.py, and `LLMEngine`, which
+engine/llm.py's `LLM` and serve.py's engine process drive. So a served request runs through
 the same continuous batching, CUDA graphs and cache as `llama3_paged.py N --continuous`.
 
 What serving adds to the scripts' runs:

@@ -1,0 +1,1 @@
+"""The engine beside the lesson: its scheduler, loop, API and program (docs/layout.md)."""
