@@ -30,7 +30,7 @@ import sys
 import time
 
 from plumbing.cli import (HelpFormatter, UserError, chat_messages, first_paragraph,
-                          format_bytes, one_paragraph_errors, per_token, positive_int,
+                          format_bytes, one_paragraph_errors, per_token, port, positive_int,
                           require_packages)
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
@@ -370,7 +370,7 @@ def argument_parser() -> argparse.ArgumentParser:
                                        "asks (--temperature, --samples, --system-prompt, ...) "
                                        "are each request's here, and refused.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every network)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=port, default=8000, help="TCP port")
     p.add_argument("--api-key", type=api_key,
                    help="require Authorization: Bearer KEY on /v1 requests")
     p.add_argument("--cache", choices=["paged", "naive", "virtual"], default="paged",

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import math
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -312,13 +313,17 @@ def decode_progress(scheduler, manager, enabled: bool = True):
 
 # Argument types: each refuses a value that makes no sense before anything is loaded (exit 2).
 
+# What a person types for a number: ASCII digits, as written. Python's int() and float() take
+# more (0_2, +2, ' 2 ', Arabic-Indic and fullwidth digits), which nobody means on a command line.
+WHOLE_NUMBER = re.compile(r"[0-9]+")
+DECIMAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _parsed(text: str, convert, otherwise):
-    """convert(text), or `otherwise` where the text is no such number (a value each caller's
-    range check then refuses, with its own message)."""
-    try:
-        return convert(text)
-    except ValueError:
-        return otherwise
+    """convert(text) where the text is written as a person writes such a number, else
+    `otherwise` (a value each caller's range check then refuses, with its own message)."""
+    pattern = WHOLE_NUMBER if convert is int else DECIMAL
+    return convert(text) if pattern.fullmatch(text) else otherwise
 
 
 def positive_int(text: str) -> int:
@@ -406,6 +411,13 @@ def request_rate(text: str) -> float:
     if not value >= MIN_REQUEST_RATE:  # NaN too; slower arrivals overflow the clock's arithmetic
         raise argparse.ArgumentTypeError(f"expected at least {MIN_REQUEST_RATE:g} requests per "
                                          f"second (one a day), or inf, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _parsed(text, int, -1)
+    if not 0 < value < 2**16:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {text!r}")
     return value
 
 

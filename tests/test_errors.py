@@ -187,6 +187,25 @@ def test_bad_arguments_exit_2_in_one_paragraph(script, argv, code, fragment, tmp
     assert_one_paragraph(*run_main(SCRIPTS[script], argv, capsys)[::2], code, fragment)
 
 
+# How a person writes a number: Python's int() and float() also take these, which nobody means.
+NOT_AS_TYPED = ["0_2", "+2", " 2 ", "00_02", "\u0662", "\uff11", "2\n"]
+
+
+@pytest.mark.parametrize("text", NOT_AS_TYPED)
+def test_a_number_not_written_in_ascii_digits_is_refused_and_shown(text):
+    import argparse
+    for parse in (plumbing.cli.positive_int, plumbing.cli.seed, plumbing.cli.port,
+                  plumbing.cli.fraction, plumbing.cli.gigabytes):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text)[1:-1])):
+            parse(text)
+    from features.engine_args import engine_arguments  # LLM(...)'s keywords: the same rule
+    with pytest.raises(plumbing.cli.UserError, match="--max-seq-len"):
+        engine_arguments("paged", {"max_seq_len": text * 3})
+    assert plumbing.cli.positive_int("2") == plumbing.cli.port("2") == 2
+    assert plumbing.cli.fraction("0.5") == plumbing.cli.fraction(".5") == 0.5
+    assert plumbing.cli.gigabytes("1e-3") == 0.001
+
+
 @pytest.mark.parametrize("argv, code, fragment", PAGED_ONLY)
 def test_bad_pool_arguments_exit_2_in_one_paragraph(argv, code, fragment, capsys):
     assert_one_paragraph(*run_main(SCRIPTS["paged"], argv, capsys)[::2], code, fragment)
