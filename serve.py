@@ -115,7 +115,8 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
                                 "a number from 0 to 2")),
         top_p=float(field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
                           "a number above 0, at most 1")),
-        top_k=field(body, "top_k", int, 0, lambda v: v >= -1, "a whole number, -1 or more"),
+        top_k=field(body, "top_k", int, 0, lambda v: -1 <= v < 2**63,
+                    "a whole number from -1 to 2^63 - 1"),
         n=field(body, "n", int, 1, lambda v: 1 <= v <= max_n, f"a whole number from 1 to {max_n}"),
         stop=[stop] if isinstance(stop, str) else list(stop),
         seed=field(body, "seed", int, None, lambda v: 0 <= v < 2**63, "a whole number, 0 or more"),
@@ -164,6 +165,7 @@ def build_app(engine, model_name: str, api_key: str | None):
     from fastapi import FastAPI, Request
     from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                    StreamingResponse)
+    from engine.engine_process import RequestFailed
 
     max_n = min(MAX_N, engine.info["max_num_seqs"])
 
@@ -217,6 +219,9 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The server is full ({e}); retry shortly.", status=503) from e
         except ValueError as e:
             raise BadRequest(str(e)) from e
+        except RequestFailed as e:
+            raise BadRequest(f"The engine failed at this request ({e}); it serves others.",
+                             status=500) from e
         except RuntimeError as e:
             raise BadRequest(f"The engine stopped: {e}", status=500) from e
         return request_id, num_prompt_tokens, updates

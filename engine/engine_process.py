@@ -15,6 +15,9 @@ Two pipes carry pickled messages, small and few:
     engine -> server   ("ready", info)                       once, after the model and the pool
                        ("exit", code)                        the engine could not start (said why)
                        ("added", request_id, num_prompt_tokens, error_kind, message)
+                                                             error_kind: None, "full" (no free
+                                                             row), "bad" (the input's fault) or
+                                                             "failed" (ours: this request only)
                        ("step", updates, metrics)            one message a step: each sample's
                                                              new text, tokens so far, finish
                        ("failed", message)                   the engine stopped
@@ -56,6 +59,10 @@ class Histogram:
 
     def export(self) -> dict:
         return {"buckets": list(zip(self.bounds, self.counts)), "sum": self.sum, "count": self.count}
+
+
+class RequestFailed(Exception):
+    """The engine failed at one request (a bug its content reached) and serves the others."""
 
 
 # --- The engine's side ---------------------------------------------------------------------------
@@ -152,6 +159,9 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
             results.send(("added", request_id, None, "full", str(e)))
         except ValueError as e:
             results.send(("added", request_id, None, "bad", str(e)))
+        except Exception as e:  # a bug a request's content reached: it fails, the engine serves on
+            traceback.print_exc()
+            results.send(("added", request_id, None, "failed", f"{type(e).__name__}: {e}"))
 
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
@@ -229,7 +239,8 @@ class EngineClient:
 
     async def add(self, request_id: str, prompt: dict, params: dict) -> tuple[int, asyncio.Queue]:
         """Returns the prompt's length in tokens and the queue its updates arrive on. Raises
-        ValueError (a request the engine cannot run) or OverflowError (no free row now)."""
+        ValueError (a request the engine cannot run), OverflowError (no free row now) or
+        RequestFailed (the engine failed at this request, and serves on)."""
         if self.failed:
             raise RuntimeError(self.failed)
         answer = self.added[request_id] = self.loop.create_future()
@@ -238,7 +249,8 @@ class EngineClient:
         num_prompt_tokens, error_kind, message = await answer
         if error_kind is not None:
             self.listeners.pop(request_id)
-            raise (OverflowError if error_kind == "full" else ValueError)(message)
+            kinds = {"full": OverflowError, "bad": ValueError, "failed": RequestFailed}
+            raise kinds[error_kind](message)
         return num_prompt_tokens, self.listeners[request_id]
 
     def abort(self, request_id: str) -> None:

@@ -345,15 +345,21 @@ class LLMEngine:
                     for row in rows]
         try:
             self.scheduler.refuse_if_larger_than_the_pool(requests[0])  # its samples are alike
-        except RequestTooLarge as e:
+            last_token = to_device(np.array(prompt_token_ids[-1:]), self.run.device)  # [1]
+            for index, request in enumerate(requests):
+                self.sampler.set_row(request.row, params, index, seed)
+                self.engine.set_last_token(request.row, last_token[0])
+                self.sequences[request.row] = Sequence(request, request_id, index, params)
+        except BaseException as e:  # the request leaves no trace: its rows are free again
+            for row in rows:
+                self.sequences.pop(row, None)
+                self.sampler.release(row)
             self.free_rows.extend(rows)
-            raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole pool "
-                             f"has ({e})") from e
-        last_token = to_device(np.array(prompt_token_ids[-1:]), self.run.device)  # [1], as set_row
-        for index, request in enumerate(requests):
-            self.sampler.set_row(request.row, params, index, seed)
-            self.engine.set_last_token(request.row, last_token[0])
-            self.sequences[request.row] = Sequence(request, request_id, index, params)
+            if isinstance(e, RequestTooLarge):
+                raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole "
+                                 f"pool has ({e})") from e
+            raise
+        for request in requests:  # last: queued, it runs
             self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
         return request_id

@@ -109,7 +109,7 @@ class SamplingParams:
                          ("n", is_whole_number(self.n) and self.n >= 1),
                          ("temperature", 0 <= self.temperature <= 100),
                          ("top_p", 0 < self.top_p <= 1),
-                         ("top_k", is_whole_number(self.top_k) and self.top_k >= -1),
+                         ("top_k", is_whole_number(self.top_k) and -1 <= self.top_k < 2**63),
                          ("seed", self.seed is None or 0 <= self.seed < 2**63),
                          ("stop", all(isinstance(s, str) and s for s in self.stop))]:
             if not ok:

@@ -222,6 +222,7 @@ BAD = [
     ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # nested past Python's recursion limit
     (json.dumps({"prompt": "x" * 1_200_000}), "larger than"),
     (json.dumps({"prompt": "hi", "logprobs": 5}), "'logprobs' is not implemented"),
+    (json.dumps({"prompt": "hi", "max_tokens": 2, "top_k": 10**20}), "'top_k'"),  # past a long
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
     (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
 ]
@@ -441,6 +442,32 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     assert 0.5 <= engine.scheduler.now() - request.arrival_time < 5
     engine.abort("waited")
     assert not engine.has_unfinished()
+
+
+def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, monkeypatch):
+    """One request must not stop the engine: whatever its content makes the engine raise as it
+    is added (here the sampler, at its second sample), that request alone is answered as
+    failed, its rows are free again, and the request after it runs."""
+    import queue
+    from engine.engine_process import take_commands
+    engine, inbox, answers = offline.engine, queue.Queue(), []
+    free_rows, set_row = len(engine.free_rows), engine.sampler.set_row
+
+    def fails_at_seed_13(row, params, sample, seed):
+        if params.seed == 13 and sample == 1:
+            raise RuntimeError("a bug that this request's content reaches")
+        set_row(row, params, sample, seed)
+    monkeypatch.setattr(engine.sampler, "set_row", fails_at_seed_13)
+    for name, seed in [("failing", 13), ("next", 14)]:
+        command = ("add", name, {"ids": [1, 2, 3]}, {"max_tokens": 2, "n": 2, "seed": seed})
+        inbox.put((command, time.perf_counter()))
+    take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False)
+    assert answers[0][:4] == ("added", "failing", None, "failed") and "a bug" in answers[0][4]
+    assert answers[1] == ("added", "next", 3, None, None)
+    assert len(engine.free_rows) == free_rows - 2, "the failing request's rows came back"
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.free_rows) == free_rows
 
 
 def test_the_served_engine_runs_the_model_in_inference_mode(offline, monkeypatch):
