@@ -54,8 +54,12 @@ class LLM:
         list of those; sampling_params: one SamplingParams for all, or a list with one per prompt
         (as vLLM takes them); use_tqdm: a bar of prompts done, with the time left (vLLM's).
         Returns one RequestOutput each, in order."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, (list, tuple)) and prompts and is_whole_number(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts is a text, token ids, a dict or a list of those, not "
+                             f"{str(prompts)[:80]}")
         return self._run([self._token_ids(p) for p in prompts], sampling_params, use_tqdm)
 
     def _token_ids(self, prompt) -> list[int]:
@@ -81,6 +85,8 @@ class LLM:
     def _run(self, token_lists, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params or SamplingParams()] * len(token_lists))
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params is a SamplingParams, or a list of one per prompt")
         if len(params) != len(token_lists):
             raise ValueError(f"{len(params)} SamplingParams for {len(token_lists)} prompts: give "
                              f"one for all, or one each")

@@ -88,6 +88,11 @@ def is_whole_number(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def is_real_number(value) -> bool:
+    """An int or a float (numpy's too), not a bool, not a text such as "0.5"."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
@@ -101,19 +106,31 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
 
+    def __post_init__(self):
+        """Checked as made, as vLLM's are: a wrong value fails here, naming its field, not deep
+        in the engine."""
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = [self.stop] if self.stop else []
+        self.check()
+
     def check(self) -> None:
-        """A ValueError naming the first parameter out of range (serve.py answers it with 400)."""
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        """A ValueError naming the first parameter of the wrong kind or out of range (serve.py
+        answers it with 400)."""
+        stop = self.stop
         for name, ok in [("max_tokens", is_whole_number(self.max_tokens) and self.max_tokens >= 1),
                          ("n", is_whole_number(self.n) and self.n >= 1),
-                         ("temperature", 0 <= self.temperature <= 100),
-                         ("top_p", 0 < self.top_p <= 1),
+                         ("temperature", is_real_number(self.temperature)
+                          and 0 <= self.temperature <= 100),
+                         ("top_p", is_real_number(self.top_p) and 0 < self.top_p <= 1),
                          ("top_k", is_whole_number(self.top_k) and -1 <= self.top_k < 2**63),
-                         ("seed", self.seed is None or 0 <= self.seed < 2**63),
-                         ("stop", all(isinstance(s, str) and s for s in self.stop))]:
+                         ("seed", self.seed is None
+                          or is_whole_number(self.seed) and 0 <= self.seed < 2**63),
+                         ("stop", isinstance(stop, list) and all(isinstance(s, str) and s
+                                                                 for s in stop)),
+                         ("ignore_eos", isinstance(self.ignore_eos, bool))]:
             if not ok:
-                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+                raise ValueError(f"SamplingParams {name} = {getattr(self, name)!r} is of the "
+                                 f"wrong kind or out of range")
 
 
 class RowSampler:

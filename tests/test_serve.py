@@ -444,6 +444,27 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("fields, name", [
+    ({"top_k": 10**20}, "top_k"), ({"temperature": "0.5"}, "temperature"), ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"), ({"seed": 1.5}, "seed"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"n": 0}, "n"), ({"top_p": float("nan")}, "top_p"),
+])
+def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=f"SamplingParams {name} ="):
+        SamplingParams(**fields)
+    assert SamplingParams(stop=None).stop == [] and SamplingParams(stop="x").stop == ["x"]
+
+
+def test_what_generate_cannot_read_is_refused_by_name(offline):
+    for prompts in (None, 5):
+        with pytest.raises(ValueError, match="prompts is a text"):
+            offline.generate(prompts, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params is a SamplingParams"):
+        offline.generate(["hi"], {"max_tokens": 2}, use_tqdm=False)
+    done = offline.generate("hi", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(done[0].outputs[0].token_ids) == 2 and not offline.engine.has_unfinished()
+
+
 def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, monkeypatch):
     """One request must not stop the engine: whatever its content makes the engine raise as it
     is added (here the sampler, at its second sample), that request alone is answered as
