@@ -165,6 +165,7 @@ def build_app(engine, model_name: str, api_key: str | None):
     from fastapi import FastAPI, Request
     from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                    StreamingResponse)
+    from starlette.exceptions import HTTPException
     from engine.engine_process import RequestFailed
 
     max_n = min(MAX_N, engine.info["max_num_seqs"])
@@ -175,6 +176,7 @@ def build_app(engine, model_name: str, api_key: str | None):
         yield
 
     app = FastAPI(title="llama3 paged server", lifespan=lifespan)
+    started = int(time.time())  # the model card's `created`
 
     def error(message: str, status: int = 400, param=None, kind="invalid_request_error", headers=None):
         return JSONResponse({"error": {"message": message, "type": kind, "param": param,
@@ -183,8 +185,9 @@ def build_app(engine, model_name: str, api_key: str | None):
     def refused(request: Request):
         """401 without the API key, where one is set (a handler's first check: a middleware
         would end streamed responses early, as Starlette's BaseHTTPMiddleware does)."""
-        given = request.headers.get("authorization", "")
-        if api_key and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if api_key and not (scheme.lower() == "bearer"  # HTTP's schemes are case-insensitive
+                            and secrets.compare_digest(given.encode(), api_key.encode())):
             return error("Invalid or missing API key (Authorization: Bearer ...).", 401,
                          kind="authentication_error")
         return None
@@ -337,13 +340,29 @@ def build_app(engine, model_name: str, api_key: str | None):
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 
+    @app.exception_handler(HTTPException)
+    async def in_openais_shape(request: Request, e: HTTPException):
+        """404 and 405 as every other error: OpenAI's {"error": {...}}, not FastAPI's {"detail"}."""
+        return error(f"{e.detail}: {request.method} {request.url.path}", e.status_code)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": started,
+                "owned_by": "llama3-paged", "max_model_len": engine.info["max_seq_len"]}
+
     @app.get("/v1/models")
     async def models(request: Request):
         if refused(request):
             return refused(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "owned_by": "llama3-paged",
-                                            "max_model_len": engine.info["max_seq_len"]}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(request: Request, model: str):
+        if refused(request):
+            return refused(request)
+        if model != model_name:
+            return error(f"The model '{model}' does not exist; this server serves "
+                         f"'{model_name}'.", 404, "model")
+        return model_card()
 
     @app.get("/health")
     async def health():

@@ -243,6 +243,19 @@ def test_empty_messages_get_a_400(server):
     assert response.status_code == 400 and "'messages'" in response.json()["error"]["message"]
 
 
+def test_models_and_unknown_paths_answer_in_openais_shape(server, client):
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.created > 0
+    assert client.models.list().data[0].created == card.created
+    lower = httpx.get(server + "/v1/models", headers={"Authorization": f"bearer {KEY}"})
+    assert lower.status_code == 200, "HTTP's auth scheme is case-insensitive"
+    for method, path, status in [("GET", "/v1/models/gpt-4", 404), ("GET", "/v1/nothing", 404),
+                                 ("GET", "/v1/completions", 405)]:
+        response = httpx.request(method, server + path, headers={"Authorization": f"Bearer {KEY}"})
+        assert response.status_code == status, (path, response.text)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}, path
+
+
 def test_a_wrong_api_key_gets_401(server):
     from openai import AuthenticationError, OpenAI
     with pytest.raises(AuthenticationError):
