@@ -67,7 +67,8 @@ def allocate_kv_cache(run):
         from features.fp8_virtual_kv_cache import FP8VirtualKVCache as cache_class
     try:
         cache = cache_class(run.model.args, run.num_sequences, args.max_seq_len,
-                            run.dtype, run.device, run.attention, args.layout)
+                            run.dtype, run.device, run.attention, args.layout,
+                            compiled=bool(args.compile))
         page_bytes = cache.tokens_per_page * run.kv_bytes_per_token  # a page in every tensor
         num_pages = int(kv_budget_bytes(run) // page_bytes)
         if num_pages == 0:

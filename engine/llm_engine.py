@@ -34,11 +34,10 @@ import torch
 
 import llama3_paged as lesson
 from block_manager import to_device
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
 from engine.scheduler import RequestTooLarge, Scheduler
 from engine.sequence import ServedRequest, Status
 from engine.swap import HostBlocks
-from features.cached_prefix import SamplingDecoder, greedy
 from features.engine_args import (engine_arguments, load, refuse_overlap, script_parts,
                                   why_not_overlapped)
 from features.pools import allocate_paged, decodes_with_graphs
@@ -123,22 +122,17 @@ def host_blocks(run, cache, shares_blocks: bool) -> HostBlocks:
     return HostBlocks(cache, swap_blocks)
 
 
-def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: bool):
+def make_decoder(run, forward: ModelForward, cache, manager, sampler, largest_batch: int,
+                 progress: bool):
     """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
     unless --eager; else the eager decoder. With a shared system prompt, attention may be a
     cascade (--cascade, the paged script's)."""
-    if run.args.compile:
-        from features.compiled_layers import compile_layers
-        compile_layers(run.model, cache)
-        if progress:
-            print("Compiling the layers' small kernels (torch.compile) on their first step: "
-                  "tens of seconds on a machine's first run, cached after; --no-compile skips it")
     cascade = None
     shared_prefix = isinstance(manager, SharingBlockManager) and manager.prefix_cache is not None
     if shared_prefix and run.args.cascade != "off":  # a system prompt, cached
         from features.cascade import cascade_for
         cascade = cascade_for(run, cache, manager)  # before the graphs record attention
-    eager = decoder = SamplingDecoder(run.model, cache, manager.block_table, sampler)
+    eager = decoder = SamplingDecoder(forward, cache, manager.block_table, sampler)
     if decodes_with_graphs(run):
         from features.cuda_graphs import GraphDecoder
         start = time.perf_counter()
@@ -152,8 +146,17 @@ def make_decoder(run, cache, manager, sampler, largest_batch: int, progress: boo
     return decoder
 
 
-def make_engine(run, cache, manager, sampler, decoder, progress: bool = False,
-                arrivals: bool = False) -> ModelRunner:
+def model_forward(run, progress: bool = False) -> ModelForward:
+    """The model as the engine calls it: its layers compiled unless --no-compile or --eager (on
+    CUDA)."""
+    if run.args.compile and progress:
+        print("Compiling the layers' small kernels (torch.compile) on their first step: "
+              "tens of seconds on a machine's first run, cached after; --no-compile skips it")
+    return ModelForward(run.model, compiled=bool(run.args.compile))
+
+
+def make_engine(run, forward: ModelForward, cache, manager, sampler, decoder,
+                progress: bool = False, arrivals: bool = False) -> ModelRunner:
     """The engine's loop, with steps overlapped (--overlap, the default on CUDA) where the run
     allows it. With `arrivals` (requests come over time, so most prefill passes are a prompt or
     two), short passes as CUDA graphs where decode steps are: a static batch's prompts are
@@ -167,7 +170,7 @@ def make_engine(run, cache, manager, sampler, decoder, progress: bool = False,
             refuse_overlap(why_not)
         overlap = why_not is None
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
-    engine = ModelRunner(run.model, cache, manager, sampler, decoder, overlap=overlap,
+    engine = ModelRunner(forward, cache, manager, sampler, decoder, overlap=overlap,
                          longest_first=run.device.type == "cuda")
     if arrivals and decodes_with_graphs(run):
         from features.prefill_graphs import BUCKETS, supports_prefill_graphs
@@ -187,9 +190,10 @@ def generate(run, cache, manager, progress: bool = True):
     sampler = make_sampler(args)
     scheduler = make_scheduler(run, cache, manager, requests)
     largest_batch = min(len(requests), args.max_running or len(requests))
-    decoder = make_decoder(run, cache, manager, sampler, largest_batch, progress)
+    forward = model_forward(run, progress)
+    decoder = make_decoder(run, forward, cache, manager, sampler, largest_batch, progress)
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    engine = make_engine(run, cache, manager, sampler, decoder, progress,
+    engine = make_engine(run, forward, cache, manager, sampler, decoder, progress,
                          arrivals=not math.isinf(args.request_rate))
     return engine.generate(scheduler, stop_ids, progress)
 
@@ -199,8 +203,10 @@ def make_beam_engine(run, cache, manager) -> ModelRunner:
     loop (a search is one static batch: no overlap, no mixed steps; features/beam_search.py)."""
     from features.beam_search import BeamSampler
     sampler = BeamSampler(run.args.beam_width)
-    decoder = make_decoder(run, cache, manager, sampler, len(run.prompts) * run.args.beam_width, True)
-    return ModelRunner(run.model, cache, manager, sampler, decoder)
+    forward = model_forward(run, progress=True)
+    decoder = make_decoder(run, forward, cache, manager, sampler,
+                           len(run.prompts) * run.args.beam_width, True)
+    return ModelRunner(forward, cache, manager, sampler, decoder)
 
 
 @dataclasses.dataclass
@@ -251,7 +257,7 @@ def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_toke
     """Each of warm_up_prompts' passes through `run_pass(prompts)`, which runs them to their end.
     Then an FP8 cache forgets the scales the first of them set: a token repeated is not the data
     they are for (features/fp8_cache.py)."""
-    from features.compiled_layers import warm_up_prompts  # here: it loads the compiler
+    from engine.compiled_layers import warm_up_prompts  # here: it loads the compiler
     for prompts in warm_up_prompts(compiled, manager, max_seq_len, new_tokens):
         run_pass(prompts)
     from features.fp8_cache import Float8Writes
@@ -282,9 +288,11 @@ class LLMEngine:
         self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(cache, self.run)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
-        graphs = make_decoder(self.run, self.cache, self.manager, greedy, max_num_seqs, progress)
-        eager = SamplingDecoder(self.run.model, self.cache, self.manager.block_table, self.sampler)
-        self.engine = make_engine(self.run, self.cache, self.manager, self.sampler,
+        forward = model_forward(self.run, progress)
+        graphs = make_decoder(self.run, forward, self.cache, self.manager, greedy, max_num_seqs,
+                              progress)
+        eager = SamplingDecoder(forward, self.cache, self.manager.block_table, self.sampler)
+        self.engine = make_engine(self.run, forward, self.cache, self.manager, self.sampler,
                                   GreedyOrSampling(graphs, eager, self.sampler), progress,
                                   arrivals=True)  # a client's, or the server's
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [])

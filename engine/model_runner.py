@@ -24,6 +24,7 @@ schedules the next step and only then queues it: all that time the GPU has nothi
   time between steps is time the GPU waited for the host.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -31,11 +32,66 @@ import numpy as np
 import torch
 
 from block_manager import to_device
+from engine.kv_cache import CachedPrefillBatch
 from engine.scheduler import CachedPrefillStep
 from engine.sequence import ServedRequest, Status, append_tokens_at
-from features.cached_prefix import CachedPrefillBatch, SamplingDecoder, greedy
 from features.longest_first import longest_first
-from llama3_paged import Engine, Generation, KVSnapshot, Step, packed_passes
+from llama3_paged import (Decoder, Engine, Generation, KVSnapshot, PrefillBatch, Step,
+                          packed_passes)
+
+
+class ModelForward:
+    """The one place the engine calls the model: `model(tokens, positions, kv_cache, batch,
+    logits_at)`, eagerly or with its layers compiled (--compile; engine/compiled_layers.py, loaded
+    only then: it loads the compiler). Compiled, a prefill pass of fewer than
+    COMPILED_FROM_TOKENS tokens or a decode step of fewer than COMPILED_FROM_ROWS rows runs the
+    eager kernels (torch.compiler.set_stance): launched from Python, they cost the host less.
+    Inside `at_any_length` every pass runs the compiled layers, as CUDA graphs record them."""
+
+    def __init__(self, model, compiled: bool = False):
+        self.model, self.compiled, self.any_length = model, compiled, False
+        self.shortest = {}  # the shortest pass that runs compiled, by whether it prefills
+        if compiled:
+            from engine.compiled_layers import (COMPILED_FROM_ROWS, COMPILED_FROM_TOKENS,
+                                                compile_layers)
+            compile_layers(model)
+            self.shortest = {True: COMPILED_FROM_TOKENS, False: COMPILED_FROM_ROWS}
+
+    def __call__(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
+        if (self.compiled and not self.any_length
+                and len(tokens) < self.shortest[isinstance(batch, PrefillBatch)]):
+            with torch.compiler.set_stance("force_eager"):
+                return self.model(tokens, positions, kv_cache, batch, logits_at)
+        return self.model(tokens, positions, kv_cache, batch, logits_at)
+
+    @contextlib.contextmanager
+    def at_any_length(self):
+        """Inside, every pass runs the compiled layers, however short: CUDA graphs record them
+        here (features/cuda_graphs.py, features/prefill_graphs.py)."""
+        self.any_length = True
+        try:
+            yield
+        finally:
+            self.any_length = False
+
+
+def greedy(logits, rows, lengths) -> torch.Tensor:
+    """The likeliest token, [B, vocab] -> [B]: the sampler of a run that samples nothing. A
+    sampler (features/sampling.py) reads each row and its length, to seed its draw."""
+    return logits.argmax(-1)
+
+
+class SamplingDecoder(Decoder):
+    """The lesson's decode step with the next tokens chosen by `sampler` (greedy, sampled,
+    beams), inside the step, so that CUDA graphs record it too."""
+
+    def __init__(self, model, cache, block_table, sampler=greedy):
+        super().__init__(model, cache, block_table)
+        self.sampler = sampler
+
+    def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
+        logits = self.logits(tokens, positions, rows, slots, max_cache_seqlen)  # [B, vocab]
+        return self.sampler(logits, rows, positions + 1)  # [B]
 
 
 class StepTimer:

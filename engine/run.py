@@ -4,7 +4,7 @@ through engine/llm_engine.py's engine, report.
 llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel, on every device.
 A script hands its command line here when it names a flag the lesson does not define. The engine
 built here runs three features by default on CUDA: decode steps replayed as CUDA graphs
-(features/cuda_graphs.py; --eager turns them off), compiled layers (features/compiled_layers.py;
+(features/cuda_graphs.py; --eager turns them off), compiled layers (engine/compiled_layers.py;
 --no-compile) and steps scheduled while the GPU computes the one before (engine/model_runner.py;
 --no-overlap). llama3_virtual.py's runs all come here: its pages are a feature
 (features/virtual_memory.py).

@@ -8,10 +8,10 @@ one call.
 A graph replays exactly what it recorded: the same shapes, reading and writing the same
 addresses. So the step's inputs live in static buffers that each step overwrites, and there is
 one graph per batch-size bucket: a batch of 37 runs the bucket-40 graph with 3 padding rows, which
-write to the cache's spare slot. The block table and the KV pool are already static: the block
+write to the cache's spare slot (engine/kv_cache.py's, made with `spare_slot=True`). The block table and the KV pool are already static: the block
 manager edits the table in place. Batches above the largest bucket run eagerly;
 their kernels are long enough to hide the launches. (With compiled layers they run the eager
-kernels below 600 rows, whose launches cost the host less: features/compiled_layers.py.)
+kernels below 600 rows, whose launches cost the host less: engine/compiled_layers.py.)
 """
 
 import bisect
@@ -20,27 +20,13 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from features.cached_prefix import KVCacheAfterPrefix
 
 BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
 
 
-class KVCacheWithSpareSlot(KVCacheAfterPrefix):
-    """The pool and one slot past its last block, in no block: where padding rows write the K/V
-    that no one reads."""
-
-    def slots_shape(self, args) -> tuple[int, ...]:
-        self.spare_slot = self.num_slots
-        return (args.n_layers, self.num_slots + 1, args.n_kv_heads, args.head_dim)
-
-    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.k[layer, :self.num_slots].view(self.block_shape),
-                self.v[layer, :self.num_slots].view(self.block_shape))
-
-
 class GraphDecoder:
-    """Records `eager.decode` (llama3_paged.py's Decoder) once per bucket; runs larger batches
-    eagerly."""
+    """Records `eager.decode` (engine/model_runner.py's SamplingDecoder, over the engine's
+    ModelForward) once per bucket; runs larger batches eagerly."""
 
     def __init__(self, eager, max_batch: int):
         self.eager = eager
@@ -59,8 +45,7 @@ class GraphDecoder:
         def step(batch_size):
             return eager.decode(*self.inputs[:, :batch_size], max_cache_seqlen)
 
-        from features.compiled_layers import compiled_at_any_length  # here: it loads the compiler
-        with torch.inference_mode(), compiled_at_any_length():
+        with torch.inference_mode(), eager.model.at_any_length():  # compiled, if it is
             # One eager step first, so that kernels are loaded and cuBLAS has chosen its
             # algorithms before capture; then capture largest first, so that smaller graphs
             # reuse its memory pool. (No new side stream for the warm-up: cuBLAS keeps a

@@ -18,7 +18,7 @@ import torch
 
 import llama3_naive
 import llama3_paged as lesson
-from features.cached_prefix import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
 from features.pools import allocate_naive, allocate_paged
 from plumbing.cli import (UserError, add_pool_arguments, argument_parser, fraction, gigabytes,
                           importable, kv_cache_dtype, positive_int, refuse_output_over_input,
@@ -321,7 +321,7 @@ def refuse_overlap(why_not: str | None) -> None:
 
 
 def compiles_by_default(args, attention) -> bool:
-    """Compiled layers (features/compiled_layers.py) where nothing stands in their way: CUDA, a
+    """Compiled layers (engine/compiled_layers.py) where nothing stands in their way: CUDA, a
     GPU attention kernel, and not --eager. In bf16 they round otherwise than the eager kernels,
     so tokens can differ from an --eager run's; --no-compile keeps CUDA graphs without them."""
     return args.device.type == "cuda" and attention.name != "torch" and not args.eager

@@ -24,6 +24,7 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   running request's blocks so, every step: refused.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -32,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from block_manager import to_device
-from features.cached_prefix import CachedPrefillBatch
-from features.cuda_graphs import KVCacheWithSpareSlot
+from engine.kv_cache import CachedPrefillBatch, EngineKVCache
 from llama3_paged import PrefillBatch
 
 FP8 = torch.float8_e4m3fn
@@ -81,6 +81,16 @@ class Float8Writes:
         self.scales.fill_(1.0)
         self.scaled = [False] * len(self.scaled)
 
+    @contextlib.contextmanager
+    def as_if_scaled(self):
+        """Inside, every layer writes with the scales it has, as after a first prefill: what
+        features/prefill_graphs.py's graphs record, for the passes after the first."""
+        scaled_before, self.scaled = self.scaled, [True] * len(self.scaled)
+        try:
+            yield
+        finally:
+            self.scaled = scaled_before
+
     def write_float8(self, layer: int, k, v, batch, key_slots, value_slots) -> None:
         """k, v: [T, n_kv_heads, head_dim] in the model's dtype, into rows batch.slot_mapping of
         key_slots and value_slots ([slots, n_kv_heads, head_dim], float8)."""
@@ -102,11 +112,13 @@ class Float8Writes:
                                                 quantize(fresh, scale).view(torch.uint8))
 
 
-class FP8KVCache(Float8Writes, KVCacheWithSpareSlot):
+class FP8KVCache(Float8Writes, EngineKVCache):
     """The pool in float8, with a spare slot for CUDA graphs' padding rows (used or not)."""
 
-    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
-        super().__init__(args, num_blocks, block_size, FP8, device, attention)  # float8, any dtype
+    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention,
+                 compiled: bool = False):
+        super().__init__(args, num_blocks, block_size, FP8, device, attention,  # float8, any dtype
+                         spare_slot=True, compiled=compiled)
         self.init_scales(args.n_layers, device)
         self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
 

@@ -23,8 +23,8 @@ class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
     """Rows of float8 K and V, with a scale for each per layer."""
 
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
-                 layout: str):
-        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
+                 layout: str, compiled: bool = False):
+        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout, compiled)
         self.init_scales(args.n_layers, device)
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:

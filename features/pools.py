@@ -8,7 +8,7 @@ import torch
 
 import llama3_naive
 import llama3_paged as lesson
-from features.cached_prefix import KVCacheAfterPrefix
+from engine.kv_cache import EngineKVCache
 from features.sampling import GREEDY_BELOW, ROWS_AT_ONCE, make_sampler
 from plumbing import inputs
 from plumbing.cli import torchrun_process
@@ -38,14 +38,16 @@ def sampling_peak_bytes(run) -> int:
 
 
 def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
-    """The lesson's pool; with CUDA graphs, one spare slot more, for the graphs' padding rows."""
-    from features.cuda_graphs import KVCacheWithSpareSlot
-    cache_class = KVCacheWithSpareSlot if decodes_with_graphs(run) else KVCacheAfterPrefix
-    if run.kv_cache_dtype is not None:
-        from features.fp8_cache import FP8KVCache as cache_class
+    """The engine's pool (engine/kv_cache.py); with CUDA graphs, one spare slot more, for the
+    graphs' padding rows."""
+    compiled = bool(run.args.compile)
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
-        return cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device,
-                           run.attention)
+        if run.kv_cache_dtype is not None:
+            from features.fp8_cache import FP8KVCache
+            return FP8KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
+                              run.attention, compiled=compiled)
+        return EngineKVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
+                             run.attention, spare_slot=decodes_with_graphs(run), compiled=compiled)
 
 
 def decodes_with_graphs(run: Run) -> bool:

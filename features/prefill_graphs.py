@@ -9,18 +9,19 @@ weights), longer than the GPU's work on it, so every new request's first token w
 A graph replays fixed shapes and addresses, so a pass is padded to a graph's size: a bucket of
 tokens (16 to 1,024) and MAX_PROMPTS prompts.
 - The tokens past the pass's own form one more prompt, which writes its K/V to the cache's spare
-  slot (features/cuda_graphs.py's) and whose output no one reads.
+  slot (engine/kv_cache.py's) and whose output no one reads.
 - The prompts past that one are empty: flash-attn's varlen kernel ends their programs at once.
 - The kernel's longest-prompt bound, a host number frozen into the graph, is the bucket's size.
 Each prompt's last token's logits come back, [MAX_PROMPTS, vocab], and the caller samples the first
 B rows as it would the eager pass's.
 
 Longer passes (their GPU work outlasts the launch), passes of more prompts, passes after cached
-tokens (features/cached_prefix.py's other path) and an FP8 cache's first pass (it sets the scales,
+tokens (engine/kv_cache.py's other path) and an FP8 cache's first pass (it sets the scales,
 features/fp8_cache.py) run as before.
 """
 
 import bisect
+import contextlib
 
 import numpy as np
 import torch
@@ -79,27 +80,20 @@ class GraphPrefill:
                                 logits_at=last_token_at)  # [MAX_PROMPTS, vocab]
 
         nothing = np.zeros(0, dtype=np.int64)
-        from features.compiled_layers import compiled_at_any_length  # here: it loads the compiler
         # The graphs record the passes after an FP8 cache's first, which quantize with the scales
         # that pass set (`logits` sends the first pass to the eager one).
-        scaled_before = self.cache.scaled if float8 else None
-        if float8:
-            self.cache.scaled = [True] * len(scaled_before)
-        try:
-            with torch.inference_mode(), compiled_at_any_length():
-                self.graphs, self.logits_out, pool = {}, {}, None
-                for bucket in reversed(BUCKETS):  # largest first: the smaller reuse its memory
-                    padding_alone = padded_pass(nothing, nothing, nothing, nothing, bucket,
-                                                self.cache.spare_slot)
-                    self.inputs.copy_(torch.from_numpy(padding_alone))
-                    prefill(bucket)  # eagerly first: kernels loaded, the layers compiled
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.logits_out[bucket] = prefill(bucket)
-                    self.graphs[bucket], pool = graph, graph.pool()
-        finally:
-            if float8:
-                self.cache.scaled = scaled_before
+        scaled = self.cache.as_if_scaled() if float8 else contextlib.nullcontext()
+        with scaled, torch.inference_mode(), engine.model.at_any_length():
+            self.graphs, self.logits_out, pool = {}, {}, None
+            for bucket in reversed(BUCKETS):  # largest first: the smaller reuse its memory
+                padding_alone = padded_pass(nothing, nothing, nothing, nothing, bucket,
+                                            self.cache.spare_slot)
+                self.inputs.copy_(torch.from_numpy(padding_alone))
+                prefill(bucket)  # eagerly first: kernels loaded, the layers compiled
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits_out[bucket] = prefill(bucket)
+                self.graphs[bucket], pool = graph, graph.pool()
 
     def logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
         """Same contract as Engine.prefill_logits: [B, vocab], each prompt's last token's."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from features.cached_prefix import greedy
+from engine.model_runner import greedy
 
 MASK_32 = 0xFFFFFFFF
 ROWS_AT_ONCE = 512  # rows sampled together: the sort and sums take ~24 bytes per vocabulary entry

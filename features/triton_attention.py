@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from features.cached_prefix import FlashAttentionAfterPrefix, attend_after_prefix
+from engine.kv_cache import FlashAttentionAfterPrefix, attend_after_prefix
 from llama3_paged import PrefillBatch
 from block_manager import to_device
 

@@ -34,7 +34,9 @@ LAYOUTS = ["per-token", "per-layer"]
 
 class VirtualKVCache:
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
-                 layout: str):
+                 layout: str, compiled: bool = False):
+        """compiled: the layers around this cache are compiled (engine/compiled_layers.py), and
+        its attention is left out of their graphs."""
         from flash_attn import flash_attn_with_kvcache
         self.decode_kernel, self.attention_backend = flash_attn_with_kvcache, attention
         self.memory = VirtualMemory(device)
@@ -60,6 +62,8 @@ class VirtualKVCache:
             self.k, self.v = views[0::2], views[1::2]
         self.page_sets = []  # the pool: the page manager's block i is page_sets[i]
         self._rows_batch = self._rows = None  # the last decode batch's rows (_rows_of)
+        if compiled:
+            self.attention = torch.compiler.disable(self.attention)
 
     def _new_page_set(self) -> list:
         """One physical page for each range: what a request maps to grow by tokens_per_page."""

@@ -77,19 +77,20 @@ def hf_to_meta(model, out_dir: Path) -> Path:
 
 def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids=(),
              continuous=False, max_running=None, chunk_tokens=64, sampler=None, graphs=False,
-             max_batched_tokens=None, swap_blocks=0, overlap=False, longest_first=False):
+             max_batched_tokens=None, swap_blocks=0, overlap=False, longest_first=False,
+             compiled=False):
     """Run prompts through the core engine as the scripts do (engine/llm_engine.py's generate):
     request r is prompts[r], allowed budgets[r] new tokens and no more than max_seq_len in all.
     `graphs`: decode through CUDA graphs (features/cuda_graphs.py); `max_batched_tokens`: with
     `continuous`, mixed steps; `swap_blocks`: with `continuous`,
     preemption by swapping to that many host blocks (engine/swap.py); `overlap`: each step
     scheduled before the last one's tokens are recorded; `longest_first`:
-    each decode step's rows longest first (features/longest_first.py)."""
-    from engine.model_runner import ModelRunner
+    each decode step's rows longest first (features/longest_first.py); `compiled`: the model's
+    layers compiled (engine/model_runner.py's ModelForward; the cache made `compiled` too)."""
+    from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
     from engine.sequence import ServedRequest
     from engine.scheduler import Scheduler
     from engine.swap import HostBlocks
-    from features.cached_prefix import SamplingDecoder, greedy
     from features.sharing import SharingBlockManager
     requests = [ServedRequest(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
@@ -101,11 +102,12 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if hasattr(manager, "watch_queue"):  # as engine/llm_engine.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
-    decoder = SamplingDecoder(model, cache, manager.block_table, sampler)
+    forward = ModelForward(model, compiled)
+    decoder = SamplingDecoder(forward, cache, manager.block_table, sampler)
     if graphs:
         from features.cuda_graphs import GraphDecoder
         decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine = ModelRunner(model, cache, manager, sampler, decoder, overlap=overlap,
+    engine = ModelRunner(forward, cache, manager, sampler, decoder, overlap=overlap,
                          longest_first=longest_first, tokens_per_pass=chunk_tokens)
     return engine.generate(scheduler, set(stop_ids), progress=False)
 

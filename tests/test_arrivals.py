@@ -9,9 +9,9 @@ import torch
 
 from block_manager import BlockManager
 from conftest import tokens
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
-from features.cached_prefix import greedy
+from engine.model_runner import greedy
 from llama3_paged import Decoder
 from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler
@@ -97,7 +97,7 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
     budgets = [12, 20, 7, 15, 9, 11]
     static, _ = run(model, prompts, budgets, num_blocks=64, block_size=16)
     arrivals = poisson_arrival_times(len(prompts), rate=50.0, seed=0)  # about 0.1 s in all
-    cache = KVCacheAfterPrefix(model.args, 64, 16, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, 64, 16, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(64, 16, len(prompts), math.ceil(MAX_SEQ_LEN / 16))
     requests = [ServedRequest(r, p, b, arrival_time=float(t))
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]

@@ -9,8 +9,8 @@ from conftest import forward_modes, tiny_hf_model
 
 from block_manager import BlockManager
 from engine.model_runner import ModelRunner
-from features.cached_prefix import (KVCacheAfterPrefix, SamplingDecoder,
-                                    TorchAttentionAfterPrefix)
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
+from engine.model_runner import SamplingDecoder
 from features.beam_search import BeamSampler, beam_search
 from features.sharing import SharingBlockManager
 from plumbing.inputs import load_model
@@ -23,7 +23,7 @@ PROMPT_LENGTHS = [5, 17, 30, 2]
 def our_beams(model, prompts, width, new_tokens, stop_ids, sharing=True, block_size=4):
     n = len(prompts) * width
     num_blocks = n * math.ceil(MAX_SEQ_LEN / block_size)
-    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=False) if sharing
                else BlockManager(num_blocks, block_size, n, max_blocks))

@@ -152,11 +152,11 @@ def test_layers_compile_by_default_only_where_they_can(device, attention, extra,
 
 
 def test_compiled_rope_is_the_lessons_rotation_without_complex_numbers():
-    # Compiled, apply_rope traces as its real twin (features/compiled_layers.py): the rotation a
+    # Compiled, apply_rope traces as its real twin (engine/compiled_layers.py): the rotation a
     # float64 rotation matrix gives, and no complex multiply left in the generated code for
     # inductor to run apart from the kernels it fuses.
     from torch._inductor.utils import run_and_get_code
-    from features.compiled_layers import apply_rope_real
+    from engine.compiled_layers import apply_rope_real
     from llama3_paged import apply_rope
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 5, 64, dtype=torch.float64, generator=g)
@@ -176,20 +176,25 @@ def test_compiled_rope_is_the_lessons_rotation_without_complex_numbers():
 
 
 def test_short_passes_launched_from_python_run_eager_and_graphs_record_them_compiled():
-    # features/compiled_layers.py's rule, on a compiled stand-in for the model's forward (dynamo's
+    # engine/model_runner.py's ModelForward, on a compiled stand-in for the model (dynamo's
     # counting backend: it counts what is compiled and runs it as is). A decode step of 520 rows,
     # past the largest CUDA graph, compiles nothing; the same step recorded for a graph
-    # (compiled_at_any_length) and a step of COMPILED_FROM_ROWS rows compile.
+    # (at_any_length) and a step of COMPILED_FROM_ROWS rows compile.
     from torch._dynamo.testing import CompileCounter
-    from features.compiled_layers import (COMPILED_FROM_ROWS, compiled_at_any_length,
-                                          eager_for_short_passes)
+    from engine.compiled_layers import COMPILED_FROM_ROWS
+    from engine.model_runner import ModelForward
     counter = CompileCounter()
-    forward = eager_for_short_passes(torch.compile(
-        lambda tokens, positions, kv_cache, batch, logits_at=None: tokens * 2, backend=counter))
+
+    class CompiledStandIn:  # no layers of its own for ModelForward to compile
+        layers = []
+        __call__ = staticmethod(torch.compile(
+            lambda tokens, positions, kv_cache, batch, logits_at=None: tokens * 2, backend=counter))
+
+    forward = ModelForward(CompiledStandIn(), compiled=True)
     decode = DecodeBatch(None, None, None, 1)
     assert torch.equal(forward(torch.ones(520), None, None, decode), torch.full((520,), 2.0))
     assert counter.frame_count == 0
-    with compiled_at_any_length():
+    with forward.at_any_length():
         forward(torch.ones(520), None, None, decode)
     assert counter.frame_count == 1
     forward(torch.ones(COMPILED_FROM_ROWS), None, None, decode)
@@ -198,19 +203,21 @@ def test_short_passes_launched_from_python_run_eager_and_graphs_record_them_comp
 
 def test_compiled_layers_leave_short_prefill_passes_eager():
     # A pass shorter than COMPILED_FROM_TOKENS compiles nothing and gives the eager logits:
-    # launching the compiled layers took longer than the eager kernels (features/compiled_layers.py).
+    # launching the compiled layers took longer than the eager kernels (engine/compiled_layers.py).
     from torch._dynamo.utils import counters
-    from features.compiled_layers import COMPILED_FROM_TOKENS, compile_layers, warm_up_prompts
+    from engine.compiled_layers import COMPILED_FROM_TOKENS, warm_up_prompts
+    from engine.kv_cache import EngineKVCache
+    from engine.model_runner import ModelForward
     model = random_model(Llama, "tiny", "cpu", torch.float32, 256, seed=5)
-    cache = KVCache(model.args, 16, 16, torch.float32, "cpu", TorchAttention())
+    cache = EngineKVCache(model.args, 16, 16, torch.float32, "cpu", TorchAttention(), compiled=True)
     tokens = torch.arange(40) % 100 + 1
     batch = PrefillBatch(torch.arange(40), torch.tensor([0, 25, 40], dtype=torch.int32), [0, 25, 40], 25)
     positions = torch.cat([torch.arange(25), torch.arange(15)])
     logits_at = torch.tensor([24, 39])
     eager = model(tokens, positions, cache, batch, logits_at=logits_at)
-    compile_layers(model, cache)
+    forward = ModelForward(model, compiled=True)
     graphs_before = counters["stats"]["unique_graphs"]
-    assert torch.equal(model(tokens, positions, cache, batch, logits_at=logits_at), eager)
+    assert torch.equal(forward(tokens, positions, cache, batch, logits_at=logits_at), eager)
     assert counters["stats"]["unique_graphs"] == graphs_before  # nothing was compiled
     # The warm-up passes: short; long alone; two long together (the count of one is its own).
     from types import SimpleNamespace

@@ -12,8 +12,8 @@ import torch
 from engine.sequence import ServedRequest
 
 from engine.model_runner import ModelRunner
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from features.cached_prefix import greedy
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
+from engine.model_runner import greedy
 from llama3_paged import Decoder
 from llama3_paged import DecodeBatch
 from features.cascade import CascadeAttention, CascadeDecoder
@@ -77,7 +77,7 @@ def test_a_step_whose_rows_do_not_share_the_prefix_runs_without_the_cascade():
 
 
 def run(model, prompts, budgets, block_size, cascade_on: bool):
-    cache = KVCacheAfterPrefix(model.args, 128, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, 128, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = SharingBlockManager(cache, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
                                   prefix_caching=True)
     decoder = eager = Decoder(model, cache, manager.block_table)
@@ -113,7 +113,7 @@ def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size)
 @pytest.mark.parametrize("own_lengths", [[1, 300, 40, 700, 257, 1, 1, 1],  # padding-like rows
                                          list(range(1, 2000, 37))])
 def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths):
-    from features.cached_prefix import FlashAttentionAfterPrefix as FlashAttention  # the run's
+    from engine.kv_cache import FlashAttentionAfterPrefix as FlashAttention  # the run's
     prefix_blocks, block_size = 4, 256
     q, (k, v), batch, prefix = shared_prefix_batch(prefix_blocks, own_lengths, block_size,
                                                    "cuda", torch.bfloat16)

@@ -700,7 +700,7 @@ def test_float32_on_cuda_attends_with_the_reference_and_refuses_a_bf16_kernel():
     """flash-attn and the Triton kernel read fp16 and bf16 only: `auto` picks the PyTorch
     reference for --dtype fp32 (a crash inside flash-attn before), an explicit kernel is refused."""
     from features.engine_args import choose_attention
-    from features.cached_prefix import TorchAttentionAfterPrefix
+    from engine.kv_cache import TorchAttentionAfterPrefix
     cuda = torch.device("cuda")  # only named: nothing runs on it
     assert isinstance(choose_attention("auto", cuda, "flash", "fp32"), TorchAttentionAfterPrefix)
     for kernel in ("flash", "triton"):

@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT
 from test_scripts import TINY, run_script
 
-from features.cached_prefix import CachedPrefillBatch, TorchAttentionAfterPrefix
+from engine.kv_cache import CachedPrefillBatch, TorchAttentionAfterPrefix
 from features.fp8_cache import FP8_MAX, HEADROOM, FP8KVCache, dequantize, quantize
 from llama3_paged import DecodeBatch, PrefillBatch, TorchAttention
 from block_manager import BlockManager

@@ -133,9 +133,9 @@ def test_prefill_and_decode_write_each_token_where_slots_says(model):
 
 def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
     # CUDA graphs pad a batch up to a fixed size with rows that write the spare slot.
-    from features.cuda_graphs import KVCacheWithSpareSlot
-    cache = KVCacheWithSpareSlot(model.args, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu",
-                    attention=TorchAttention())
+    from engine.kv_cache import EngineKVCache
+    cache = EngineKVCache(model.args, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu",
+                          attention=TorchAttention(), spare_slot=True)
     manager = BlockManager(8, 4, max_requests=2, max_blocks_per_request=4)
     torch.manual_seed(8)
     cache.k.normal_(), cache.v.normal_()  # stand-ins for the tokens cached so far

@@ -1,5 +1,6 @@
 """flash-attn against the PyTorch reference, on the GPU. Skipped where CUDA or flash-attn is missing."""
 
+import functools
 import gc
 import json
 import math
@@ -12,9 +13,8 @@ import torch
 
 from conftest import ROOT
 
-from features.cached_prefix import (CachedPrefillBatch, FlashAttentionAfterPrefix,
-                                    TorchAttentionAfterPrefix)
-from features.cuda_graphs import KVCacheWithSpareSlot
+from engine.kv_cache import (CachedPrefillBatch, EngineKVCache, FlashAttentionAfterPrefix,
+                             TorchAttentionAfterPrefix)
 from conftest import generate
 from features.sharing import SharingBlockManager
 from plumbing.cli import importable
@@ -74,24 +74,23 @@ MAX_SEQ_LEN = 2048
 def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=False,
                     attention=FlashAttentionAfterPrefix, continuous=False, samples=1, share=False,
                     sampler=None, max_running=None, max_batched_tokens=None, swap_blocks=0,
-                    compiled=False, overlap=False, cache_class=KVCacheWithSpareSlot,
+                    compiled=False, overlap=False, cache_class=None,
                     longest_first=False):
     """With `share`, samples fork and prompts share cached prefixes (prefix caching)."""
     prompts = [p for p in prompts for _ in range(samples)]
     budgets = [b for b in budgets for _ in range(samples)]
     n = len(prompts)
+    # Compiled, the model's layers are compiled for good: a test compiles a model of its own.
+    cache_class = cache_class or functools.partial(EngineKVCache, spare_slot=True)
     cache = cache_class(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
-                        attention())
-    if compiled:  # the model's layers, for good: compile a model of the test's own
-        from features.compiled_layers import compile_layers
-        compile_layers(model, cache)
+                        attention(), compiled=compiled)
     max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks, "cuda"))
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, continuous=continuous,
                       max_running=max_running, chunk_tokens=8192, sampler=sampler, graphs=graphs,
                       max_batched_tokens=max_batched_tokens, swap_blocks=swap_blocks,
-                      overlap=overlap, longest_first=longest_first)
+                      overlap=overlap, longest_first=longest_first, compiled=compiled)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     result.num_preemptions = getattr(result.scheduler, "num_preemptions", 0)
     result.num_swapped = getattr(result.scheduler, "num_swapped", 0)

@@ -8,7 +8,8 @@ import torch
 
 from block_manager import BlockManager
 from engine import model_runner
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
+from engine.model_runner import ModelForward
 from features.longest_first import longest_first
 from engine.llm_engine import make_engine
 from llama3_paged import Llama, Step
@@ -66,6 +67,6 @@ def test_rows_are_longest_first_on_cuda(model, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {  # eager: no graphs of a CPU model
         "overlap": False, "continuous": False, "max_batched_tokens": None, "eager": True}),
         "device": torch.device(device), "model": model})
-    cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
+    cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, None)
     assert engine.decode_longest_first is expected

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager, OutOfBlocks
 from conftest import generate, request
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from features.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
                                     MappingFailed)
 from plumbing.inputs import random_model
@@ -261,7 +261,7 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, star
     v * pages_per_row + p // tokens_per_page, so the pages of row v are blocks as well."""
     pages_per_row = math.ceil(MAX_SEQ_LEN / tokens_per_page)
     virtual_blocks = (len(prompts) + 1) * pages_per_row  # every row's every page, as address space
-    cache = KVCacheAfterPrefix(model.args, virtual_blocks, tokens_per_page, torch.float32, "cpu",
+    cache = EngineKVCache(model.args, virtual_blocks, tokens_per_page, torch.float32, "cpu",
                     TorchAttentionAfterPrefix())
     if mapping_ahead:
         m = manager(num_pages, tokens_per_page, len(prompts), pages_per_row,

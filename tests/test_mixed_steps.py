@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from conftest import tokens
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
-from features.cached_prefix import greedy
+from engine.model_runner import greedy
 from llama3_paged import Decoder
 from engine.scheduler import MixedStep, Scheduler
 from engine.model_runner import ModelRunner
@@ -30,7 +30,7 @@ def model():
 
 def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_tokens, max_running=None):
     """Like test_scheduler.run, through the mixed scheduler; also returns every step."""
-    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [ServedRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]

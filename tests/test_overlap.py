@@ -12,8 +12,8 @@ from engine.run import command_line
 
 from block_manager import BlockManager
 from conftest import generate
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
-from engine.model_runner import ModelRunner, StepTimer
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
+from engine.model_runner import ModelForward, ModelRunner, StepTimer
 from features.mapping_ahead import BackgroundMapper
 from features.engine_args import why_not_overlapped
 from features.sharing import SharingBlockManager
@@ -47,7 +47,7 @@ def run(model, prompts, num_blocks, kind="paged", **scheduling):
     # Mapping ahead's slots are in virtual rows: the cache holds every row's every page as blocks
     # (tests/test_mapping_ahead.py's run), of which num_blocks are mapped at a time.
     rows = len(prompts) + 1 if kind == "mapping ahead" else 0
-    cache = KVCacheAfterPrefix(model.args, max(num_blocks, rows * math.ceil(MAX_SEQ_LEN / BLOCK_SIZE)),
+    cache = EngineKVCache(model.args, max(num_blocks, rows * math.ceil(MAX_SEQ_LEN / BLOCK_SIZE)),
                     BLOCK_SIZE, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = make_manager(kind, cache, num_blocks, len(prompts))
     result = generate(model, cache, manager, prompts, BUDGETS[:len(prompts)], MAX_SEQ_LEN,
@@ -162,8 +162,8 @@ def test_the_flag_chooses_the_loop(model, overlap, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {
         "overlap": overlap, "continuous": False, "max_batched_tokens": None,
         "preemption": "recompute", "sync_mapping": False}), "device": torch.device(device), "model": model})
-    cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    engine = make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
+    cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, None)
     assert engine.overlap == expected
 
 
@@ -172,6 +172,6 @@ def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
     setup = type("Run", (), {"args": type("Args", (), {
         "overlap": True, "continuous": True, "max_batched_tokens": 64,
         "preemption": "recompute", "sync_mapping": False}), "device": torch.device("cpu"), "model": model})
-    cache = KVCacheAfterPrefix(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     with pytest.raises(UserError, match="mixed steps"):
-        make_engine(setup, cache, BlockManager(4, 4, 1, 4), None, None)
+        make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, None)

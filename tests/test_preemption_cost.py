@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import preemption_cost
 from block_manager import BlockManager
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.swap import HostBlocks
 from plumbing.inputs import PRESETS
 
@@ -26,7 +26,7 @@ def held_kv(cache, manager, requests):
 
 def test_a_timed_swap_returns_every_request_its_kv_in_other_blocks():
     args, tokens, block_size = PRESETS["tiny"], 40, 16
-    cache = KVCacheAfterPrefix(args, 24, block_size, torch.float32, torch.device("cpu"), TorchAttentionAfterPrefix())
+    cache = EngineKVCache(args, 24, block_size, torch.float32, torch.device("cpu"), TorchAttentionAfterPrefix())
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(24, block_size, 3, 3)
     requests = preemption_cost.grown_requests(manager, 3, tokens)

@@ -2,6 +2,7 @@
 (on the CPU, with the reference attention reading the padded bounds), and the graphs give the
 eager pass's logits and K/V (on the GPU)."""
 
+import functools
 import math
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from features.cuda_graphs import KVCacheWithSpareSlot
+from engine.kv_cache import EngineKVCache
+from engine.model_runner import ModelForward
 from features.prefill_graphs import BUCKETS, LARGEST, LAYOUT, MAX_PROMPTS, padded_pass
 from llama3_paged import Engine, Llama, PrefillBatch, Request, TorchAttention
 from plumbing.cli import importable
@@ -27,16 +29,17 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine_with_blocks(model, cache_class, attention, prompts, block_size, device):
+def engine_with_blocks(model, cache_class, attention, prompts, block_size, device,
+                       compiled=False):
     """An engine whose pool holds blocks for `prompts` (rows 0..B-1), none computed yet."""
     num_blocks = sum(math.ceil(len(p) / block_size) for p in prompts) + 4
     cache = cache_class(model.args, num_blocks, block_size, model.output.weight.dtype, device,
-                        attention)
+                        attention, compiled=compiled)
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
                            device)
     for row, prompt in enumerate(prompts):
         manager.allocate(Request(row, prompt, 1))
-    return Engine(model, cache, manager)
+    return Engine(ModelForward(model, compiled), cache, manager)
 
 
 @pytest.mark.parametrize("lengths", CPU_CASES)
@@ -46,8 +49,8 @@ def test_a_padded_pass_gives_the_pass_logits_and_kv(lengths):
     # that padding could change nothing but the rounding.
     model = random_model(Llama, "tiny", "cpu", torch.float64, MAX_SEQ_LEN, seed=2)
     prompts = prompts_of(lengths)
-    engine = engine_with_blocks(model, KVCacheWithSpareSlot, TorchAttention(), prompts, BLOCK_SIZE,
-                                "cpu")
+    engine = engine_with_blocks(model, functools.partial(EngineKVCache, spare_slot=True),
+                                TorchAttention(), prompts, BLOCK_SIZE, "cpu")
     rows = np.arange(len(prompts))
     expected = engine.prefill_logits(rows, prompts)  # [B, vocab]
     expected_k, expected_v = engine.cache.k.clone(), engine.cache.v.clone()
@@ -85,23 +88,22 @@ needs_flash = pytest.mark.skipif(not (torch.cuda.is_available() and importable("
 def test_prefill_graphs_give_the_eager_passes_logits_and_kv(float8, compiled):
     # bf16 (flash-attn has no float32): the graphs' matmuls see padded shapes, so they may
     # round differently; each pass is held to the pass launched from Python within bf16.
-    from features.cached_prefix import FlashAttentionAfterPrefix
-    from features.compiled_layers import compile_layers, compiled_at_any_length
+    from engine.kv_cache import FlashAttentionAfterPrefix
     from features.prefill_graphs import GraphPrefill
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=3)
-    cache_class, attention = KVCacheWithSpareSlot, FlashAttentionAfterPrefix()
+    cache_class = functools.partial(EngineKVCache, spare_slot=True)
+    attention = FlashAttentionAfterPrefix()
     if float8:
         from features.fp8_cache import FP8KVCache
         from features.triton_attention import TritonDecode
         cache_class, attention = FP8KVCache, TritonDecode()
     all_prompts = [prompts_of(lengths, seed=i) for i, lengths in enumerate(CASES)]
-    engine = engine_with_blocks(model, cache_class, attention, sum(all_prompts, []), 256, "cuda")
-    if compiled:
-        compile_layers(model, engine.cache)
+    engine = engine_with_blocks(model, cache_class, attention, sum(all_prompts, []), 256, "cuda",
+                                compiled)
     graphs = GraphPrefill(engine)
 
     def eager_logits(rows, prompts):  # launched from Python, compiled as the graphs record it
-        with compiled_at_any_length():
+        with engine.model.at_any_length():
             return engine.prefill_logits(rows, prompts)
 
     first_row = 0

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import BlockManager
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -26,7 +26,7 @@ def model():
 
 
 def run(model, prompts, budgets, num_blocks, block_size, **scheduling):
-    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
                            max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
     scheduling.setdefault("chunk_tokens", 8192)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from conftest import generate
@@ -32,7 +32,7 @@ def run(model, prompts, budgets, block_size=8, num_blocks=256, samples=1, share=
         prefix_caching=False, sampler=None, **scheduling):
     """Each prompt's `samples` sequences, as the scripts lay them out: r*K .. r*K + K-1."""
     dtype = model.output.weight.dtype
-    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
     sequences = [p for p in prompts for _ in range(samples)]
     max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
     sharing = share or prefix_caching

@@ -8,9 +8,9 @@ import torch
 
 from block_manager import BlockManager
 from engine.model_runner import ModelRunner
-from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
-from features.cached_prefix import greedy
+from engine.model_runner import greedy
 from llama3_paged import Decoder
 from engine.scheduler import Scheduler
 from engine.swap import HostBlocks
@@ -23,7 +23,7 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
     """One flush: A's K/V come back from host blocks that B's are then copied into. A's must
     arrive in its new blocks before B's overwrite the host blocks; B's are copied out intact."""
     model_args = random_model(Llama, "tiny", "cpu", torch.float32, max_positions=64).args
-    cache = KVCacheAfterPrefix(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
+    cache = EngineKVCache(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
                     attention=TorchAttentionAfterPrefix())
     cache.k.normal_(), cache.v.normal_()
     host = HostBlocks(cache, num_blocks=2)
@@ -43,7 +43,7 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
 
 def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype,
                  mixed_budget=None):
-    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
+    cache = EngineKVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,

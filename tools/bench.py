@@ -48,7 +48,7 @@ import torch
 
 from block_manager import BlockManager
 from engine.sequence import ServedRequest
-from features.cached_prefix import greedy
+from engine.model_runner import greedy
 from llama3_paged import Decoder, append_tokens
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
@@ -66,7 +66,7 @@ from plumbing.inputs import DTYPES
 from features import engine_args
 from features.engine_args import CACHES, load
 from engine.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
-                                 make_scheduler, warm_up)
+                               make_scheduler, model_forward, warm_up)
 from tools.kernel_profile import profile_engine
 from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,
                           median_cuda_seconds, write_profile)
@@ -354,9 +354,10 @@ def bench(a) -> dict:
     weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(a.script, setup)
-    decoder = make_decoder(setup, cache, manager, greedy,
+    forward = model_forward(setup)
+    decoder = make_decoder(setup, forward, cache, manager, greedy,
                            min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
-    engine = make_engine(setup, cache, manager, greedy, decoder,
+    engine = make_engine(setup, forward, cache, manager, greedy, decoder,
                          arrivals=not math.isinf(a.request_rate))
     prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)
 

@@ -74,7 +74,7 @@ def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
 
 def measure(a) -> dict:
     import torch
-    from features.cached_prefix import KVCacheAfterPrefix, TorchAttentionAfterPrefix
+    from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
     from features.fp8_cache import FP8KVCache
     from features.engine_args import load, parse_script_arguments
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +87,7 @@ def measure(a) -> dict:
         from features.triton_attention import TritonDecode
         run.attention = TritonDecode()  # the kernels fp8 runs with; bf16 runs them too here
     prompts = [p.prompt_tokens for p in run.prompts]
-    reference = run_cache(run, KVCacheAfterPrefix, prompts, a.steps)
+    reference = run_cache(run, EngineKVCache, prompts, a.steps)
     forced = [[int(reference.logits[r, s].argmax()) for s in range(a.steps)] for r in range(len(prompts))]
     forced = [torch.tensor(f, device=run.device) for f in forced]
     fp8 = run_cache(run, FP8KVCache, prompts, a.steps, forced)

@@ -7,9 +7,9 @@ against the same step replayed as one CUDA graph, per batch size.
 
 features/cuda_graphs.py captures a graph per batch bucket up to 512 and runs larger batches
 eagerly; this measures whether that costs anything. Each request holds --context-tokens tokens of
-random K/V in blocks of 256. With --compile the layers are compiled (features/compiled_layers.py,
+random K/V in blocks of 256. With --compile the layers are compiled (engine/compiled_layers.py,
 the default on CUDA): the graphs replay the compiled kernels, and a third column times the
-compiled step launched from Python, which features/compiled_layers.py avoids below 600 rows.
+compiled step launched from Python, which engine/compiled_layers.py avoids below 600 rows.
 All are timed with CUDA events after a warm-up (medians), beside the step's floor as
 tools/bench.py computes it: the projections at the measured matmul rate or the weights read at
 the measured copy bandwidth, whichever is longer, plus the K/V read.
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from features.compiled_layers import compile_layers, compiled_at_any_length
-from features.cuda_graphs import KVCacheWithSpareSlot
+from engine.kv_cache import EngineKVCache
+from engine.model_runner import ModelForward
 from engine.sequence import ServedRequest
 from llama3_paged import FlashAttention
 from llama3_paged import Decoder
@@ -58,12 +58,12 @@ def parse_arguments(argv=None):
     return p.parse_args(argv)
 
 
-def one_pool(model, largest_batch: int, context: int, device):
+def one_pool(model, largest_batch: int, context: int, device, compiled: bool):
     """A pool holding `largest_batch` requests of `context` random tokens each. One pool for every
     batch size, so that compiled layers compile once (around this cache's attention)."""
     blocks_each = -(-(context + 1) // BLOCK_SIZE)
-    cache = KVCacheWithSpareSlot(model.args, largest_batch * blocks_each, BLOCK_SIZE,
-                                 torch.bfloat16, device, FlashAttention())
+    cache = EngineKVCache(model.args, largest_batch * blocks_each, BLOCK_SIZE, torch.bfloat16,
+                          device, FlashAttention(), spare_slot=True, compiled=compiled)
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(largest_batch * blocks_each, BLOCK_SIZE, largest_batch, blocks_each, device)
     for r in range(largest_batch):
@@ -87,17 +87,16 @@ def measure(a) -> dict:
     model = random_model(Llama, "8b", device, torch.bfloat16, a.context_tokens + 1, seed=0)
     per_token, weights = decode_flops_per_token(model.args), weight_bytes_read_per_step(model)
     kv_per_token = model.args.kv_bytes_per_token(torch.bfloat16)
-    cache, manager = one_pool(model, max(a.batches), a.context_tokens, device)
-    if a.compile:
-        compile_layers(model, cache)
-    decoder, rows = Decoder(model, cache, manager.block_table), []
+    cache, manager = one_pool(model, max(a.batches), a.context_tokens, device, a.compile)
+    forward = ModelForward(model, compiled=a.compile)
+    decoder, rows = Decoder(forward, cache, manager.block_table), []
     with torch.inference_mode():
         for batch in a.batches:
             inputs = step_inputs(model, manager, batch, a.context_tokens, device)
             decode = lambda: decoder.decode(*inputs, a.context_tokens + 1)
             with torch.compiler.set_stance("force_eager"):  # the lesson's kernels
                 eager = median_cuda_seconds(decode, repeats=10)
-            with compiled_at_any_length():  # compiled, if --compile, at every batch
+            with forward.at_any_length():  # compiled, if --compile, at every batch
                 compiled = median_cuda_seconds(decode, repeats=10) if a.compile else None
                 graph = median_cuda_seconds(as_graph(decode), repeats=10)
             floor = step_floor_seconds(batch, batch * (a.context_tokens + 1) * kv_per_token,

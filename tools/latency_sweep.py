@@ -54,7 +54,7 @@ from tqdm import tqdm
 
 import llama3_virtual
 from engine.sequence import ServedRequest
-from features.cached_prefix import greedy
+from engine.model_runner import greedy
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph, fraction,
                           gigabytes, image_file, json_file, one_paragraph_errors, positive_int,
@@ -64,7 +64,7 @@ from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.engine_args import choose_attention, load, parse_script_arguments
 from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_decoder, make_engine,
-                                 make_requests, make_scheduler, warm_up)
+                               make_requests, make_scheduler, model_forward, warm_up)
 from features.sampling import SamplingParams
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
@@ -222,8 +222,10 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         cache, manager = allocate_kv_cache(script, setup)
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
-        decoder = make_decoder(setup, cache, manager, greedy, largest_batch, progress=False)
-        engine = make_engine(setup, cache, manager, greedy, decoder, arrivals=True)
+        forward = model_forward(setup)
+        decoder = make_decoder(setup, forward, cache, manager, greedy, largest_batch,
+                               progress=False)
+        engine = make_engine(setup, forward, cache, manager, greedy, decoder, arrivals=True)
         warm_up_engine(engine, setup, cache, manager)
         serve = lambda rate, n: run_point(engine, setup, cache, manager, rate, n)
     try:

@@ -44,7 +44,7 @@ import torch
 from block_manager import BlockManager
 from engine.scheduler import CachedPrefillStep
 from engine.model_runner import ModelRunner
-from features.cached_prefix import KVCacheAfterPrefix
+from engine.kv_cache import EngineKVCache
 from engine.sequence import ServedRequest
 from engine.swap import HostBlocks
 from plumbing.inputs import random_model
@@ -159,7 +159,7 @@ def measure_block_size(model, attention, block_size: int, a, timer) -> dict:
     blocks_per_request = -(-a.tokens // block_size)
     num_blocks = 2 * a.requests * blocks_per_request  # room to take new blocks while holding
     dtype, device = model.tok_embeddings.weight.dtype, model.tok_embeddings.weight.device
-    cache = KVCacheAfterPrefix(model.args, num_blocks, block_size, dtype, device, attention)
+    cache = EngineKVCache(model.args, num_blocks, block_size, dtype, device, attention)
     cache.k.normal_(), cache.v.normal_()  # K/V as a run holds them, never zeros
     manager = BlockManager(num_blocks, block_size, a.requests, blocks_per_request, device)
     engine = ModelRunner(model, cache, manager)

@@ -15,8 +15,8 @@ of docs/speed.md). `apply_rope_real` is the same rotation in real arithmetic, an
 torch.compiler.substitute_in_graph makes the compiler trace it wherever the lesson calls
 apply_rope; an eager call still runs the lesson's, so --eager and --no-compile are unchanged.
 
-The attention call itself is left out (`torch.compiler.disable`): the cache's writes and the
-flash-attn or Triton kernel run as they are, and each layer compiles into two graphs, the work
+The attention call itself is left out (engine/kv_cache.py's cache, made `compiled`, wraps it in
+`torch.compiler.disable`): the cache's writes and the flash-attn or Triton kernel run as they are, and each layer compiles into two graphs, the work
 before attention and the work after it. The layers share their compiled code; batch sizes are
 dynamic, so one compilation serves every CUDA-graph bucket (features/cuda_graphs.py warms each
 bucket up before capturing it, so that nothing compiles during a capture).
@@ -38,16 +38,14 @@ Fused kernels round in other places than the eager ones (inductor keeps intermed
 float32), so in bf16 tokens can differ from the eager path's; in float32 they agree.
 """
 
-import contextlib
 import warnings
 
 import torch
 
-from llama3_paged import PrefillBatch, apply_rope
+from llama3_paged import apply_rope
 
 COMPILED_FROM_TOKENS = 1000  # a prefill pass launched from Python shorter than this runs eagerly
 COMPILED_FROM_ROWS = 600  # and so does a decode step of fewer rows
-_compiled_at_any_length = False  # set inside compiled_at_any_length()
 
 
 @torch.compiler.substitute_in_graph(apply_rope)
@@ -60,9 +58,9 @@ def apply_rope_real(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
 
 
-def compile_layers(model, cache) -> None:
-    """Compile each transformer layer of `model` in place, with `cache`'s attention left out."""
-    cache.attention = torch.compiler.disable(cache.attention)  # this instance only
+def compile_layers(model) -> None:
+    """Compile each transformer layer of `model` in place (engine/model_runner.py's ModelForward,
+    made `compiled`). Its cache, made `compiled` too, leaves the attention call out."""
     # What is left of complex numbers in the compiled code is a view of the rotations' real and
     # imaginary parts (apply_rope_real), yet inductor warns that it runs complex code slowly.
     warnings.filterwarnings("ignore", "Torchinductor does not support code generation for complex")
@@ -71,20 +69,6 @@ def compile_layers(model, cache) -> None:
                                                 4 * len(model.layers))
     for layer in model.layers:
         layer.compile(dynamic=True)
-    if not getattr(model, "short_passes_eager", False):  # compiled before, for another cache
-        model.forward, model.short_passes_eager = eager_for_short_passes(model.forward), True
-
-
-@contextlib.contextmanager
-def compiled_at_any_length():
-    """Inside, every pass runs the compiled layers, however short: CUDA graphs record them here
-    (features/cuda_graphs.py), and tools/graph_cost.py times a compiled launch."""
-    global _compiled_at_any_length
-    _compiled_at_any_length = True
-    try:
-        yield
-    finally:
-        _compiled_at_any_length = False
 
 
 def warm_up_prompts(compiled: bool, manager, max_seq_len: int,
@@ -99,16 +83,3 @@ def warm_up_prompts(compiled: bool, manager, max_seq_len: int,
         return []
     short, long = [1] * min(32, longest), [1] * min(COMPILED_FROM_TOKENS, longest)
     return [[short]] + ([[long], [long, long]] if compiled else [])
-
-
-def eager_for_short_passes(forward):
-    """`forward`, run with the compiled layers set aside (torch.compiler.set_stance) for a
-    prefill pass of fewer than COMPILED_FROM_TOKENS tokens or a decode step of fewer than
-    COMPILED_FROM_ROWS rows, outside compiled_at_any_length."""
-    def forward_choosing(tokens, positions, kv_cache, batch, logits_at=None):
-        shortest = COMPILED_FROM_TOKENS if isinstance(batch, PrefillBatch) else COMPILED_FROM_ROWS
-        if len(tokens) < shortest and not _compiled_at_any_length:
-            with torch.compiler.set_stance("force_eager"):
-                return forward(tokens, positions, kv_cache, batch, logits_at)
-        return forward(tokens, positions, kv_cache, batch, logits_at)
-    return forward_choosing

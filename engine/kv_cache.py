@@ -1,0 +1,100 @@
+"""The engine's KV cache: the lesson's pool, and the three things the engine's steps ask more of it.
+
+- **Prefill after cached tokens.** The lesson prefills every prompt of its static batch from the
+  first token. The engine has prompts that begin cached: a fork shares its parent's blocks and a
+  prompt finds its system prompt's blocks (features/sharing.py), a swapped request comes back
+  with its K/V (engine/swap.py), a mixed step computes a prompt in chunks (engine/scheduler.py).
+  Such a prompt packs only its new tokens (engine/model_runner.py's `prefill_from`), and its
+  attention reads every token, cached and new, from the pool through the block table:
+  flash-attn's varlen kernel takes the block table too, and the reference gathers the prompt's
+  blocks as decode does.
+- **A spare slot** past the pool's last block, in no block, where the padding rows of a CUDA
+  graph (features/cuda_graphs.py, features/prefill_graphs.py) write the K/V that no one reads.
+- **Left out of compiled layers** (engine/compiled_layers.py): the cache's writes and the
+  attention kernel run as they are, between the layers' two compiled graphs.
+
+Attention is the seam of the backends: `attend_with` is where features/cascade.py puts its
+two-part attention around the backend chosen at start-up, once a system prompt's blocks are known.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import llama3_paged as lesson
+
+
+@dataclass
+class CachedPrefillBatch(lesson.PrefillBatch):
+    block_table: torch.Tensor = None  # [B, max_blocks] int32: each prompt's blocks
+    cu_seqlens_k: torch.Tensor = None  # [B + 1] int32: prompt r's tokens, cached and new
+    cu_seqlens_k_host: list[int] = None
+    max_seqlen_k: int = 0
+
+
+class EngineKVCache(lesson.KVCache):
+    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention,
+                 spare_slot: bool = False, compiled: bool = False):
+        """spare_slot: one slot more, for CUDA graphs' padding rows. compiled: the layers around
+        this cache are compiled, and its attention is left out of their graphs."""
+        self.has_spare_slot = spare_slot
+        super().__init__(args, num_blocks, block_size, dtype, device, attention)
+        self.spare_slot = self.num_slots  # the slot past the last block, if allocated
+        if compiled:
+            self.attention = torch.compiler.disable(self.attention)
+
+    def slots_shape(self, args) -> tuple[int, ...]:
+        return (args.n_layers, self.num_slots + self.has_spare_slot, args.n_kv_heads, args.head_dim)
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.k[layer, :self.num_slots].view(self.block_shape),
+                self.v[layer, :self.num_slots].view(self.block_shape))
+
+    def attend_with(self, backend) -> None:
+        """Attention through `backend` from now on (features/cascade.py's)."""
+        self.attention_backend = backend
+
+    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+        if not isinstance(batch, CachedPrefillBatch):
+            return super().attention(layer, q, k, v, batch)
+        self.k[layer].index_copy_(0, batch.slot_mapping, k)
+        self.v[layer].index_copy_(0, batch.slot_mapping, v)
+        return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
+
+
+class FlashAttentionAfterPrefix(lesson.FlashAttention):
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: CachedPrefillBatch):
+        # The causal mask is aligned to each prompt's end: new tokens see all before them.
+        return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
+                           batch.max_seqlen, batch.max_seqlen_k, causal=True,
+                           block_table=batch.block_table)
+
+
+class TorchAttentionAfterPrefix(lesson.TorchAttention):
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: CachedPrefillBatch):
+        out = torch.empty_like(q)
+        for r in range(len(batch.cu_seqlens_host) - 1):
+            out[slice(*batch.cu_seqlens_host[r:r + 2])] = attend_after_prefix(
+                r, q, key_blocks, value_blocks, batch)
+        return out
+
+
+def attend_after_prefix(r: int, q, key_blocks, value_blocks, batch) -> torch.Tensor:
+    """Prompt r's new tokens, its every key and value read from its blocks (the reference)."""
+    start, end = batch.cu_seqlens_host[r:r + 2]
+    n_k = batch.cu_seqlens_k_host[r + 1] - batch.cu_seqlens_k_host[r]
+    table = batch.block_table[r, :math.ceil(n_k / key_blocks.shape[1])]
+    k, v = (blocks[table].flatten(0, 1)[:n_k] for blocks in (key_blocks, value_blocks))
+    return attend(q[start:end], k, v)
+
+
+def attend(q, k, v) -> torch.Tensor:
+    """A prompt's n_q newest tokens over all its n_k: query i, at position n_k - n_q + i, sees the
+    keys up to it. q: [n_q, n_heads, d]; k, v: [n_k, n_kv_heads, d]."""
+    n_q, n_k = len(q), len(k)
+    positions = torch.arange(n_k, device=q.device)
+    sees = positions <= positions[n_k - n_q:, None]  # [n_q, n_k]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=sees, enable_gqa=True).transpose(0, 1)
