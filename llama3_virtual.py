@@ -33,7 +33,7 @@ from features.mapping_ahead import BackgroundMapper, MappingAheadManager, mappin
 from features.page_manager import PageManager
 from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
 from features.virtual_memory import DriverOutOfMemory
-from features.pools import kv_budget_bytes
+from engine.pools import kv_budget_bytes
 from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, hand_to_the_engine, importable
 
 

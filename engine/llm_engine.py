@@ -1,8 +1,8 @@
 """The one place an engine with features is assembled from the lesson's parts, and `LLMEngine`,
 the Python API's engine that takes requests one at a time (vLLM's LLMEngine).
 
-From the flags (features/engine_args.py) and a pool (features/pools.py), `make_scheduler`,
-`make_decoder` and `make_engine` choose the lesson's classes or the features' that extend them.
+From the flags (features/engine_args.py) and a pool (engine/pools.py), `make_scheduler` and
+`make_engine` choose the engine's parts and the features' that plug into them.
 Everything that runs requests builds through them: the scripts' feature runs (`generate`, which
 engine/run.py calls), tools/bench.py and tools/latency_sweep.py, and `LLMEngine`, which
 engine/llm.py's `LLM` and serve.py's engine process drive. So a served request runs through
@@ -40,9 +40,9 @@ from engine.sequence import ServedRequest, Status
 from engine.swap import HostBlocks
 from features.engine_args import (engine_arguments, load, refuse_overlap, script_parts,
                                   why_not_overlapped)
-from features.pools import allocate_paged, decodes_with_graphs
+from engine import pools
+from engine.pools import allocate_paged, decodes_with_graphs
 from features.sampling import RowSampler, SamplingParams, make_sampler
-from features.sharing import SharingBlockManager
 from plumbing import inputs
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
                           torchrun_process)
@@ -77,11 +77,13 @@ def arrival_times(args, n: int) -> list[float]:
     return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
 
 
-def make_scheduler(run, cache, manager, requests: list[lesson.Request]) -> Scheduler:
+def make_scheduler(run, cache, manager, requests: list[lesson.Request],
+                   served: bool = False) -> Scheduler:
     """Static batching, or with --continuous a stream with preemption (recomputing, or swapping
-    with --preemption swap), in mixed steps with --max-batched-tokens."""
+    with --preemption swap), in mixed steps with --max-batched-tokens. served: LLMEngine's, whose
+    paged pool shares blocks for a request's n samples."""
     args = run.args
-    shares_blocks = isinstance(manager, SharingBlockManager)
+    shares_blocks = pools.shares_blocks(run, served)
     if args.continuous and args.max_batched_tokens and shares_blocks:
         raise UserError("--max-batched-tokens does not combine with shared blocks yet "
                         "(--samples above 1, or a system prompt's prefix cache): add "
@@ -122,30 +124,6 @@ def host_blocks(run, cache, shares_blocks: bool) -> HostBlocks:
     return HostBlocks(cache, swap_blocks)
 
 
-def make_decoder(run, forward: ModelForward, cache, manager, sampler, largest_batch: int,
-                 progress: bool):
-    """CUDA graphs where they can run (CUDA, an attention that reads its lengths on the GPU),
-    unless --eager; else the eager decoder. With a shared system prompt, attention may be a
-    cascade (--cascade, the paged script's)."""
-    cascade = None
-    shared_prefix = isinstance(manager, SharingBlockManager) and manager.prefix_cache is not None
-    if shared_prefix and run.args.cascade != "off":  # a system prompt, cached
-        from features.cascade import cascade_for
-        cascade = cascade_for(run, cache, manager)  # before the graphs record attention
-    eager = decoder = SamplingDecoder(forward, cache, manager.block_table, sampler)
-    if decodes_with_graphs(run):
-        from features.cuda_graphs import GraphDecoder
-        start = time.perf_counter()
-        decoder = GraphDecoder(eager, largest_batch)
-        if progress:
-            print(f"Captured {len(decoder.buckets)} CUDA graphs of a decode step, batch 1 to "
-                  f"{decoder.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
-    if cascade:
-        from features.cascade import CascadeDecoder
-        return CascadeDecoder(decoder, eager, cascade, manager.table)
-    return decoder
-
-
 def model_forward(run, progress: bool = False) -> ModelForward:
     """The model as the engine calls it: its layers compiled unless --no-compile or --eager (on
     CUDA)."""
@@ -155,22 +133,41 @@ def model_forward(run, progress: bool = False) -> ModelForward:
     return ModelForward(run.model, compiled=bool(run.args.compile))
 
 
-def make_engine(run, forward: ModelForward, cache, manager, sampler, decoder,
-                progress: bool = False, arrivals: bool = False) -> ModelRunner:
-    """The engine's loop, with steps overlapped (--overlap, the default on CUDA) where the run
-    allows it. With `arrivals` (requests come over time, so most prefill passes are a prompt or
-    two), short passes as CUDA graphs where decode steps are: a static batch's prompts are
-    packed into long passes, which a graph would not speed up."""
+def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_batch: int,
+                progress: bool = False, arrivals: bool = False, graph_sampler=None,
+                eager_when=lambda rows: False) -> ModelRunner:
+    """The engine's loop, with the parts the flags choose: decode steps of up to `largest_batch`
+    rows as CUDA graphs where they can run (CUDA, an attention that reads its lengths on the
+    GPU; not --eager), a cascade with a cached system prompt (--cascade, the paged script's),
+    steps overlapped (--overlap, the default on CUDA) where the run allows it. With `arrivals`
+    (requests come over time, so most prefill passes are a prompt or two), short prefill passes
+    as CUDA graphs too: a static batch's prompts are packed into long passes, which a graph would
+    not speed up. graph_sampler, eager_when: what the graphs record, if not `sampler`, and the
+    rows they leave to the kernels launched from Python (LLMEngine's: the graphs decode
+    greedily, and a step with a row that samples runs eagerly)."""
+    cascade = None
+    if pools.caches_prefix(run) and run.args.cascade != "off":  # a system prompt, cached
+        from features.cascade import cascade_for
+        cascade = cascade_for(run, cache, manager)  # before the graphs record attention
+    graphs = None
+    if decodes_with_graphs(run):
+        from features.cuda_graphs import GraphDecoder
+        start = time.perf_counter()
+        recorded = SamplingDecoder(forward, cache, manager.block_table, graph_sampler or sampler)
+        graphs = GraphDecoder(recorded, largest_batch, eager_when)
+        if progress:
+            print(f"Captured {len(graphs.buckets)} CUDA graphs of a decode step, batch 1 to "
+                  f"{graphs.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
     overlap = run.args.overlap
     if overlap is None:
         overlap = run.device.type == "cuda"
     if overlap:
-        why_not = why_not_overlapped(run.args, manager)  # the manager too: --find-max-batch's
+        why_not = why_not_overlapped(run.args)
         if run.args.overlap:
             refuse_overlap(why_not)
         overlap = why_not is None
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
-    engine = ModelRunner(forward, cache, manager, sampler, decoder, overlap=overlap,
+    engine = ModelRunner(forward, cache, manager, sampler, graphs, cascade, overlap=overlap,
                          longest_first=run.device.type == "cuda")
     if arrivals and decodes_with_graphs(run):
         from features.prefill_graphs import BUCKETS, supports_prefill_graphs
@@ -190,39 +187,19 @@ def generate(run, cache, manager, progress: bool = True):
     sampler = make_sampler(args)
     scheduler = make_scheduler(run, cache, manager, requests)
     largest_batch = min(len(requests), args.max_running or len(requests))
-    forward = model_forward(run, progress)
-    decoder = make_decoder(run, forward, cache, manager, sampler, largest_batch, progress)
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    engine = make_engine(run, forward, cache, manager, sampler, decoder, progress,
-                         arrivals=not math.isinf(args.request_rate))
+    engine = make_engine(run, model_forward(run, progress), cache, manager, sampler, largest_batch,
+                         progress, arrivals=not math.isinf(args.request_rate))
     return engine.generate(scheduler, stop_ids, progress)
 
 
 def make_beam_engine(run, cache, manager) -> ModelRunner:
-    """--beam-width K: the decoder the flags choose, drawing K beams per prompt, under the core
-    loop (a search is one static batch: no overlap, no mixed steps; features/beam_search.py)."""
+    """--beam-width K: the engine the flags choose, drawing K beams per prompt (a search is one
+    static batch, run by features/beam_search.py's own loop: no overlap, no mixed steps)."""
     from features.beam_search import BeamSampler
     sampler = BeamSampler(run.args.beam_width)
-    forward = model_forward(run, progress=True)
-    decoder = make_decoder(run, forward, cache, manager, sampler,
-                           len(run.prompts) * run.args.beam_width, True)
-    return ModelRunner(forward, cache, manager, sampler, decoder)
-
-
-@dataclasses.dataclass
-class GreedyOrSampling:
-    """The engine's decoder. Greedy decode steps may be CUDA graphs; a step with a sampling row
-    runs eagerly, with the per-row sampler (a graph would have recorded one path for every row
-    forever). Chosen as each step is launched, which with overlapped steps is a step ahead of
-    the one LLMEngine.step returns."""
-
-    graphs: object
-    eager: SamplingDecoder
-    sampler: RowSampler
-
-    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
-        decoder = self.eager if self.sampler.any_samples(rows) else self.graphs
-        return decoder.step(tokens, positions, rows, slots)
+    return make_engine(run, model_forward(run, progress=True), cache, manager, sampler,
+                       len(run.prompts) * run.args.beam_width, progress=True)
 
 
 @dataclasses.dataclass(eq=False)
@@ -260,8 +237,7 @@ def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_toke
     from engine.compiled_layers import warm_up_prompts  # here: it loads the compiler
     for prompts in warm_up_prompts(compiled, manager, max_seq_len, new_tokens):
         run_pass(prompts)
-    from features.fp8_cache import Float8Writes
-    if isinstance(cache, Float8Writes):
+    if cache.k[0].dtype == torch.float8_e4m3fn:  # an FP8 cache, paged or virtual
         cache.forget_scales()
 
 
@@ -288,14 +264,15 @@ class LLMEngine:
         self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(cache, self.run)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
-        forward = model_forward(self.run, progress)
-        graphs = make_decoder(self.run, forward, self.cache, self.manager, greedy, max_num_seqs,
-                              progress)
-        eager = SamplingDecoder(forward, self.cache, self.manager.block_table, self.sampler)
-        self.engine = make_engine(self.run, forward, self.cache, self.manager, self.sampler,
-                                  GreedyOrSampling(graphs, eager, self.sampler), progress,
-                                  arrivals=True)  # a client's, or the server's
-        self.scheduler = make_scheduler(self.run, self.cache, self.manager, [])
+        # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
+        # the per-row sampler (a graph would have recorded one path for every row forever).
+        # Chosen as each step is launched, which with overlapped steps is a step ahead of the
+        # one `step` returns.
+        self.engine = make_engine(self.run, model_forward(self.run, progress), self.cache,
+                                  self.manager, self.sampler, max_num_seqs, progress,
+                                  arrivals=True,  # a client's, or the server's
+                                  graph_sampler=greedy, eager_when=self.sampler.any_samples)
+        self.scheduler = make_scheduler(self.run, self.cache, self.manager, [], served=True)
         self.engine.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row

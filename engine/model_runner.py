@@ -175,16 +175,22 @@ def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
 
 
 class ModelRunner(Engine):
-    def __init__(self, model, cache, manager, sampler=greedy, decoder=None, overlap: bool = False,
-                 longest_first: bool = False, tokens_per_pass: int | None = None):
-        """sampler: how tokens are drawn (features/sampling.py); decoder: how a decode step runs
-        (eager, features/cuda_graphs.py's graphs, features/cascade.py's two-part attention).
-        longest_first: decode steps' rows longest first, so that the attention kernel's last
-        wave is short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's
-        size, if not the lesson's."""
+    def __init__(self, model, cache, manager, sampler=greedy, graphs=None, cascade=None,
+                 prefill_graphs=None, overlap: bool = False, longest_first: bool = False,
+                 tokens_per_pass: int | None = None):
+        """model: the lesson's Llama, or the ModelForward that calls it (compiled layers).
+        sampler: how tokens are drawn (features/sampling.py, features/beam_search.py). graphs:
+        decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder); prefill_graphs:
+        short prefill passes as CUDA graphs (features/prefill_graphs.py's GraphPrefill, made
+        with `capture_prefill_graphs`). cascade: the two-part attention of a cached system
+        prompt (features/cascade.py's CascadeAttention), already in the cache. longest_first:
+        decode steps' rows longest first, so that the attention kernel's last wave is short
+        (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
+        the lesson's."""
         super().__init__(model, cache, manager)
         self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
-        self.decoder = decoder or SamplingDecoder(model, cache, manager.block_table, sampler)
+        self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
+        self.graphs, self.cascade, self.prefill_graphs = graphs, cascade, prefill_graphs
         self.tokens_per_pass = tokens_per_pass or self.tokens_per_pass
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
         self.in_flight: StepInFlight | None = None  # overlap: the step the GPU is computing
@@ -194,7 +200,27 @@ class ModelRunner(Engine):
         """Short prefill passes replayed as CUDA graphs (features/prefill_graphs.py), for
         requests that arrive over time: most of their passes are a prompt or two."""
         from features.prefill_graphs import GraphPrefill
-        self.prefill_logits = GraphPrefill(self).logits
+        self.prefill_graphs = GraphPrefill(self)
+
+    def decode(self, step: Step, last_tokens: torch.Tensor) -> torch.Tensor:
+        slots = self.manager.slots(step.rows, step.positions)  # [B]: as prefill finds them
+        return self.decode_rows(last_tokens, step.positions, step.rows, slots)
+
+    def decode_rows(self, tokens, positions, rows, slots) -> torch.Tensor:
+        """The one place a decode step runs (tokens on the device; positions, rows, slots on the
+        host): a CUDA graph where one replays the batch, else kernel by kernel; with a cascade,
+        kernel by kernel and without it when the rows do not all share its prefix."""
+        if self.cascade is not None and not self.cascade.shared_by(rows):
+            with self.cascade.set_aside():
+                return self.eager.step(tokens, positions, rows, slots)
+        if self.graphs is not None and self.graphs.replays(rows):
+            return self.graphs.step(tokens, positions, rows, slots)
+        return self.eager.step(tokens, positions, rows, slots)
+
+    def prefill_logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
+        if self.prefill_graphs is not None and self.prefill_graphs.replays(prompts):
+            return self.prefill_graphs.logits(rows, prompts)
+        return super().prefill_logits(rows, prompts)
 
     def serve(self, num_rows: int) -> None:
         """Steps without `generate`'s run (engine/llm_engine.py's LLMEngine adds requests one

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from block_manager import to_device
 from engine.scheduler import CachedPrefillStep
 from engine.sequence import ServedRequest
-from features.sharing import SharingBlockManager
+from engine.pools import shares_blocks
 from plumbing.cli import format_bytes, torchrun_process, write_json
 
 
@@ -81,14 +81,15 @@ def choose(prompt: Prompt, candidates: np.ndarray, stop_ids, length_penalty: flo
     return parents[going_on]
 
 
-def take_parents_blocks(manager, cache, rows: np.ndarray, parents: np.ndarray) -> None:
+def take_parents_blocks(manager, cache, rows: np.ndarray, parents: np.ndarray,
+                        shares: bool) -> None:
     """Beam i (row rows[i]) continues beam parents[i]: its cache becomes its parent's. Shared,
     it takes references to the parent's blocks; unshared, the parent's blocks are copied into
     its own. All beams of a prompt hold the same number of tokens."""
     moves = [(row, rows[p]) for row, p in zip(rows.tolist(), parents.tolist()) if rows[p] != row]
     if not moves:
         return
-    if isinstance(manager, SharingBlockManager):
+    if shares:
         return manager.take_blocks_of([row for row, _ in moves], [parent for _, parent in moves])
     shape = (cache.k.shape[0], *cache.block_shape)  # [n_layers, num_blocks, block_size, H, D]
     sources = [b for _, parent in moves for b in manager.owned_blocks[parent]]
@@ -109,10 +110,12 @@ class BeamResult:
 
 @torch.inference_mode()  # as Engine.generate: the mode CUDA graphs and compiled layers were made in
 def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: list[int],
-                stop_ids=frozenset(), length_penalty: float = 0.0, progress=True) -> BeamResult:
+                stop_ids=frozenset(), length_penalty: float = 0.0, progress=True,
+                shares: bool = False) -> BeamResult:
     """Search K = width beams for each prompt, all prompts in one batch (static: every prompt's
     blocks are taken at the start). Prompt p's beams run in rows p*K .. p*K + K-1; engine's
-    sampler must be BeamSampler(width)."""
+    sampler must be BeamSampler(width). shares: the engine's block manager shares blocks
+    (features/sharing.py's, as engine/pools.py's `shares_blocks` chooses)."""
     manager, cache = engine.manager, engine.cache
     searches = [Prompt(p, np.arange(i * width, (i + 1) * width), n)
                 for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
@@ -125,7 +128,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     forks = np.array([r.row for r in firsts if manager.num_tokens[r.row] < len(r.prompt_tokens)],
                      dtype=np.int64)
     manager.append_token(forks)
-    if not isinstance(manager, SharingBlockManager):
+    if not shares:
         for s in searches:
             for row in s.rows[1:]:
                 manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
@@ -135,7 +138,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     last_tokens = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
     for s, c in zip(searches, candidates):
         s.running, s.scores = [[]], np.zeros(1, dtype=np.float32)  # one beam, all K to come
-        advance(manager, cache, s, c[None], stop_ids, length_penalty, last_tokens)
+        advance(manager, cache, s, c[None], stop_ids, length_penalty, last_tokens, shares)
     fullest, steps = (0, 0), 0
     with tqdm(desc="beam search", unit="step", total=max(max_new_tokens) - 1,
               disable=not progress, leave=False) as bar:
@@ -143,21 +146,21 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
             rows = np.concatenate([s.rows for s in live])  # [B] = K per live prompt
             positions = manager.num_tokens[rows].copy()
             manager.append_token(rows)  # copy on write where children share a part-full block
-            unshared = getattr(manager, "num_unshared_slots", manager.num_reserved_slots)
+            unshared = manager.num_unshared_slots if shares else manager.num_reserved_slots
             fullest = (max(fullest[0], manager.num_reserved_slots), max(fullest[1], unshared))
             slots = manager.slots(rows, positions)
             tokens = to_device(last_tokens[rows], engine.device)
-            out = engine.decoder.step(tokens, positions, rows, slots).cpu().numpy()
+            out = engine.decode_rows(tokens, positions, rows, slots).cpu().numpy()
             for i, s in enumerate(live):
                 advance(manager, cache, s, out[i * width:(i + 1) * width], stop_ids,
-                        length_penalty, last_tokens)
+                        length_penalty, last_tokens, shares)
             steps += 1
             bar.update()
-    return BeamResult(searches, *fullest, steps, getattr(manager, "num_copied", 0))
+    return BeamResult(searches, *fullest, steps, manager.num_copied if shares else 0)
 
 
 def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty,
-            last_tokens) -> None:
+            last_tokens, shares: bool) -> None:
     """Choose the prompt's next beams, give each its parent's cache and its last token; free
     the prompt's rows when it is done."""
     parents = choose(search, candidates, stop_ids, length_penalty)
@@ -168,7 +171,7 @@ def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty
         return
     if len(candidates) == 1:  # after the prefill: every beam descends from the first row
         parents = np.zeros(len(search.rows), dtype=np.int64)
-    take_parents_blocks(manager, cache, search.rows, parents)
+    take_parents_blocks(manager, cache, search.rows, parents, shares)
     last_tokens[search.rows] = [beam[-1] for beam in search.running]
 
 
@@ -182,7 +185,7 @@ def search_and_report(run, engine, budgets: list[int]) -> None:
     args, width = run.args, run.args.beam_width
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
     result = beam_search(engine, [p.prompt_tokens for p in run.prompts], width, budgets,
-                         stop_ids)
+                         stop_ids, shares=shares_blocks(run))
     first = result.prompts[0]
     print(f"\n--- request {run.prompts[0].id}, its {width} beams, best first ---\n"
           f"> {run.prompts[0].prompt.strip()[:300]}")

@@ -21,6 +21,8 @@ Triton kernel (triton_attention.py) runs one query per request, so --attn triton
 cascade. The PyTorch reference here is for the tests.
 """
 
+import contextlib
+
 import torch
 
 from llama3_paged import DecodeBatch
@@ -101,10 +103,12 @@ class TorchParts:
 
 class CascadeAttention:
     """An attention backend (flash-attn, or the PyTorch reference) whose decode is a cascade while
-    `active`, for batches of `min_batch` or more: prefill is the backend's own."""
+    `active`, for batches of `min_batch` or more: prefill is the backend's own. `table`: the block
+    table's host copy, which `shared_by` reads before each decode step."""
 
-    def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int):
-        self.backend, self.name = backend, backend.name
+    def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int,
+                 table=None):
+        self.backend, self.name, self.table = backend, backend.name, table
         self.prefill, self.prefill_after_prefix = backend.prefill, backend.prefill_after_prefix
         self.prefix_blocks, self.prefix_tokens = prefix_blocks, prefix_blocks * block_size
         self.parts = (FlashParts(self.prefix_tokens, device) if backend.name == "flash"
@@ -112,6 +116,32 @@ class CascadeAttention:
         self.min_batch, self.active = min_batch, True
         # A static buffer, so that CUDA graphs replay with the current prefix's blocks: [1, P].
         self.prefix_table = torch.zeros(1, prefix_blocks, dtype=torch.int32, device=device)
+        self.prefix = None  # the blocks prefix_table holds now
+        self.num_steps = self.num_sharing_steps = 0  # decode steps; those whose rows all shared
+
+    def shared_by(self, rows) -> bool:
+        """Before each decode step, on the host: do all its rows list the same first P blocks?
+        Then the cascade reads those. If not (no request holds the prefix in the cache yet, or
+        a request was admitted before it was cached), the step runs eagerly without it
+        (engine/model_runner.py's `decode_rows`, inside `set_aside`)."""
+        first = self.table[rows, :self.prefix_blocks]  # [B, P]
+        self.num_steps += 1
+        if not (first == first[0]).all():
+            return False
+        if self.prefix is None or (first[0] != self.prefix).any():
+            self.prefix = first[0].copy()
+            self.prefix_table.copy_(torch.from_numpy(self.prefix)[None])
+        self.num_sharing_steps += 1
+        return True
+
+    @contextlib.contextmanager
+    def set_aside(self):
+        """Inside, decode is the backend's own."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
 
     def decode(self, q, key_blocks, value_blocks, batch):
         if not self.active or len(q) < self.min_batch:
@@ -125,35 +155,9 @@ class CascadeAttention:
         return self.parts.merge(*shared, *self.parts.own(q, key_blocks, value_blocks, own))
 
 
-class CascadeDecoder:
-    """Before each step, on the host: do all its rows list the same first P blocks? Then the
-    cascade reads those; else (no request holds the prefix in the cache yet, or a request was
-    admitted before it was cached) the step runs eagerly without it."""
-
-    def __init__(self, decoder, eager, cascade: CascadeAttention, table):
-        self.decoder, self.eager, self.cascade, self.table = decoder, eager, cascade, table
-        self.prefix = None  # the blocks the cascade's prefix_table holds now
-        self.num_steps = self.num_sharing_steps = 0  # decode steps; those whose rows all shared
-
-    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
-        first = self.table[rows, :self.cascade.prefix_blocks]  # [B, P], the host's copy
-        self.num_steps += 1
-        if not (first == first[0]).all():
-            self.cascade.active = False
-            try:
-                return self.eager.step(tokens, positions, rows, slots)
-            finally:
-                self.cascade.active = True
-        if self.prefix is None or (first[0] != self.prefix).any():
-            self.prefix = first[0].copy()
-            self.cascade.prefix_table.copy_(torch.from_numpy(self.prefix)[None])
-        self.num_sharing_steps += 1
-        return self.decoder.step(tokens, positions, rows, slots)
-
-
 def cascade_for(setup, cache, manager) -> CascadeAttention | None:
     """The cascade a run whose prefix cache shares a system prompt gets, printing the rule it was
-    chosen by (engine/llm_engine.py's make_decoder asks only then). --cascade auto: the prompt's full blocks, read by
+    chosen by (engine/llm_engine.py's make_engine asks only then). --cascade auto: the prompt's full blocks, read by
     flash-attn, for batches of MIN_SHARED_TOKENS_READ / prefix tokens or more. --cascade on forces
     it for every batch (flash-attn or the reference)."""
     mode, prefix_tokens = setup.args.cascade, setup.num_system_prompt_tokens
@@ -175,6 +179,6 @@ def cascade_for(setup, cache, manager) -> CascadeAttention | None:
     print(f"Cascade attention: the system prompt's first {shared_tokens:,} tokens "
           f"({prefix_blocks} blocks) read once per step in {when}.")
     cascade = CascadeAttention(cache.attention_backend, prefix_blocks, cache.block_size,
-                               manager.block_table.device, min_batch)
+                               manager.block_table.device, min_batch, manager.table)
     cache.attend_with(cascade)
     return cascade

@@ -9,8 +9,9 @@ A graph replays exactly what it recorded: the same shapes, reading and writing t
 addresses. So the step's inputs live in static buffers that each step overwrites, and there is
 one graph per batch-size bucket: a batch of 37 runs the bucket-40 graph with 3 padding rows, which
 write to the cache's spare slot (engine/kv_cache.py's, made with `spare_slot=True`). The block table and the KV pool are already static: the block
-manager edits the table in place. Batches above the largest bucket run eagerly;
-their kernels are long enough to hide the launches. (With compiled layers they run the eager
+manager edits the table in place. Batches above the largest bucket run eagerly
+(engine/model_runner.py's `decode_rows` asks `replays` first); their kernels are long enough to
+hide the launches. (With compiled layers they run the eager
 kernels below 600 rows, whose launches cost the host less: engine/compiled_layers.py.)
 """
 
@@ -26,10 +27,12 @@ BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLL
 
 class GraphDecoder:
     """Records `eager.decode` (engine/model_runner.py's SamplingDecoder, over the engine's
-    ModelForward) once per bucket; runs larger batches eagerly."""
+    ModelForward) once per bucket. `eager_when(rows)`: the rows the graphs must not run, beside
+    batches past the largest bucket (the API's: rows that sample, where the graphs record
+    greedy decoding; a graph would have recorded one path for every row forever)."""
 
-    def __init__(self, eager, max_batch: int):
-        self.eager = eager
+    def __init__(self, eager, max_batch: int, eager_when=lambda rows: False):
+        self.eager_when = eager_when
         self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
         largest, device = self.buckets[-1], eager.block_table.device
         # The graphs' inputs: tokens, positions, rows and slots, [4, largest]. A step fills the
@@ -59,11 +62,13 @@ class GraphDecoder:
                     self.next_tokens[batch_size] = step(batch_size)  # [batch_size], static
                 self.graphs[batch_size], pool = graph, graph.pool()
 
+    def replays(self, rows: np.ndarray) -> bool:
+        """Whether a graph runs this decode step."""
+        return len(rows) <= self.buckets[-1] and not self.eager_when(rows)
+
     def step(self, tokens, positions, rows, slots) -> torch.Tensor:
-        """Same contract as Decoder.step."""
+        """Same contract as Decoder.step, for a batch the graphs replay."""
         batch = len(rows)
-        if batch > self.buckets[-1]:
-            return self.eager.step(tokens, positions, rows, slots)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         self.inputs[0, :batch] = tokens  # rows batch.. keep earlier tokens: any token will do
         self.inputs[1:] = to_device(self._padded(positions, rows, slots), self.inputs.device)

@@ -19,7 +19,7 @@ import torch
 import llama3_naive
 import llama3_paged as lesson
 from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
-from features.pools import allocate_naive, allocate_paged
+from engine.pools import allocate_naive, allocate_paged
 from plumbing.cli import (UserError, add_pool_arguments, argument_parser, fraction, gigabytes,
                           importable, kv_cache_dtype, positive_int, refuse_output_over_input,
                           request_rate, temperature, torchrun_process, writable_file)
@@ -299,16 +299,14 @@ def refuse_fp8_combinations(args, no_system_prompt: bool) -> None:
                         f"of the two.")
 
 
-def why_not_overlapped(args, manager=None) -> str | None:
+def why_not_overlapped(args) -> str | None:
     """What keeps a run on the core loop, if anything: each of these reads on the host what the
-    step in flight has not brought back yet, or changes what it may still touch. Without a
-    manager, what the flags alone say (`load` asks, before the model loads)."""
-    from features.page_manager import PageManager
+    step in flight has not brought back yet, or changes what it may still touch."""
     if args.continuous and args.max_batched_tokens:
         return "mixed steps read the running requests' last tokens on the host"
     if args.continuous and args.preemption == "swap":
         return "swapping checks on the host whether a victim has its last token"
-    if isinstance(manager, PageManager) or args.sync_mapping:
+    if args.sync_mapping or (args.script == "llama3_virtual.py" and args.find_max_batch):
         return ("mapping in the loop (--sync-mapping; --find-max-batch's runs too) unmaps a "
                 "finished request's pages at once")
     return None

@@ -62,13 +62,14 @@ def padded_pass(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
 
 
 class GraphPrefill:
-    """`engine.prefill_logits` (llama3_paged.py's Engine), recorded once per bucket; other passes
-    run it as it is. Captured after the decode graphs, the way they are (features/cuda_graphs.py)."""
+    """`engine.prefill_logits` (llama3_paged.py's Engine), recorded once per bucket; the passes
+    it does not `replay` run as they are (engine/model_runner.py's `prefill_logits`). Captured
+    after the decode graphs, the way they are (features/cuda_graphs.py)."""
 
     def __init__(self, engine):
-        self.eager, self.manager, self.cache = engine.prefill_logits, engine.manager, engine.cache
-        from features.fp8_cache import Float8Writes
-        self.float8 = float8 = isinstance(self.cache, Float8Writes)  # its first pass sets scales
+        self.manager, self.cache = engine.manager, engine.cache
+        # An FP8 cache (features/fp8_cache.py): its first pass sets the scales.
+        self.float8 = float8 = self.cache.k[0].dtype == torch.float8_e4m3fn
         # The graphs' inputs: one buffer in LAYOUT, and views of it.
         self.inputs = torch.zeros(sum(LAYOUT), dtype=torch.long, device=engine.device)
         per_token, cu_seqlens, last_token_at = self.inputs.split(LAYOUT)
@@ -81,7 +82,7 @@ class GraphPrefill:
 
         nothing = np.zeros(0, dtype=np.int64)
         # The graphs record the passes after an FP8 cache's first, which quantize with the scales
-        # that pass set (`logits` sends the first pass to the eager one).
+        # that pass set (the first pass runs eagerly: `replays`).
         scaled = self.cache.as_if_scaled() if float8 else contextlib.nullcontext()
         with scaled, torch.inference_mode(), engine.model.at_any_length():
             self.graphs, self.logits_out, pool = {}, {}, None
@@ -95,13 +96,16 @@ class GraphPrefill:
                     self.logits_out[bucket] = prefill(bucket)
                 self.graphs[bucket], pool = graph, graph.pool()
 
+    def replays(self, prompts: list[list[int]]) -> bool:
+        """Whether a graph runs this pass."""
+        return (sum(map(len, prompts)) <= LARGEST and len(prompts) <= MAX_PROMPTS
+                and not (self.float8 and not all(self.cache.scaled)))
+
     def logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
-        """Same contract as Engine.prefill_logits: [B, vocab], each prompt's last token's."""
+        """Same contract as Engine.prefill_logits, for a pass the graphs replay: [B, vocab],
+        each prompt's last token's."""
         lengths = np.array([len(p) for p in prompts])
         total = int(lengths.sum())
-        if (total > LARGEST or len(prompts) > MAX_PROMPTS
-                or (self.float8 and not all(self.cache.scaled))):
-            return self.eager(rows, prompts)
         bucket = BUCKETS[bisect.bisect_left(BUCKETS, total)]
         positions = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # [T]
         slots = self.manager.slots(np.repeat(rows, lengths), positions)  # as decode finds them

@@ -12,6 +12,7 @@ import statistics
 import numpy as np
 import torch
 
+from engine.pools import shares_blocks
 from plumbing.cli import format_bytes, per_token, torchrun_process, write_json
 from plumbing.inputs import device_total_bytes, lengths_note, print_answers
 
@@ -127,7 +128,7 @@ def sharing_report(run, manager, generation) -> dict:
     would hold with no block shared (the PagedAttention paper's measure, section 6.3). Zeros for
     a manager that shares nothing."""
     g, system = generation, run.num_system_prompt_tokens
-    sharing = hasattr(manager, "ref_counts")
+    sharing = shares_blocks(run)
     n = len(g.requests)
     forked = manager.forked[:n].tolist() if sharing else [False] * n
     first_cached = np.maximum(manager.first_cached[:n], 0).tolist() if sharing else [0] * n

@@ -102,12 +102,12 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     if hasattr(manager, "watch_queue"):  # as engine/llm_engine.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
-    forward = ModelForward(model, compiled)
-    decoder = SamplingDecoder(forward, cache, manager.block_table, sampler)
+    forward, recorded = ModelForward(model, compiled), None
     if graphs:
         from features.cuda_graphs import GraphDecoder
-        decoder = GraphDecoder(decoder, max_running or len(requests))
-    engine = ModelRunner(forward, cache, manager, sampler, decoder, overlap=overlap,
+        recorded = GraphDecoder(SamplingDecoder(forward, cache, manager.block_table, sampler),
+                                max_running or len(requests))
+    engine = ModelRunner(forward, cache, manager, sampler, recorded, overlap=overlap,
                          longest_first=longest_first, tokens_per_pass=chunk_tokens)
     return engine.generate(scheduler, set(stop_ids), progress=False)
 

@@ -12,7 +12,6 @@ from conftest import tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
-from llama3_paged import Decoder
 from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler
 from engine.model_runner import ModelRunner
@@ -103,7 +102,7 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=24 if mixed else 8192,
                           mixed=mixed)
-    engine = ModelRunner(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    engine = ModelRunner(model, cache, manager, greedy)
     result = engine.generate(scheduler, progress=False)
     assert result.output_tokens == static.output_tokens
     for r in requests:

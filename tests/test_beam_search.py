@@ -10,7 +10,6 @@ from conftest import forward_modes, tiny_hf_model
 from block_manager import BlockManager
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.model_runner import SamplingDecoder
 from features.beam_search import BeamSampler, beam_search
 from features.sharing import SharingBlockManager
 from plumbing.inputs import load_model
@@ -28,10 +27,9 @@ def our_beams(model, prompts, width, new_tokens, stop_ids, sharing=True, block_s
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=False) if sharing
                else BlockManager(num_blocks, block_size, n, max_blocks))
     sampler = BeamSampler(width)
-    engine = ModelRunner(model, cache, manager, sampler,
-                    SamplingDecoder(model, cache, manager.block_table, sampler))
+    engine = ModelRunner(model, cache, manager, sampler)
     result = beam_search(engine, prompts, width, [new_tokens] * len(prompts), stop_ids,
-                         progress=False)
+                         progress=False, shares=sharing)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks, "a block leaked"
     return result
 

@@ -14,9 +14,8 @@ from engine.sequence import ServedRequest
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import greedy
-from llama3_paged import Decoder
 from llama3_paged import DecodeBatch
-from features.cascade import CascadeAttention, CascadeDecoder
+from features.cascade import CascadeAttention
 from engine.scheduler import Scheduler
 from features.sharing import SharingBlockManager
 from plumbing.cli import importable
@@ -65,14 +64,15 @@ def test_the_cascade_equals_attention_over_all_the_keys():
 
 def test_a_step_whose_rows_do_not_share_the_prefix_runs_without_the_cascade():
     calls = []
-    cascade = CascadeAttention(TorchAttentionAfterPrefix(), 2, 4, "cpu", min_batch=1)
-    record = lambda name: SimpleNamespace(step=lambda *a: calls.append((name, cascade.active)))
-    decoder = CascadeDecoder(record("graphs"), record("eager"), cascade,
-                             table=np.array([[7, 3, 9], [7, 3, 4], [7, 5, 1]]))
-    rows = np.array([0, 1])
-    decoder.step(None, None, rows, None)  # rows 0 and 1 share blocks 7, 3
+    cascade = CascadeAttention(TorchAttentionAfterPrefix(), 2, 4, "cpu", min_batch=1,
+                               table=np.array([[7, 3, 9], [7, 3, 4], [7, 5, 1]]))
+    record = lambda name: SimpleNamespace(
+        step=lambda *a: calls.append((name, cascade.active)), replays=lambda rows: True)
+    runner = SimpleNamespace(cascade=cascade, graphs=record("graphs"), eager=record("eager"))
+    decode_rows = lambda rows: ModelRunner.decode_rows(runner, None, None, rows, None)
+    decode_rows(np.array([0, 1]))  # rows 0 and 1 share blocks 7, 3
     assert calls == [("graphs", True)] and cascade.prefix_table.tolist() == [[7, 3]]
-    decoder.step(None, None, np.array([0, 2]), None)  # row 2 holds 7, 5: no cascade
+    decode_rows(np.array([0, 2]))  # row 2 holds 7, 5: no cascade
     assert calls[-1] == ("eager", False) and cascade.active
 
 
@@ -80,18 +80,17 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
     cache = EngineKVCache(model.args, 128, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = SharingBlockManager(cache, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
                                   prefix_caching=True)
-    decoder = eager = Decoder(model, cache, manager.block_table)
+    cascade = None
     if cascade_on:
         system_blocks = 21 // block_size
         cascade = CascadeAttention(cache.attention_backend, system_blocks, block_size, "cpu",
-                                   min_batch=2)
+                                   min_batch=2, table=manager.table)
         cache.attend_with(cascade)
-        decoder = CascadeDecoder(eager, eager, cascade, manager.table)
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, max_running=4, token_budget=64,
                           shares_blocks=True)
-    result = ModelRunner(model, cache, manager, greedy, decoder).generate(scheduler, progress=False)
-    return result, decoder
+    engine = ModelRunner(model, cache, manager, greedy, cascade=cascade)
+    return engine.generate(scheduler, progress=False), cascade
 
 
 @pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8: the
@@ -102,9 +101,9 @@ def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size)
     prompts = random_prompts([5, 12, 1, 30, 8, 17, 9], seed=4, prefix=system)
     budgets = [9, 4, 12, 7, 10, 5, 8]
     without, _ = run(model, prompts, budgets, block_size, cascade_on=False)
-    with_cascade, decoder = run(model, prompts, budgets, block_size, cascade_on=True)
+    with_cascade, cascade = run(model, prompts, budgets, block_size, cascade_on=True)
     assert with_cascade.output_tokens == without.output_tokens
-    assert decoder.num_sharing_steps >= decoder.num_steps - 2, "the cascade ran in most steps"
+    assert cascade.num_sharing_steps >= cascade.num_steps - 2, "the cascade ran in most steps"
 
 
 @pytest.mark.gpu

@@ -65,8 +65,9 @@ def test_rows_longest_first_give_the_batch_orders_tokens(model, monkeypatch, kin
 @pytest.mark.parametrize("device, expected", [("cpu", False), ("cuda", True)])
 def test_rows_are_longest_first_on_cuda(model, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {  # eager: no graphs of a CPU model
-        "overlap": False, "continuous": False, "max_batched_tokens": None, "eager": True}),
+        "overlap": False, "continuous": False, "max_batched_tokens": None, "eager": True,
+        "script": "llama3_naive.py"}),
         "device": torch.device(device), "model": model})
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, None)
+    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
     assert engine.decode_longest_first is expected

@@ -14,7 +14,6 @@ from conftest import tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
-from llama3_paged import Decoder
 from engine.scheduler import MixedStep, Scheduler
 from engine.model_runner import ModelRunner
 from features.sharing import SharingBlockManager
@@ -35,7 +34,7 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
     requests = [ServedRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = StepRecorder(manager, requests, True, max_running, max_batched_tokens, mixed=True)
-    engine = ModelRunner(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    engine = ModelRunner(model, cache, manager, greedy)
     return engine.generate(scheduler, progress=False), manager, scheduler.steps
 
 

@@ -132,12 +132,15 @@ def test_the_gpu_idle_time_is_the_time_between_steps():
 
 def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
     args = lambda **kw: type("Args", (), {"continuous": True, "max_batched_tokens": None,
-                                          "preemption": "recompute", "sync_mapping": False} | kw)
-    manager = BlockManager(4, 4, 1, 4)
-    assert why_not_overlapped(args(), manager) is None
-    assert "mixed steps" in why_not_overlapped(args(max_batched_tokens=64), manager)
-    assert "swapping" in why_not_overlapped(args(preemption="swap"), manager)
-    assert "--sync-mapping" in why_not_overlapped(args(sync_mapping=True))  # the flags alone
+                                          "preemption": "recompute", "sync_mapping": False,
+                                          "script": "llama3_virtual.py", "find_max_batch": False}
+                             | kw)
+    assert why_not_overlapped(args()) is None
+    assert "mixed steps" in why_not_overlapped(args(max_batched_tokens=64))
+    assert "swapping" in why_not_overlapped(args(preemption="swap"))
+    assert "--sync-mapping" in why_not_overlapped(args(sync_mapping=True))
+    assert "--find-max-batch" in why_not_overlapped(args(find_max_batch=True))  # maps in the loop
+    assert why_not_overlapped(args(find_max_batch=True, script="llama3_paged.py")) is None
 
 
 @pytest.mark.parametrize("flags, reason", [
@@ -160,18 +163,20 @@ def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags,
 ])
 def test_the_flag_chooses_the_loop(model, overlap, device, expected):
     setup = type("Run", (), {"args": type("Args", (), {
-        "overlap": overlap, "continuous": False, "max_batched_tokens": None,
+        "overlap": overlap, "continuous": False, "max_batched_tokens": None, "eager": True,
+        "script": "llama3_naive.py",
         "preemption": "recompute", "sync_mapping": False}), "device": torch.device(device), "model": model})
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, None)
+    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
     assert engine.overlap == expected
 
 
 def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
     from plumbing.cli import UserError
     setup = type("Run", (), {"args": type("Args", (), {
-        "overlap": True, "continuous": True, "max_batched_tokens": 64,
+        "overlap": True, "continuous": True, "max_batched_tokens": 64, "eager": True,
+        "script": "llama3_naive.py",
         "preemption": "recompute", "sync_mapping": False}), "device": torch.device("cpu"), "model": model})
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     with pytest.raises(UserError, match="mixed steps"):
-        make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, None)
+        make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)

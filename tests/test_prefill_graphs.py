@@ -115,6 +115,7 @@ def test_prefill_graphs_give_the_eager_passes_logits_and_kv(float8, compiled):
                                                       positions)).cuda()
         expected = eager_logits(rows, prompts).float()
         expected_kv = [engine.cache.k[:, slots].clone(), engine.cache.v[:, slots].clone()]
+        assert graphs.replays(prompts)
         logits = graphs.logits(rows, prompts).float()
         kv = [engine.cache.k[:, slots], engine.cache.v[:, slots]]
         assert logits.shape == expected.shape
@@ -139,7 +140,7 @@ def test_the_served_engine_gives_the_same_tokens_through_each_cache_with_prefill
     def served_tokens(cache) -> dict:
         engine = LLMEngine(cache, len(prompts), model="tiny", random_weights=True, kv_budget_gb=0.5,
                            max_seq_len=1024)
-        assert isinstance(engine.engine.prefill_logits.__self__, GraphPrefill)
+        assert isinstance(engine.engine.prefill_graphs, GraphPrefill)
         finished = {}
         for prompt in prompts + [None] * 100:  # then steps until every request is done
             if prompt is not None:

@@ -11,7 +11,6 @@ from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
-from llama3_paged import Decoder
 from engine.scheduler import Scheduler
 from engine.swap import HostBlocks
 from plumbing.inputs import random_model
@@ -48,7 +47,7 @@ def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, d
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,
                           mixed=mixed_budget is not None, host=HostBlocks(cache, swap_blocks))
-    engine = ModelRunner(model, cache, manager, greedy, Decoder(model, cache, manager.block_table))
+    engine = ModelRunner(model, cache, manager, greedy)
     result = engine.generate(scheduler, progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     assert sorted(scheduler.host.free) == list(range(swap_blocks)), "every host block back"

@@ -49,7 +49,7 @@ import torch
 from block_manager import BlockManager
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
-from llama3_paged import Decoder, append_tokens
+from llama3_paged import append_tokens
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
 from features.arrivals import latency_report
@@ -65,7 +65,7 @@ from features.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
 from features import engine_args
 from features.engine_args import CACHES, load
-from engine.llm_engine import (allocate_kv_cache, arrival_times, make_decoder, make_engine,
+from engine.llm_engine import (allocate_kv_cache, arrival_times, make_engine,
                                make_scheduler, model_forward, warm_up)
 from tools.kernel_profile import profile_engine
 from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,
@@ -354,10 +354,8 @@ def bench(a) -> dict:
     weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(a.script, setup)
-    forward = model_forward(setup)
-    decoder = make_decoder(setup, forward, cache, manager, greedy,
-                           min(len(setup.prompts), a.max_running or len(setup.prompts)), False)
-    engine = make_engine(setup, forward, cache, manager, greedy, decoder,
+    engine = make_engine(setup, model_forward(setup), cache, manager, greedy,
+                         min(len(setup.prompts), a.max_running or len(setup.prompts)),
                          arrivals=not math.isinf(a.request_rate))
     prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)
 
@@ -435,7 +433,7 @@ def bench(a) -> dict:
         "device": torch.cuda.get_device_name(setup.device),
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
-        "cuda_graphs": not isinstance(decoder, Decoder),
+        "cuda_graphs": engine.graphs is not None,
         "num_prompt_tokens": sum(len(r.prompt_tokens) for r in result.requests),
         "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,

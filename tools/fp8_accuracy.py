@@ -57,7 +57,9 @@ class ForcedSampler:
 def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
     import torch
     from block_manager import BlockManager
-    from llama3_paged import Engine, Request, Scheduler
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import Scheduler
+    from engine.sequence import ServedRequest
     block_size = 16
     blocks_each = max(len(p) for p in prompts) // block_size + steps // block_size + 2
     num_blocks = blocks_each * len(prompts)
@@ -65,10 +67,9 @@ def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
     manager = BlockManager(num_blocks, block_size, len(prompts), blocks_each, run.device)
     lengths = torch.tensor([len(p) for p in prompts], device=run.device)
     sampler = ForcedSampler(lengths, forced)
-    engine = Engine(run.model, cache, manager)
-    engine.sampler = engine.decoder.sampler = sampler
-    engine.generate(Scheduler(manager, [Request(i, p, steps) for i, p in enumerate(prompts)]),
-                    progress=False)
+    requests = [ServedRequest(i, p, steps) for i, p in enumerate(prompts)]
+    ModelRunner(run.model, cache, manager, sampler).generate(Scheduler(manager, requests),
+                                                             progress=False)
     return sampler
 
 

@@ -63,7 +63,7 @@ from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
 from features.report import format_seconds, scheduling_report
 from features.engine_args import choose_attention, load, parse_script_arguments
-from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_decoder, make_engine,
+from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_engine,
                                make_requests, make_scheduler, model_forward, warm_up)
 from features.sampling import SamplingParams
 
@@ -222,10 +222,8 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         cache, manager = allocate_kv_cache(script, setup)
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
-        forward = model_forward(setup)
-        decoder = make_decoder(setup, forward, cache, manager, greedy, largest_batch,
-                               progress=False)
-        engine = make_engine(setup, forward, cache, manager, greedy, decoder, arrivals=True)
+        engine = make_engine(setup, model_forward(setup), cache, manager, greedy, largest_batch,
+                             arrivals=True)
         warm_up_engine(engine, setup, cache, manager)
         serve = lambda rate, n: run_point(engine, setup, cache, manager, rate, n)
     try:

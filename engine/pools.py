@@ -56,21 +56,35 @@ def decodes_with_graphs(run: Run) -> bool:
     return run.device.type == "cuda" and not run.args.eager and run.attention.name != "torch"
 
 
+def shares_blocks(run: Run, served: bool = False) -> bool:
+    """Whether the run's pool shares blocks where requests begin with the same tokens (paged,
+    unless --no-sharing): samples of one prompt (--samples; `served`: a served request may ask
+    for n), beams, or prompts after one system prompt (the prefix cache). Elsewhere the prefix
+    cache would find next to nothing (1% of W2's prompt tokens), and the lesson's block manager
+    runs. The engine asks this of the flags, not of the manager's class."""
+    args = run.args
+    return (args.script == "llama3_paged.py" and not args.no_sharing
+            and (served or args.samples > 1 or args.beam_width > 1 or caches_prefix(run)))
+
+
+def caches_prefix(run: Run) -> bool:
+    """Whether later prompts find a system prompt's blocks in the pool (features/prefix_cache.py)."""
+    args = run.args
+    return (args.script == "llama3_paged.py" and not args.no_sharing
+            and run.system_prompt is not None and not args.no_prefix_cache)
+
+
 def allocate_paged(run: Run, samples: bool = False):
-    """llama3_paged.py's pool. Blocks are shared where requests begin with the same tokens:
-    samples of one prompt (--samples; `samples`: a server's requests may ask for n), beams, or
-    prompts after one system prompt (the prefix cache). Elsewhere the prefix cache would find next
-    to nothing (1% of W2's prompt tokens), and the lesson's block manager runs."""
+    """llama3_paged.py's pool, its blocks shared where `shares_blocks` says (`samples`: a
+    server's requests may ask for n)."""
     args = run.args
     num_blocks, block_size = lesson.pool_size(run, kv_budget_bytes(run))
     cache, max_blocks = kv_cache(run, num_blocks, block_size), math.ceil(args.max_seq_len / block_size)
-    prefix_caching = run.system_prompt is not None and not args.no_prefix_cache
-    samples = samples or args.samples > 1
-    if args.no_sharing or not (samples or args.beam_width > 1 or prefix_caching):
+    if not shares_blocks(run, served=samples):
         return cache, lesson.BlockManager(num_blocks, block_size, run.num_sequences, max_blocks,
                                           run.device)
     from features.sharing import SharingBlockManager
-    return cache, SharingBlockManager(cache, run.num_sequences, max_blocks, prefix_caching)
+    return cache, SharingBlockManager(cache, run.num_sequences, max_blocks, caches_prefix(run))
 
 
 def allocate_naive(run: Run):
