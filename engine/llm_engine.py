@@ -416,8 +416,7 @@ class LLMEngine:
         if request.status == Status.RUNNING:
             self.engine.let_go(request, self.scheduler)
         elif request in self.scheduler.waiting:
-            self.scheduler.waiting.remove(request)
-            request.status = Status.FINISHED
+            self.scheduler.drop(request)
         self._release(sequence)
 
     def _release(self, sequence: Sequence) -> None:

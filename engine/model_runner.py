@@ -381,7 +381,6 @@ class ModelRunner(Engine):
             if request.status is Status.FINISHED:
                 continue  # its last token: let go of already
             if request.status is Status.WAITING:  # preempted while its stop token was in flight
-                scheduler.waiting.remove(request)
-                request.status = Status.FINISHED
+                scheduler.drop(request)
             else:
                 self.let_go(request, scheduler)

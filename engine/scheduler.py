@@ -143,6 +143,15 @@ class Scheduler(lesson.Scheduler):
             request.status = Status.FINISHED
         super().finish(requests)
 
+    def drop(self, request: ServedRequest) -> None:
+        """End a request that waits (an abort; a stop token drawn as it was preempted): it leaves
+        the queue, and the host blocks it was swapped to are free again."""
+        self.waiting.remove(request)
+        host = self.swapped.pop(request, None)
+        if host is not None:
+            self.host.release(host)
+        request.status = Status.FINISHED
+
     def _prefill_or_decode(self) -> lesson.Step:
         """A prefill of newly admitted requests if any can join, else a decode of all running."""
         joining = self._head_that_fits()

@@ -61,6 +61,11 @@ class HostBlocks:
         self.queued.append(("in", list(blocks), host))
         self.free += host
 
+    def release(self, host: list[int]) -> None:
+        """Host blocks whose request ended while swapped out: free, their K/V never copied back
+        (a later copy out into them is made after any queued one, in queue order)."""
+        self.free += host
+
     def flush(self) -> None:
         """Make the queued copies, asynchronously on the current stream, before the step runs."""
         groups = []  # consecutive copies of one direction, merged

@@ -110,3 +110,29 @@ def test_swapping_where_it_cannot_run_ends_in_one_paragraph(flags, says):
                           "--model", "tiny", "--device", "cpu", *flags],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
+
+
+def test_an_aborted_request_waiting_in_host_memory_gives_its_host_blocks_back():
+    # The served engine, swapping in a pool too small for its 4 rows: a request aborted while
+    # its K/V wait in host memory frees its host blocks (before, they stayed taken for good, and
+    # later victims were recomputed for want of room), and the others run to their end.
+    from engine.llm import SamplingParams
+    from engine.llm_engine import LLMEngine
+    engine = LLMEngine("paged", 4, model="tiny", random_weights=True, device="cpu", block_size=4,
+                       num_blocks=12, preemption="swap", swap_space=0.01, no_sharing=True,
+                       max_seq_len=64)
+    host, scheduler = engine.scheduler.host, engine.scheduler
+    all_host_blocks = len(host.free)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(list(range(1, 6 + r)), params) for r in range(4)]
+    while not scheduler.swapped:
+        engine.step()
+    victim = next(iter(scheduler.swapped))
+    aborted = engine.sequences[victim.row].request_id
+    engine.abort(aborted)
+    assert not scheduler.swapped and len(host.free) == all_host_blocks
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {s.request_id for s in engine.step() if s.finish_reason == "length"}
+    assert finished == set(ids) - {aborted} and len(host.free) == all_host_blocks
+    assert engine.manager.num_used_blocks == 0 and len(engine.free_rows) == 4
