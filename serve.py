@@ -105,8 +105,9 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
     """features/sampling.py's SamplingParams, by name (the engine's process builds it). Without
     max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
     default_max_tokens: the context left, which the engine clamps to (vLLM's defaults)."""
-    stop = field(body, "stop", (str, list), [], lambda s: isinstance(s, str) or (
-        len(s) <= 4 and all(isinstance(x, str) and x for x in s)), "a string or up to 4 strings")
+    stop = field(body, "stop", (str, list), [], lambda s: (isinstance(s, str) and s) or (
+        isinstance(s, list) and len(s) <= 4 and all(isinstance(x, str) and x for x in s)),
+        "a non-empty string or up to 4 of them")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return dict(
         max_tokens=field({"max_tokens": max_tokens}, "max_tokens", int, default_max_tokens,

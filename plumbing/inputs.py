@@ -414,6 +414,10 @@ def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
             raise UserError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(target.shape)}. The checkpoint and its config disagree.")
         target.copy_(tensor)  # casts to the model's dtype on the way
+        if not torch.isfinite(target).all():  # one reduction per tensor: NaN would run silently
+            raise UserError(f"{source}: {name} holds NaN or infinite values (or values past "
+                            f"{str(target.dtype).removeprefix('torch.')}'s range), so every "
+                            f"answer would be noise. The checkpoint is damaged: download it again.")
 
 
 def _read_json(path: Path) -> dict:

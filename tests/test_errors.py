@@ -87,6 +87,12 @@ def checkpoints(tmp_path_factory):
     (meta_truncated / "params.json").write_text((meta / "params.json").read_text())
     (meta_truncated / "consolidated.00.pth").write_bytes(
         (meta / "consolidated.00.pth").read_bytes()[:50_000])
+    nan_weight = root / "nan_weight"  # one NaN among its millions of weights
+    with torch.no_grad():
+        down = hf.model.layers[1].mlp.down_proj.weight
+        before, down[3, 5] = down[3, 5].item(), float("nan")
+        hf.save_pretrained(nan_weight)
+        down[3, 5] = before
     small_vocab = root / "small_vocab"
     tiny_hf_model(rope_scaling=False, tied=False, vocab_size=512).save_pretrained(small_vocab)
     not_bpe = root / "not_bpe.model"
@@ -101,7 +107,7 @@ def checkpoints(tmp_path_factory):
                                 for rank, t in enumerate(tokens)))
     return {name: path for name, path in locals().items() if name in (
         "truncated", "wrong_types", "not_json", "meta_list", "meta_truncated", "small_vocab",
-        "not_bpe", "short_bpe", "no_single_bytes")}
+        "nan_weight", "not_bpe", "short_bpe", "no_single_bytes")}
 
 
 # (script, arguments, exit code, a fragment of the message that names the cause)
@@ -174,6 +180,7 @@ DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the f
     ("meta_list", "--ckpt-dir", "malformed"),
     ("meta_truncated", "--ckpt-dir", "not a readable PyTorch checkpoint"),
     ("small_vocab", "--ckpt-dir", "vocabulary has 512 tokens"),
+    ("nan_weight", "--ckpt-dir", "model.layers.1.mlp.down_proj.weight holds NaN"),
     ("not_bpe", "--tokenizer", "is not a tiktoken BPE file"),
     ("short_bpe", "--tokenizer", "has 3 tokens"),
     ("no_single_bytes", "--tokenizer", "lacks 256 of the 256 single-byte tokens"),

@@ -225,6 +225,8 @@ BAD = [
     (json.dumps({"prompt": "hi", "max_tokens": 2, "top_k": 10**20}), "'top_k'"),  # past a long
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
     (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
+    (json.dumps({"prompt": "hi", "stop": ""}), "'stop'"),
+    (json.dumps({"prompt": "hi", "stop": ["a", ""]}), "'stop'"),
 ]
 
 
@@ -234,6 +236,8 @@ def test_each_bad_request_gets_a_400_and_the_server_serves_on(server, client, bo
                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"]
+    if says.startswith("'") and says.endswith("'"):  # a field's value: the error names it
+        assert response.json()["error"]["param"] == says[1:-1]
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
 
 
