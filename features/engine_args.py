@@ -21,8 +21,9 @@ import llama3_paged as lesson
 from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
 from engine.pools import allocate_naive, allocate_paged
 from plumbing.cli import (UserError, add_pool_arguments, argument_parser, fraction, gigabytes,
-                          importable, kv_cache_dtype, positive_int, refuse_output_over_input,
-                          request_rate, temperature, torchrun_process, writable_file)
+                          importable, kv_cache_dtype, positive_int, read_text_input,
+                          refuse_output_over_input, request_rate, temperature, torchrun_process,
+                          writable_file)
 from plumbing import inputs
 from plumbing.inputs import Run
 
@@ -329,7 +330,7 @@ def system_prompt(args) -> str | None:
     if args.system_prompt_file is None:
         return args.system_prompt
     try:
-        return args.system_prompt_file.read_text(encoding="utf-8")
+        return read_text_input(args.system_prompt_file, "--system-prompt-file")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"Could not read --system-prompt-file {args.system_prompt_file}: {e}") from e
 

@@ -88,6 +88,32 @@ def is_project_code(path: Path) -> bool:
     return PROJECT_ROOT in path.parents and path.suffix in PROJECT_CODE_SUFFIXES
 
 
+MAX_INPUT_BYTES = 256 * 2**20  # a text input (prompts, a system prompt): far above any real one
+
+
+def read_text_input(path: Path, what: str) -> str:
+    """A text file the run reads, if it is a regular file of at most MAX_INPUT_BYTES: a pipe
+    would wait for a writer forever, /dev/zero fill memory until the kernel kills the run.
+    OSError and UnicodeDecodeError reach the caller, which names what was being read."""
+    import stat
+    info = Path(path).stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise UserError(f"{what} {path} is not a regular file (a pipe, a device?): name a file.")
+    if info.st_size > MAX_INPUT_BYTES:
+        raise UserError(f"{what} {path} is {format_bytes(info.st_size)}, more than the "
+                        f"{format_bytes(MAX_INPUT_BYTES)} a text input may be.")
+    with open(path, encoding="utf-8") as f:
+        return f.read(MAX_INPUT_BYTES + 1)[:MAX_INPUT_BYTES]  # it may have grown since
+
+
+def is_standard_output(path: Path) -> bool:
+    """/dev/stdout, /dev/stderr or another name of them: outputs that are no regular file."""
+    try:
+        return any(os.path.samestat(os.stat(path), os.fstat(fd)) for fd in (1, 2))
+    except OSError:
+        return False
+
+
 def writable_file(text: str) -> Path:
     """Checked before the run, so that no result is computed only to be lost. (That it names no
     file the run reads is checked once every input is known: `refuse_output_over_input`.)"""
@@ -103,6 +129,9 @@ def writable_file(text: str) -> Path:
                                          f"it would overwrite it. Name another file.")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    if (path.is_fifo() or path.is_socket()) and not is_standard_output(path):
+        raise argparse.ArgumentTypeError(f"{text} is a pipe: writing it would wait for a reader, "
+                                         f"maybe forever. Name a file (or /dev/stdout)")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
@@ -178,9 +207,11 @@ def json_file(text: str):
     before anything runs (exit 2)."""
     import json
     try:
-        return json.loads(Path(text).read_text())
+        return json.loads(read_text_input(Path(text), "the JSON file"))
     except FileNotFoundError:
         raise argparse.ArgumentTypeError(f"{text}: no such file") from None
+    except UserError as e:  # a pipe, a device, too large
+        raise argparse.ArgumentTypeError(str(e)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not a JSON file: {e}") from None
     except RecursionError:  # json's decoder recurses once per level of nesting

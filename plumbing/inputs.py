@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from tiktoken.load import load_tiktoken_bpe
 
 from plumbing.cli import (CPU_KV_BUDGET_GB, GB, OUT_OF_MEMORY, UserError, check_host_memory,
-                          format_bytes)
+                          format_bytes, read_text_input)
 
 
 # --- The model's shapes ------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text_input(path, "The checkpoint's"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"Could not read {path}: {e}") from e
 
@@ -580,7 +580,7 @@ REBUILD = "Restore it with `git checkout sharegpt_filtered.json` or `python tool
 def read_records(path: Path) -> list:
     """The conversations of a ShareGPT file, as JSON."""
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(read_text_input(path, "The prompts file"))
     except FileNotFoundError as e:
         raise UserError(f"The prompts file {path} is missing. {REBUILD}") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

@@ -5,6 +5,7 @@ Ctrl-C. Most cases call a program's main() in this process (an exception that es
 test, as a traceback would); Ctrl-C needs a real process.
 """
 
+import argparse
 import base64
 import itertools
 import json
@@ -713,3 +714,24 @@ def test_float32_on_cuda_attends_with_the_reference_and_refuses_a_bf16_kernel():
     for kernel in ("flash", "triton"):
         with pytest.raises(plumbing.cli.UserError, match="reads fp16 and bf16 only"):
             choose_attention(kernel, cuda, "flash", "fp32")
+
+
+def test_inputs_that_are_no_regular_file_and_outputs_that_are_pipes_are_refused(tmp_path, capsys):
+    # A pipe waits for a writer (or a reader) forever; /dev/zero would be read until the kernel
+    # killed the run; a huge file is no prompt. /dev/stdout stays an output (it may be a pipe).
+    fifo, huge = tmp_path / "fifo", tmp_path / "huge.txt"
+    os.mkfifo(fifo)
+    with open(huge, "wb") as f:  # sparse: no disk taken
+        f.truncate(plumbing.cli.MAX_INPUT_BYTES + 1)
+    for argv, fragment in [
+        (["2", *TINY, "--system-prompt-file", fifo], "is not a regular file"),
+        (["2", *TINY, "--system-prompt-file", "/dev/zero"], "is not a regular file"),
+        (["2", *TINY, "--system-prompt-file", huge], "more than the 268.44 MB"),
+        (["2", *TINY, "--json", fifo], "is a pipe"),
+    ]:
+        assert_one_paragraph(*run_main(SCRIPTS["paged"], argv, capsys)[::2], 2, fragment)
+    with pytest.raises(plumbing.cli.UserError, match="prompts file .* is not a regular file"):
+        plumbing.inputs.read_records(fifo)  # sharegpt_filtered.json replaced by a pipe
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a regular file"):
+        plumbing.cli.json_file(str(fifo))  # the tools' run files
+    assert plumbing.cli.writable_file("/dev/stdout") == Path("/dev/stdout")
