@@ -144,8 +144,12 @@ OUTPUTS_AT_START: dict = {}  # resolved path -> the file as this run first saw i
 
 def finite_number(value) -> bool:
     """A JSON number a tool can draw or divide by: not a bool, not NaN or infinite."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int of hundreds of digits: no float holds it
+        return False
 
 
 CHAT_ROLES = ("system", "user", "assistant")

@@ -322,7 +322,16 @@ def first(mapping: dict):
     lambda r: r["requests"][0].update(token_seconds=["0.1"]),
     lambda r: r["timeline"][0].update(step=True),
     lambda r: r["timeline"][0].update(reserved_bytes=float("nan")),
-], ids=["arguments a string", "times as strings", "a bool step", "NaN bytes"])
+    lambda r: r["timeline"][0].update(reserved_bytes=10**400),
+    lambda r: r["memory"].update(kv_pool_bytes=-1.2e8),
+    lambda r: r["memory"].update(fragmented_bytes=-5),
+    lambda r: r["timeline"][0].update(filled_bytes=r["timeline"][0]["reserved_bytes"] + 1),
+    lambda r: r["timeline"][0].update(step=-3),
+    lambda r: r["requests"][0].update(arrival_seconds=-1.0),
+    lambda r: r["requests"][0].update(token_seconds=[1e308]),
+], ids=["arguments a string", "times as strings", "a bool step", "NaN bytes", "400 digits",
+        "a negative pool", "negative fragmentation", "filled above reserved", "a negative step",
+        "a negative arrival", "1e308 seconds"])
 def test_the_plot_refuses_a_run_json_of_the_right_shape_with_wrong_values(change, one_run,
                                                                         tmp_path, capsys):
     bad = damaged(one_run / "run.json", tmp_path, change)

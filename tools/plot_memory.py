@@ -62,7 +62,36 @@ def run_json(text: str) -> dict:
     if not run["timeline"] or not numbers(run["memory"].get("at_fullest_step"), FULLEST_FIELDS):
         raise argparse.ArgumentTypeError(f"{text}: that run made no decode step, so there is "
                                          f"nothing to draw")
+    why = meaningless(run)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text} is not the --json of a run: {why}")
     return run | {"source": Path(text)}  # where it came from, so that no output overwrites it
+
+
+YEAR_SECONDS = 3.2e7  # a run's times lie within a year of its start
+
+
+def meaningless(run: dict) -> str | None:
+    """What no run writes, though every value has the right type: the first such thing found."""
+    memory, fullest = run["memory"], run["memory"]["at_fullest_step"]
+    whole = lambda v: isinstance(v, int) and v >= 0
+    if memory["kv_pool_bytes"] <= 0 or memory["fragmented_bytes"] < 0:
+        return "its KV pool or its Fragmented Memory is not a positive size"
+    if not (0 <= memory["fragmented_percent_of_device"] <= 100
+            and 0 <= fullest["unfilled_percent_of_reserved"] <= 100):
+        return "a percentage lies outside 0 to 100"
+    for point in run["timeline"]:
+        if not all(whole(point[f]) for f in ("step", "running_requests", "waiting_requests")):
+            return f"a step or a count of requests is not a whole number of at least 0: {point}"
+        if not 0 <= point["filled_bytes"] <= point["reserved_bytes"]:
+            return f"step {point['step']} has more filled than reserved, or a negative size"
+    if not whole(fullest["step"]) or min(fullest["filled_bytes"], fullest["unfilled_bytes"]) < 0:
+        return "its fullest step is negative or holds a negative size"
+    for request in run["requests"]:
+        times = [request.get("arrival_seconds", 0.0), *request.get("token_seconds", [])]
+        if not all(0 <= t <= YEAR_SECONDS for t in times):
+            return f"a request's times lie outside 0 to {YEAR_SECONDS:.1e} seconds"
+    return None
 
 
 def draw(ax, run: dict, scale: float) -> None:
