@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import llama3_paged as lesson
-from plumbing.cli import UserError, format_bytes, per_token
+from plumbing.cli import GPU_MEMORY_UTILIZATION, UserError, format_bytes, per_token
 from plumbing.inputs import shapes_only
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that stops answering ends the others
@@ -63,7 +63,8 @@ def start(args) -> None:
         else:  # the processes share one GPU, and its memory
             args.device = torch.device("cuda", 0)
             args.eager = True  # no CUDA graphs (nor compiled layers) over gloo
-            args.gpu_memory_utilization /= local_size
+            args.gpu_memory_utilization = ((args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION)
+                                           / local_size)
     if args.compile is None:
         args.compile = False  # compiled layers with collectives inside: not yet
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)

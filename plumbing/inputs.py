@@ -30,8 +30,8 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 from tiktoken.load import load_tiktoken_bpe
 
-from plumbing.cli import (CPU_KV_BUDGET_GB, GB, OUT_OF_MEMORY, UserError, check_host_memory,
-                          format_bytes, read_text_input)
+from plumbing.cli import (CPU_KV_BUDGET_GB, GB, GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, UserError,
+                          check_host_memory, format_bytes, read_text_input)
 
 
 # --- The model's shapes ------------------------------------------------------------------------
@@ -667,6 +667,9 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
     """Tokenizer, prompts and model (`model_class`: llama3_paged.py's Llama), in that order: a
     bad prompt file is found before minutes of loading weights."""
     device = args.device
+    if args.gpu_memory_utilization is not None and device.type != "cuda":  # would change nothing
+        raise UserError(f"--gpu-memory-utilization shares out a GPU's memory; on the CPU the KV "
+                        f"cache gets --kv-budget-gb (default {CPU_KV_BUDGET_GB} GB). Drop the flag.")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     checkpoint, gguf_file = checkpoint_of(args), None
     if checkpoint is not None and checkpoint.suffix == ".gguf":  # its tokenizer is inside it
@@ -807,7 +810,8 @@ def kv_budget_bytes(run: Run, sampling_bytes: int = 0) -> float:
         return run.args.kv_budget_gb * GB
     if run.device.type != "cuda":
         return CPU_KV_BUDGET_GB * GB
-    allowed = device_total_bytes(run.device) * run.args.gpu_memory_utilization
+    allowed = device_total_bytes(run.device) * (run.args.gpu_memory_utilization
+                                                 or GPU_MEMORY_UTILIZATION)
     weights = torch.cuda.memory_allocated(run.device)
     budget = allowed - weights - activation_peak_bytes(run, sampling_bytes)
     if budget <= 0:

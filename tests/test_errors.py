@@ -132,6 +132,7 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--gpu-memory-utilization", "1.5"], 2, "fraction above 0"),
     (["2", *TINY, "--gpu-memory-utilization", "-1"], 2, "fraction above 0"),
     (["2", *TINY, "--gpu-memory-utilization", "nan"], 2, "expected a number"),
+    (["2", *TINY, "--gpu-memory-utilization", "0.5"], 2, "on the CPU the KV cache gets"),
     (["2", *TINY, "--kv-budget-gb", "0"], 2, "positive number of GB"),
     (["2", *TINY, "--kv-budget-gb", "1e300"], 2, "at most 1,000,000"),
     (["2", *TINY, "--samples", str(10**30)], 2, "at most 1,000,000 at once"),

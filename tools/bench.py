@@ -238,8 +238,8 @@ def parse_arguments(argv=None):
                    help="with --continuous: mixed steps of at most this many tokens")
     p.add_argument("--request-rate", type=request_rate, default=math.inf, metavar="R",
                    help="with --continuous: requests arrive at R per second (Poisson)")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="share of the GPU for weights, activations and K/V")
+    p.add_argument("--gpu-memory-utilization", type=fraction,
+                   help="share of the GPU for weights, activations and K/V (default: 0.9)")
     p.add_argument("--block-size", type=positive_int, default=256, help="paged only")
     p.add_argument("--layout", choices=["per-token", "per-layer"], default="per-token",
                    help="virtual only")

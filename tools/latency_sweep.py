@@ -47,7 +47,7 @@ PROG = "latency_sweep.py"  # its name in messages, however it is started
 from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c(PROG)  # before torch loads
 
-from plumbing.cli import MODELS, UserError
+from plumbing.cli import GPU_MEMORY_UTILIZATION, MODELS, UserError
 
 import torch
 from tqdm import tqdm
@@ -171,8 +171,8 @@ def parse_arguments(argv=None):
                      help="random weights of these shapes")
     run.add_argument("--device", type=device,
                      default="cuda" if torch.cuda.is_available() else "cpu", help="cuda:N, or cpu (with --model tiny: runs, no figure)")
-    run.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                     help="share of the GPU for weights, activations and K/V")
+    run.add_argument("--gpu-memory-utilization", type=fraction,
+                     help="share of the GPU for weights, activations and K/V (default: 0.9)")
     run.add_argument("--kv-budget-gb", type=gigabytes, help="instead of --gpu-memory-utilization")
     run.add_argument("--seed", type=seed, default=0, help="of the weights and the arrivals")
     run.add_argument("--json", type=writable_file, metavar="PATH", required=True,
@@ -200,8 +200,10 @@ def curve_arguments(name: str, num_requests: int, a):
     script, flags, _ = CURVES[name]
     argv = [str(num_requests), "--random-weights", "--model", a.model, "--device", str(a.device),
             "--continuous", "--max-new-tokens", str(a.max_new_tokens), "--seed", str(a.seed),
-            "--gpu-memory-utilization", str(a.gpu_memory_utilization), *flags]
+            *flags]
     argv += ["--kv-budget-gb", str(a.kv_budget_gb)] if a.kv_budget_gb else []
+    argv += (["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+             if a.gpu_memory_utilization else [])
     return parse_script_arguments(script, argv)
 
 
@@ -343,8 +345,9 @@ def memory_label(a) -> str:
         return f"--kv-budget-gb {a.kv_budget_gb:g}"
     if a.device.type == "cuda":
         total = torch.cuda.get_device_properties(a.device).total_memory
-        return (f"--gpu-memory-utilization {a.gpu_memory_utilization:g}: "
-                f"{a.gpu_memory_utilization * total / 1e9:.1f} of {total / 1e9:.1f} GB")
+        share = a.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+        return (f"--gpu-memory-utilization {share:g}: {share * total / 1e9:.1f} of "
+                f"{total / 1e9:.1f} GB")
     return "the CPU's KV budget"
 
 
