@@ -104,7 +104,8 @@ def field(body: dict, name: str, kinds, default=None, check=None, why: str = "")
 def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
     """features/sampling.py's SamplingParams, by name (the engine's process builds it). Without
     max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
-    default_max_tokens: the context left, which the engine clamps to (vLLM's defaults)."""
+    default_max_tokens: None, the context left (vLLM's defaults). One past the context left is
+    refused by the engine, as by vLLM's server."""
     stop = field(body, "stop", (str, list), [], lambda s: (isinstance(s, str) and s) or (
         isinstance(s, list) and len(s) <= 4 and all(isinstance(x, str) and x for x in s)),
         "a non-empty string or up to 4 of them")
@@ -257,7 +258,7 @@ def build_app(engine, model_name: str, api_key: str | None):
             body = await read_body(request)
             refuse_what_is_not_implemented(body)
             prompt = (chat_prompt if chat else completion_prompt)(body)
-            params = sampling_params(body, max_n, engine.info["max_seq_len"] if chat else 16)
+            params = sampling_params(body, max_n, None if chat else 16)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
             request_id, num_prompt_tokens, updates = await submit(prompt, params)

@@ -322,7 +322,14 @@ class LLMEngine:
                 raise ValueError(f"n = {params.n} is more than the {len(self.sampler.samples)} "
                                  f"sequences the engine runs at once (--max-num-seqs)")
             raise QueueFull(f"{len(self.sequences)} sequences queued or running; no free row")
-        max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_token_ids))
+        # vLLM's server's rule, here for the Python API too: what cannot fit is refused, not cut
+        room = self.max_seq_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(f"max_tokens is too large: {max_tokens:,}. The context is "
+                             f"{self.max_seq_len:,} tokens (--max-seq-len) and the prompt has "
+                             f"{len(prompt_token_ids):,} ({max_tokens:,} > {self.max_seq_len:,} - "
+                             f"{len(prompt_token_ids):,}).")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         arrived = self.scheduler.now() if arrival_time is None else arrival_time
         rows = [self.free_rows.popleft() for _ in range(params.n)]
@@ -341,8 +348,9 @@ class LLMEngine:
                 self.sampler.release(row)
             self.free_rows.extend(rows)
             if isinstance(e, RequestTooLarge):
-                raise ValueError(f"the prompt and max_tokens need more KV blocks than the whole "
-                                 f"pool has ({e})") from e
+                raise ValueError(f"the prompt and max_tokens can grow to {e.largest_tokens:,} "
+                                 f"tokens, {e.blocks:,} KV blocks of {e.block_size:,}: more than "
+                                 f"the whole pool's {e.num_blocks:,}. Lower max_tokens.") from e
             raise
         for request in requests:  # last: queued, it runs
             self.scheduler.add_request(request)

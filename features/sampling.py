@@ -97,7 +97,7 @@ def is_real_number(value) -> bool:
 class SamplingParams:
     """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context has room for (vLLM's None)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1): every token
@@ -117,7 +117,8 @@ class SamplingParams:
         """A ValueError naming the first parameter of the wrong kind or out of range (serve.py
         answers it with 400)."""
         stop = self.stop
-        for name, ok in [("max_tokens", is_whole_number(self.max_tokens) and self.max_tokens >= 1),
+        for name, ok in [("max_tokens", self.max_tokens is None
+                          or is_whole_number(self.max_tokens) and self.max_tokens >= 1),
                          ("n", is_whole_number(self.n) and self.n >= 1),
                          ("temperature", is_real_number(self.temperature)
                           and 0 <= self.temperature <= 100),

@@ -226,6 +226,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
     (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
     (json.dumps({"prompt": "hi", "stop": ""}), "'stop'"),
+    (json.dumps({"prompt": "hi", "max_tokens": 10**30}), "max_tokens is too large: 1,000,"),
     (json.dumps({"prompt": "hi", "stop": ["a", ""]}), "'stop'"),
 ]
 
@@ -470,6 +471,19 @@ def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
     with pytest.raises(ValueError, match=f"SamplingParams {name} ="):
         SamplingParams(**fields)
     assert SamplingParams(stop=None).stop == [] and SamplingParams(stop="x").stop == ["x"]
+
+
+def test_max_tokens_past_the_context_is_refused_by_the_api_as_by_the_server():
+    # One rule for both (vLLM's server's): the API once cut max_tokens=10**12 to the context
+    # and ran minutes, while the server answered 400 naming an internal request number.
+    llm = LLM(model="tiny", random_weights=True, device="cpu", max_seq_len=64)
+    with pytest.raises(ValueError, match=r"max_tokens is too large: 1,000,000,000,000\. The "
+                                         r"context is 64 tokens") as refused:
+        llm.generate("hi", SamplingParams(max_tokens=10**12), use_tqdm=False)
+    assert "request" not in str(refused.value) and not llm.engine.has_unfinished()
+    whole = llm.generate("hi", SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
+                         use_tqdm=False)[0]  # None: the context left, as vLLM's None
+    assert len(whole.prompt_token_ids) + len(whole.outputs[0].token_ids) == 64
 
 
 def test_what_generate_cannot_read_is_refused_by_name(offline):
