@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -39,6 +41,8 @@ MAX_N = 16  # samples per request
 # after 5 s, uvicorn's default, so a request sent at 5 s could meet the server's close
 # ("Server disconnected without sending a response", seen once in CI). nginx's default.
 KEEP_ALIVE_SECONDS = 75
+# On SIGTERM (a service manager's stop, `kill`): no new requests; those in flight get this long
+DRAIN_SECONDS = 30
 
 
 class BadRequest(Exception):
@@ -454,10 +458,29 @@ def main(argv=None) -> None:
               f"{format_bytes(info['pool_bytes'])} ({args.cache}); up to {args.max_num_seqs:,} "
               f"sequences. Serving '{name}' on http://{url_host}:{args.port}", flush=True)
         import uvicorn
-        server = uvicorn.Server(uvicorn.Config(build_app(engine, name, args.api_key),
+
+        class DrainingServer(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                if not self.should_exit and sig == signal.SIGTERM:
+                    print(f"SIGTERM: no new requests; those in flight get up to {DRAIN_SECONDS} s "
+                          f"to finish, then the server stops.", file=sys.stderr, flush=True)
+                super().handle_exit(sig, frame)
+
+        class WithoutCutTracebacks(logging.Filter):  # a request cut at the bound: said above
+            def filter(self, record) -> bool:
+                return not (record.exc_info and isinstance(record.exc_info[1],
+                                                           asyncio.CancelledError))
+
+        logging.getLogger("uvicorn.error").addFilter(WithoutCutTracebacks())
+        server = DrainingServer(uvicorn.Config(build_app(engine, name, args.api_key),
                                                log_level="warning",
-                                               timeout_keep_alive=KEEP_ALIVE_SECONDS))
+                                               timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                                               timeout_graceful_shutdown=DRAIN_SECONDS))
+        # uvicorn raises the signal again once it has drained: then it ends this well, exit 0
+        signal.signal(signal.SIGTERM, lambda sig, frame: None)
         server.run(sockets=[address])
+        engine.close()
+        print("Stopped.", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

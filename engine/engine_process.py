@@ -69,7 +69,10 @@ class RequestFailed(Exception):
 
 def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, results) -> None:
     """The engine process's body: build the engine, say ready, then step while there is work."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it ends this process
+    # Ctrl-C, and SIGTERM (which a service manager sends every process of the service), are the
+    # server's: it drains its requests, then closes the pipe, which ends this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox = queue.Queue()  # drained from now on, so that a server gone while we load ends us
     threading.Thread(target=drain, args=(commands, inbox), daemon=True).start()
     from engine.llm_engine import LLMEngine
@@ -228,6 +231,15 @@ class EngineClient:
         if kind == "exit":  # it printed its paragraph already
             raise SystemExit(payload)
         return payload
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the engine's process: its pipe closes, so it exits (`drain`); killed if it has
+        not within `timeout` seconds."""
+        self.commands.close()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

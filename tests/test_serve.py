@@ -770,3 +770,35 @@ def test_metrics_count_a_requests_prompt_tokens_once_whatever_its_n(server, clie
     after = metrics(server)
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 37
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 6
+
+
+def test_sigterm_drains_what_runs_refuses_what_comes_and_exits_0():
+    # As uvicorn drains: a service manager's stop (SIGTERM, sent to every process of the service:
+    # the engine's process leaves the stopping to the server) lets the answer in flight finish,
+    # takes no new connection, says so, and ends with exit 0 (it was 143, the answer cut).
+    import signal
+    process, url = start_server()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line)
+            process.send_signal(signal.SIGTERM)
+            refused = False
+            for _ in range(50):  # the listening socket closes at once
+                try:
+                    httpx.get(url + "/health", timeout=1)
+                except httpx.TransportError:
+                    refused = True
+                    break
+                time.sleep(0.1)
+            rest = [line for line in lines if line]
+        assert refused, "a new connection was taken while draining"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+        assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=60) == 0
+        output = process.stdout.read()
+        assert "SIGTERM: no new requests" in output and "Traceback" not in output
+    finally:
+        process.kill()
+        process.wait()
