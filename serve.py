@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 
-from plumbing.cli import (HelpFormatter, UserError, chat_messages, first_paragraph,
+from plumbing.cli import (CHAT_ROLES, HelpFormatter, UserError, chat_messages, first_paragraph,
                           format_bytes, one_paragraph_errors, per_token, port, positive_int,
                           require_packages)
 
@@ -162,6 +162,45 @@ def chat_prompt(body: dict) -> dict:
         return {"messages": chat_messages(body.get("messages"))}
     except ValueError as e:
         raise BadRequest(str(e), "messages") from e
+
+
+def request_schema(prompt_field: dict, max_n: int) -> dict:
+    """A request body's JSON Schema for /openapi.json: the fields `sampling_params` and the
+    prompt readers take, with the ranges they check (a schema-driven client can test them)."""
+    whole = lambda low, high=None: {"type": "integer", "minimum": low} | (
+        {} if high is None else {"maximum": high})
+    text = {"type": "string", "minLength": 1}
+    return {"type": "object", "additionalProperties": True, "properties": prompt_field | {
+        "model": {"type": "string"},
+        "max_tokens": whole(1) | {"type": ["integer", "null"]},
+        "max_completion_tokens": whole(1) | {"type": ["integer", "null"]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": whole(-1, 2**63 - 1),
+        "n": whole(1, max_n),
+        "stop": {"oneOf": [text, {"type": "array", "items": text, "maxItems": 4}]},
+        "seed": whole(0, 2**63 - 1),
+        "ignore_eos": {"type": "boolean"},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object",
+                           "properties": {"include_usage": {"type": "boolean"}}}}}
+
+
+COMPLETION_PROMPT = {"prompt": {"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}}
+CHAT_MESSAGES = {"messages": {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}}}
+
+
+def json_body(schema: dict, required: list[str]) -> dict:
+    """FastAPI's openapi_extra for a route that reads its body itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": schema | {"required": required}}}}}
 
 
 # --- The HTTP application ------------------------------------------------------------------------
@@ -338,11 +377,13 @@ def build_app(engine, model_name: str, api_key: str | None):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(
+        request_schema(COMPLETION_PROMPT, max_n), ["prompt"]))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(
+        request_schema(CHAT_MESSAGES, max_n), ["messages"]))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 

@@ -802,3 +802,32 @@ def test_sigterm_drains_what_runs_refuses_what_comes_and_exits_0():
     finally:
         process.kill()
         process.wait()
+
+
+def test_openapi_describes_each_request_body_as_the_server_checks_it(server, client):
+    # A schema-driven tool reads /openapi.json: each bound it gives must be the server's. Every
+    # ranged field's value just past its bound gets a 400 naming it; the bound itself, a 200.
+    spec = httpx.get(server + "/openapi.json", timeout=30).json()
+    for path, needs in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["required"] == [needs] and needs in schema["properties"]
+    fields = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["properties"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for name in ("temperature", "top_p", "top_k", "n", "seed", "max_tokens"):
+        bounds = fields[name]
+        for bound, past in (("minimum", -1), ("exclusiveMinimum", 0), ("maximum", +1)):
+            if bound not in bounds or abs(bounds[bound]) >= 2**62:  # past a long: top_k's own test
+                continue
+            kind = int if "integer" in str(bounds["type"]) else float  # JSON may say -1.0
+            edge = kind(bounds[bound] + (past if bound == "exclusiveMinimum" else 0))
+            past_edge = kind(bounds[bound] + (0 if bound == "exclusiveMinimum" else past))
+            body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+            if bound != "exclusiveMinimum":
+                ok = httpx.post(server + "/v1/completions", json=body | {name: edge},
+                                headers=headers, timeout=30)
+                assert ok.status_code == 200, (name, edge, ok.text)
+            refused = httpx.post(server + "/v1/completions", json=body | {name: past_edge},
+                                 headers=headers, timeout=30)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == name, (
+                name, past_edge, refused.text)
