@@ -73,6 +73,13 @@ METRICS_HELP = {
 }
 
 
+# The figures vLLM exports too, under its names as well, so that its dashboards read them here
+VLLM_EQUALS = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+               "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+               "request_success_total", "time_to_first_token_seconds",
+               "e2e_request_latency_seconds"}
+
+
 def prometheus_text(metrics: dict, model: str) -> str:
     # A label's value escapes \\, " and newlines (Prometheus' text format): a model's name must
     # not end the label, or the line, and begin a sample of its own
@@ -80,15 +87,17 @@ def prometheus_text(metrics: dict, model: str) -> str:
     lines, label = [], f'model_name="{escaped}"'
     for name, value in metrics.items():
         kind, help_text = METRICS_HELP[name]
-        lines += [f"# HELP llama3:{name} {help_text}", f"# TYPE llama3:{name} {kind}"]
-        if kind != "histogram":
-            lines.append(f"llama3:{name}{{{label}}} {value}")
-            continue
-        for bound, count in value["buckets"]:
-            lines.append(f'llama3:{name}_bucket{{{label},le="{bound}"}} {count}')
-        lines += [f'llama3:{name}_bucket{{{label},le="+Inf"}} {value["count"]}',
-                  f"llama3:{name}_sum{{{label}}} {value['sum']}",
-                  f"llama3:{name}_count{{{label}}} {value['count']}"]
+        for prefix in ("llama3", "vllm") if name in VLLM_EQUALS else ("llama3",):
+            metric = f"{prefix}:{name}"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
+            if kind != "histogram":
+                lines.append(f"{metric}{{{label}}} {value}")
+                continue
+            for bound, count in value["buckets"]:
+                lines.append(f'{metric}_bucket{{{label},le="{bound}"}} {count}')
+            lines += [f'{metric}_bucket{{{label},le="+Inf"}} {value["count"]}',
+                      f"{metric}_sum{{{label}}} {value['sum']}",
+                      f"{metric}_count{{{label}}} {value['count']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -227,6 +236,12 @@ def build_app(engine, model_name: str, api_key: str | None):
         return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                        "code": None}}, status_code=status, headers=headers)
 
+    def unknown_model(name) -> JSONResponse:
+        """vLLM's answer to a model it does not serve: 404, its error type and code."""
+        return JSONResponse({"error": {"message": f"The model `{name}` does not exist.",
+                                       "type": "NotFoundError", "param": "model", "code": 404}},
+                            status_code=404)
+
     def refused(request: Request):
         """401 without the API key, where one is set (a handler's first check: a middleware
         would end streamed responses early, as Starlette's BaseHTTPMiddleware does)."""
@@ -254,13 +269,10 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise BadRequest("The body must be a JSON object.")
-        if body.get("model", model_name) != model_name:
-            raise BadRequest(f"The model '{body.get('model')}' does not exist; this server "
-                             f"serves '{model_name}'.", "model")
         return body
 
-    async def submit(prompt: dict, params: dict) -> tuple[str, int, asyncio.Queue]:
-        request_id = f"cmpl-{secrets.token_hex(12)}"
+    async def submit(prompt: dict, params: dict, chat: bool) -> tuple[str, int, asyncio.Queue]:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"  # OpenAI's
         try:
             num_prompt_tokens, updates = await engine.add(request_id, prompt, params)
         except OverflowError as e:
@@ -299,12 +311,14 @@ def build_app(engine, model_name: str, api_key: str | None):
             return refused(request)
         try:
             body = await read_body(request)
+            if body.get("model", model_name) != model_name:
+                return unknown_model(body.get("model"))
             refuse_what_is_not_implemented(body)
             prompt = (chat_prompt if chat else completion_prompt)(body)
             params = sampling_params(body, max_n, None if chat else 16)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
-            request_id, num_prompt_tokens, updates = await submit(prompt, params)
+            request_id, num_prompt_tokens, updates = await submit(prompt, params, chat)
         except BadRequest as e:
             headers = {"Retry-After": "1"} if e.status == 503 else None
             kind = "server_error" if e.status == 500 else "invalid_request_error"
@@ -407,8 +421,7 @@ def build_app(engine, model_name: str, api_key: str | None):
         if refused(request):
             return refused(request)
         if model != model_name:
-            return error(f"The model '{model}' does not exist; this server serves "
-                         f"'{model_name}'.", 404, "model")
+            return unknown_model(model)
         return model_card()
 
     @app.get("/health")
