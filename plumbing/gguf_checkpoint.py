@@ -128,7 +128,17 @@ class ChatMLTokenizer:
             self.backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
         except Exception as e:  # the Rust side refuses merges of tokens it does not know
             raise file.damaged(e) from e
-        self.backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        # What the file's tokenizer.ggml.pre names runs first, then GPT-2's byte-level pattern:
+        # "smollm" splits each digit off on its own (as llama.cpp does, and SmolLM2's own
+        # tokenizer.json), so that "\n\n1" is "\n\n", "1", not "\n", "\n", "1".
+        pre = file.field("tokenizer.ggml.pre", "gpt-2", str)
+        first = {"gpt-2": [], "smollm": [pre_tokenizers.Digits(individual_digits=True)]}
+        if pre not in first:
+            raise UserError(f"{file.path}: its pre-tokenizer (tokenizer.ggml.pre) is {pre!r}; "
+                            f"this reader knows {', '.join(first)}, and guessing another would "
+                            f"split text otherwise than the model was trained on.")
+        self.backend.pre_tokenizer = pre_tokenizers.Sequence(
+            first[pre] + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
         self.backend.decoder = decoders.ByteLevel()
         self.special = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL}
         self.backend.add_special_tokens([AddedToken(t, normalized=False, special=True)

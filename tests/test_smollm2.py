@@ -29,9 +29,16 @@ def ours() -> ChatMLTokenizer:
 
 @pytest.fixture(scope="module")
 def transformers_smollm2():
-    """transformers' model (float32) and tokenizer, dequantized from the same GGUF."""
+    """transformers' model (float32) and tokenizer, dequantized from the same GGUF. Its GGUF
+    reader drops the file's pre-tokenizer (tokenizer.ggml.pre "smollm": each digit split off
+    first), so the tokenizer gets it back as SmolLM2's own tokenizer.json has it; the rest (the
+    vocabulary, merges, special tokens and chat template) is transformers' reading of the file."""
+    from tokenizers import pre_tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
     model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
                                                  dtype=torch.float32).eval()
     return model, tokenizer
@@ -48,6 +55,24 @@ def test_tokenizer_round_trips_sharegpt_text(ours):
     texts = [t["value"] for r in read_records(PROMPTS_FILE)[:200] for t in r["conversations"][:2]]
     for text in texts:
         assert ours.decode(ours.encode(text)) == text
+
+
+def test_a_digit_is_split_off_before_the_byte_level_pattern_as_the_file_says(ours):
+    # llama.cpp on the same file (the pieces a user found): whitespace before a digit stays one
+    # token, as SmolLM2 was trained; the byte-level pattern alone split it in two.
+    pieces = lambda text: [ours.decode([i]) for i in ours.encode(text)]
+    assert pieces(":\n\n1.") == [":", "\n\n", "1", "."]
+    assert pieces("x  42 y") == ["x", "  ", "4", "2", " y"]
+
+    class NamesAnotherPreTokenizer:  # the packaged file, but for tokenizer.ggml.pre
+        def __init__(self, file, pre):
+            self.file, self.pre, self.path = file, pre, file.path
+
+        def field(self, name, *rest, **kind):
+            return self.pre if name == "tokenizer.ggml.pre" else self.file.field(name, *rest, **kind)
+
+    with pytest.raises(UserError, match="'qwen2'; this reader knows gpt-2, smollm"):
+        ChatMLTokenizer(NamesAnotherPreTokenizer(GGUFFile(GGUF), "qwen2"))
 
 
 def test_chat_prompts_match_transformers_chat_template(ours, transformers_smollm2):
