@@ -424,6 +424,40 @@ def build_app(engine, model_name: str, api_key: str | None):
             return unknown_model(model)
         return model_card()
 
+    async def tokenizer_call(request: Request, kind: str, read) -> JSONResponse | dict:
+        """vLLM's /tokenize and /detokenize: `read(body)` is what the engine's tokenizer takes."""
+        if refused(request):
+            return refused(request)
+        try:
+            body = await read_body(request)
+            if body.get("model", model_name) != model_name:
+                return unknown_model(body.get("model"))
+            return await engine.ask(kind, read(body))
+        except BadRequest as e:
+            return error(str(e), e.status, e.param)
+        except ValueError as e:
+            return error(str(e), 400)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        prompt = lambda body: chat_prompt(body) if "messages" in body else completion_prompt(body)
+        tokens = await tokenizer_call(request, "tokenize", prompt)
+        if not isinstance(tokens, list):
+            return tokens  # an error
+        return {"count": len(tokens), "max_model_len": engine.info["max_seq_len"],
+                "tokens": tokens, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        def ids(body):
+            tokens = body.get("tokens")
+            if not (isinstance(tokens, list) and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+                raise BadRequest("'tokens' must be a list of token ids", "tokens")
+            return tokens
+        text = await tokenizer_call(request, "detokenize", ids)
+        return text if not isinstance(text, str) else {"prompt": text}
+
     @app.get("/health")
     async def health():
         alive = engine.alive

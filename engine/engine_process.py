@@ -33,6 +33,7 @@ import asyncio
 import multiprocessing
 import os
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -151,6 +152,10 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
         if command[0] == "abort":
             engine.abort(command[1])
             continue
+        if command[0] in ("tokenize", "detokenize"):  # serve.py's /tokenize and /detokenize
+            kind, question, what = command
+            results.send(("answered", question, *translated(engine, kind, what)))
+            continue
         _, request_id, prompt, params = command
         try:
             tokens = prompt_tokens(engine.tokenizer, prompt)
@@ -165,6 +170,19 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
         except Exception as e:  # a bug a request's content reached: it fails, the engine serves on
             traceback.print_exc()
             results.send(("added", request_id, None, "failed", f"{type(e).__name__}: {e}"))
+
+
+def translated(engine, kind: str, what) -> tuple:
+    """A prompt's token ids, or token ids' text: (answer, None), or (None, why not)."""
+    try:
+        if kind == "tokenize":
+            return prompt_tokens(engine.tokenizer, what), None
+        if not all(isinstance(t, int) and 0 <= t < engine.run.model.args.vocab_size
+                   for t in what):
+            return None, "a token id is outside the vocabulary"
+        return engine.tokenizer.decode(what), None
+    except ValueError as e:
+        return None, str(e)
 
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
@@ -265,6 +283,19 @@ class EngineClient:
             raise kinds[error_kind](message)
         return num_prompt_tokens, self.listeners[request_id]
 
+    async def ask(self, kind: str, what) -> object:
+        """The engine's tokenizer, through its process: "tokenize" a prompt dict (as `add` takes
+        it) or "detokenize" token ids. Raises ValueError for what it cannot read."""
+        if self.failed:
+            raise RuntimeError(self.failed)
+        question = f"{kind}-{secrets.token_hex(8)}"
+        answer = self.added[question] = self.loop.create_future()
+        self._send((kind, question, what))
+        result, why_not = await answer
+        if why_not is not None:
+            raise ValueError(why_not)
+        return result
+
     def abort(self, request_id: str) -> None:
         self.listeners.pop(request_id, None)
         if not self.failed:
@@ -299,7 +330,7 @@ class EngineClient:
                 if request_id in self.listeners:
                     self.listeners[request_id].put_nowait(tuple(update))
             self.metrics = message[2]
-        elif message[0] == "added":
+        elif message[0] in ("added", "answered"):
             future = self.added.pop(message[1])
             if not future.done():
                 future.set_result(message[2:])

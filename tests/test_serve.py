@@ -853,3 +853,28 @@ def test_openapi_describes_each_request_body_as_the_server_checks_it(server, cli
                                  headers=headers, timeout=30)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == name, (
                 name, past_edge, refused.text)
+
+
+def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts(server, client):
+    # vLLM's /tokenize (a prompt, or a chat's messages) and /detokenize: the count /tokenize
+    # gives is what a completion or chat request of the same prompt reports as prompt_tokens.
+    headers = {"Authorization": f"Bearer {KEY}"}
+    post = lambda path, body: httpx.post(server + path, json=body, headers=headers, timeout=30)
+    text, messages = PROMPTS[0], [{"role": "user", "content": PROMPTS[1]}]
+    tokenized = post("/tokenize", {"model": "tiny", "prompt": text}).json()
+    chat = post("/tokenize", {"messages": messages}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 8192
+    assert tokenized["count"] == client.completions.create(
+        model="tiny", prompt=text, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=1).usage.prompt_tokens
+    # Every token is text, the begin-of-text one too (vLLM decodes with the special tokens)
+    assert post("/detokenize", {"tokens": tokenized["tokens"]}).json() == {
+        "prompt": "<|begin_of_text|>" + text}
+    assert post("/detokenize", {"tokens": tokenized["tokens"][1:]}).json() == {"prompt": text}
+    for path, body, param in [("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"prompt": ""}, "prompt")]:
+        refused = post(path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    assert post("/detokenize", {"tokens": [10**9]}).status_code == 400
+    assert httpx.post(server + "/tokenize", json={"prompt": "hi"}).status_code == 401  # the key
