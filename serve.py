@@ -46,11 +46,18 @@ DRAIN_SECONDS = 30
 
 
 class BadRequest(Exception):
-    """Answered with OpenAI's error JSON and HTTP 400; the server goes on."""
+    """Answered with OpenAI's error JSON and HTTP 400 (or `status`); the server goes on."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
+
+
+class UnknownModel(BadRequest):
+    """A model this server does not serve: vLLM's 404, with its error type and code."""
+
+    def __init__(self, name):
+        super().__init__(f"The model `{name}` does not exist.", "model", 404)
 
 
 # --- Metrics: the engine's figures (features/engine_process.snapshot) in Prometheus text ------
@@ -232,15 +239,17 @@ def build_app(engine, model_name: str, api_key: str | None):
     app = FastAPI(title="llama3 paged server", lifespan=lifespan)
     started = int(time.time())  # the model card's `created`
 
-    def error(message: str, status: int = 400, param=None, kind="invalid_request_error", headers=None):
+    def error(message: str, status: int = 400, param=None, kind="invalid_request_error",
+              headers=None, code=None):
         return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                       "code": None}}, status_code=status, headers=headers)
+                                       "code": code}}, status_code=status, headers=headers)
 
-    def unknown_model(name) -> JSONResponse:
-        """vLLM's answer to a model it does not serve: 404, its error type and code."""
-        return JSONResponse({"error": {"message": f"The model `{name}` does not exist.",
-                                       "type": "NotFoundError", "param": "model", "code": 404}},
-                            status_code=404)
+    def answer(e: BadRequest) -> JSONResponse:
+        if isinstance(e, UnknownModel):
+            return error(str(e), 404, e.param, "NotFoundError", code=404)
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        kind = "server_error" if e.status == 500 else "invalid_request_error"
+        return error(str(e), e.status, e.param, kind, headers=headers)
 
     def refused(request: Request):
         """401 without the API key, where one is set (a handler's first check: a middleware
@@ -269,6 +278,8 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise BadRequest("The body must be a JSON object.")
+        if body.get("model", model_name) != model_name:
+            raise UnknownModel(body.get("model"))
         return body
 
     async def submit(prompt: dict, params: dict, chat: bool) -> tuple[str, int, asyncio.Queue]:
@@ -311,8 +322,6 @@ def build_app(engine, model_name: str, api_key: str | None):
             return refused(request)
         try:
             body = await read_body(request)
-            if body.get("model", model_name) != model_name:
-                return unknown_model(body.get("model"))
             refuse_what_is_not_implemented(body)
             prompt = (chat_prompt if chat else completion_prompt)(body)
             params = sampling_params(body, max_n, None if chat else 16)
@@ -320,9 +329,7 @@ def build_app(engine, model_name: str, api_key: str | None):
             options = field(body, "stream_options", dict, {}, None, "an object")
             request_id, num_prompt_tokens, updates = await submit(prompt, params, chat)
         except BadRequest as e:
-            headers = {"Retry-After": "1"} if e.status == 503 else None
-            kind = "server_error" if e.status == 500 else "invalid_request_error"
-            return error(str(e), e.status, e.param, kind, headers=headers)
+            return answer(e)
         kind = "chat.completion" if chat else "text_completion"
         created, n = int(time.time()), params["n"]
         usage = lambda tokens: {"prompt_tokens": num_prompt_tokens, "completion_tokens": sum(tokens),
@@ -421,7 +428,7 @@ def build_app(engine, model_name: str, api_key: str | None):
         if refused(request):
             return refused(request)
         if model != model_name:
-            return unknown_model(model)
+            return answer(UnknownModel(model))
         return model_card()
 
     async def tokenizer_call(request: Request, kind: str, read) -> JSONResponse | dict:
@@ -429,12 +436,9 @@ def build_app(engine, model_name: str, api_key: str | None):
         if refused(request):
             return refused(request)
         try:
-            body = await read_body(request)
-            if body.get("model", model_name) != model_name:
-                return unknown_model(body.get("model"))
-            return await engine.ask(kind, read(body))
+            return await engine.ask(kind, read(await read_body(request)))
         except BadRequest as e:
-            return error(str(e), e.status, e.param)
+            return answer(e)
         except ValueError as e:
             return error(str(e), 400)
 
