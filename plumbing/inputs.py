@@ -255,6 +255,7 @@ def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
     shard = ckpt_dir / "consolidated.00.pth"
     if not shard.exists():
         raise UserError(f"{ckpt_dir} has params.json but no consolidated.00.pth.\n" + DOWNLOAD_HINT)
+    refuse_what_is_no_regular_file([shard])
     args = _model_args(meta_args, _read_json(ckpt_dir / "params.json"), ckpt_dir / "params.json")
     try:
         # weights_only: the unpickler rebuilds tensors and plain containers, nothing that runs code.
@@ -306,6 +307,7 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
         files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         raise UserError(f"{ckpt_dir} has config.json but no *.safetensors files.\n" + DOWNLOAD_HINT)
+    refuse_what_is_no_regular_file(files)
     model = build_model(model_class, args, device, dtype, max_positions)
     names = tensor_names(args, "hf")
     seen = set()
@@ -418,6 +420,14 @@ def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
             raise UserError(f"{source}: {name} holds NaN or infinite values (or values past "
                             f"{str(target.dtype).removeprefix('torch.')}'s range), so every "
                             f"answer would be noise. The checkpoint is damaged: download it again.")
+
+
+def refuse_what_is_no_regular_file(files: list[Path]) -> None:
+    """Weights are read from regular files only: a pipe would wait for a writer forever."""
+    for file in files:
+        if file.exists() and not file.is_file():
+            raise UserError(f"{file} is not a regular file (a pipe, a device?): the weights must "
+                            f"be a file.")
 
 
 def _read_json(path: Path) -> dict:

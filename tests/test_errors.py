@@ -88,6 +88,9 @@ def checkpoints(tmp_path_factory):
     (meta_truncated / "params.json").write_text((meta / "params.json").read_text())
     (meta_truncated / "consolidated.00.pth").write_bytes(
         (meta / "consolidated.00.pth").read_bytes()[:50_000])
+    fifo_weights = copy_of_good("fifo_weights")  # its weights a pipe that no one writes
+    (fifo_weights / "model.safetensors").unlink()
+    os.mkfifo(fifo_weights / "model.safetensors")
     nan_weight = root / "nan_weight"  # one NaN among its millions of weights
     with torch.no_grad():
         down = hf.model.layers[1].mlp.down_proj.weight
@@ -108,7 +111,7 @@ def checkpoints(tmp_path_factory):
                                 for rank, t in enumerate(tokens)))
     return {name: path for name, path in locals().items() if name in (
         "truncated", "wrong_types", "not_json", "meta_list", "meta_truncated", "small_vocab",
-        "nan_weight", "not_bpe", "short_bpe", "no_single_bytes")}
+        "nan_weight", "fifo_weights", "not_bpe", "short_bpe", "no_single_bytes")}
 
 
 # (script, arguments, exit code, a fragment of the message that names the cause)
@@ -183,6 +186,7 @@ DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the f
     ("meta_truncated", "--ckpt-dir", "not a readable PyTorch checkpoint"),
     ("small_vocab", "--ckpt-dir", "vocabulary has 512 tokens"),
     ("nan_weight", "--ckpt-dir", "model.layers.1.mlp.down_proj.weight holds NaN"),
+    ("fifo_weights", "--ckpt-dir", "model.safetensors is not a regular file"),
     ("not_bpe", "--tokenizer", "is not a tiktoken BPE file"),
     ("short_bpe", "--tokenizer", "has 3 tokens"),
     ("no_single_bytes", "--tokenizer", "lacks 256 of the 256 single-byte tokens"),
