@@ -327,6 +327,9 @@ def build_app(engine, model_name: str, api_key: str | None):
             params = sampling_params(body, max_n, None if chat else 16)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
+            if body.get("stream_options") is not None and not stream:  # as vLLM: for a stream
+                raise BadRequest("'stream_options' is for a streamed answer: add \"stream\": "
+                                 "true, or leave it out", "stream_options")
             request_id, num_prompt_tokens, updates = await submit(prompt, params, chat)
         except BadRequest as e:
             return answer(e)

@@ -225,6 +225,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
     (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
     (json.dumps({"prompt": "hi", "stop": ""}), "'stop'"),
+    (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}), "'stream_options'"),
     (json.dumps({"prompt": "hi", "max_tokens": 10**30}), "max_tokens is too large: 1,000,"),
     (json.dumps({"prompt": "hi", "stop": ["a", ""]}), "'stop'"),
 ]
