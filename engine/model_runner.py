@@ -176,13 +176,12 @@ def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
 
 class ModelRunner(Engine):
     def __init__(self, model, cache, manager, sampler=greedy, graphs=None, cascade=None,
-                 prefill_graphs=None, overlap: bool = False, longest_first: bool = False,
+                 overlap: bool = False, longest_first: bool = False,
                  tokens_per_pass: int | None = None):
         """model: the lesson's Llama, or the ModelForward that calls it (compiled layers).
         sampler: how tokens are drawn (features/sampling.py, features/beam_search.py). graphs:
-        decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder); prefill_graphs:
-        short prefill passes as CUDA graphs (features/prefill_graphs.py's GraphPrefill, made
-        with `capture_prefill_graphs`). cascade: the two-part attention of a cached system
+        decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder; short prefill
+        passes as graphs come with `capture_prefill_graphs`). cascade: the two-part attention of a cached system
         prompt (features/cascade.py's CascadeAttention), already in the cache. longest_first:
         decode steps' rows longest first, so that the attention kernel's last wave is short
         (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
@@ -190,7 +189,7 @@ class ModelRunner(Engine):
         super().__init__(model, cache, manager)
         self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
         self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
-        self.graphs, self.cascade, self.prefill_graphs = graphs, cascade, prefill_graphs
+        self.graphs, self.cascade, self.prefill_graphs = graphs, cascade, None
         self.tokens_per_pass = tokens_per_pass or self.tokens_per_pass
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
         self.in_flight: StepInFlight | None = None  # overlap: the step the GPU is computing
