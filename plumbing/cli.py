@@ -92,16 +92,22 @@ def is_project_code(path: Path) -> bool:
 MAX_INPUT_BYTES = 256 * 2**20  # a text input (prompts, a system prompt): far above any real one
 
 
-def read_text_input(path: Path, what: str) -> str:
-    """A text file the run reads, if it is a regular file of at most MAX_INPUT_BYTES: a pipe
-    would wait for a writer forever, /dev/zero fill memory until the kernel kills the run.
-    OSError and UnicodeDecodeError reach the caller, which names what was being read."""
+def regular_file_size(path: Path, what: str) -> int:
+    """The size of an input the run reads, refused unless it is a regular file: a pipe would
+    wait for a writer forever, /dev/zero be read until the kernel kills the run."""
     import stat
     info = Path(path).stat()
     if not stat.S_ISREG(info.st_mode):
         raise UserError(f"{what} {path} is not a regular file (a pipe, a device?): name a file.")
-    if info.st_size > MAX_INPUT_BYTES:
-        raise UserError(f"{what} {path} is {format_bytes(info.st_size)}, more than the "
+    return info.st_size
+
+
+def read_text_input(path: Path, what: str) -> str:
+    """A text file the run reads, if it is a regular file of at most MAX_INPUT_BYTES. OSError
+    and UnicodeDecodeError reach the caller, which names what was being read."""
+    size = regular_file_size(path, what)
+    if size > MAX_INPUT_BYTES:
+        raise UserError(f"{what} {path} is {format_bytes(size)}, more than the "
                         f"{format_bytes(MAX_INPUT_BYTES)} a text input may be.")
     with open(path, encoding="utf-8") as f:
         return f.read(MAX_INPUT_BYTES + 1)[:MAX_INPUT_BYTES]  # it may have grown since

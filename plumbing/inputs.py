@@ -31,7 +31,8 @@ from safetensors import SafetensorError, safe_open
 from tiktoken.load import load_tiktoken_bpe
 
 from plumbing.cli import (CPU_KV_BUDGET_GB, GB, GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, UserError,
-                          check_host_memory, format_bytes, read_text_input)
+                          check_host_memory, format_bytes, read_text_input,
+                          regular_file_size)
 
 
 # --- The model's shapes ------------------------------------------------------------------------
@@ -255,7 +256,7 @@ def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
     shard = ckpt_dir / "consolidated.00.pth"
     if not shard.exists():
         raise UserError(f"{ckpt_dir} has params.json but no consolidated.00.pth.\n" + DOWNLOAD_HINT)
-    refuse_what_is_no_regular_file([shard])
+    regular_file_size(shard, "The weights")
     args = _model_args(meta_args, _read_json(ckpt_dir / "params.json"), ckpt_dir / "params.json")
     try:
         # weights_only: the unpickler rebuilds tensors and plain containers, nothing that runs code.
@@ -307,7 +308,9 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
         files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         raise UserError(f"{ckpt_dir} has config.json but no *.safetensors files.\n" + DOWNLOAD_HINT)
-    refuse_what_is_no_regular_file(files)
+    for file in files:
+        if file.exists():  # a missing one is named below, with the tensors it would hold
+            regular_file_size(file, "The weights")
     model = build_model(model_class, args, device, dtype, max_positions)
     names = tensor_names(args, "hf")
     seen = set()
@@ -420,14 +423,6 @@ def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
             raise UserError(f"{source}: {name} holds NaN or infinite values (or values past "
                             f"{str(target.dtype).removeprefix('torch.')}'s range), so every "
                             f"answer would be noise. The checkpoint is damaged: download it again.")
-
-
-def refuse_what_is_no_regular_file(files: list[Path]) -> None:
-    """Weights are read from regular files only: a pipe would wait for a writer forever."""
-    for file in files:
-        if file.exists() and not file.is_file():
-            raise UserError(f"{file} is not a regular file (a pipe, a device?): the weights must "
-                            f"be a file.")
 
 
 def _read_json(path: Path) -> dict:
