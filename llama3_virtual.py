@@ -11,11 +11,11 @@ table. Needs CUDA, flash-attn and the cuda-python package.
 
 By default a background thread maps the pages a few steps ahead, a finished request's pages
 stay mapped for the next request in its row, and half the pool is mapped under the empty rows at
-start-up (features/mapping_ahead.py, vAttention's way).
+start-up (features/virtual/mapping_ahead.py, vAttention's way).
 --sync-mapping maps in the loop when a page is needed and unmaps when a request finishes
-(features/page_manager.py): simpler to read, and the driver calls are then on the critical path.
+(features/virtual/page_manager.py): simpler to read, and the driver calls are then on the critical path.
 --kv-cache-dtype fp8 stores K and V in 8 bits and decodes with the Triton kernel
-(features/fp8_virtual_kv_cache.py).
+(features/fp8/virtual.py).
 
 Its run is engine/run.py's `main` and `run_virtual`: the flags, the model, this file's
 `allocate_kv_cache` (where the three scripts differ), generate, the report, `mapping_report`.
@@ -29,10 +29,10 @@ if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line
 
 import sys
 
-from features.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
-from features.page_manager import PageManager
-from features.virtual_kv_cache import LAYOUTS, VirtualKVCache
-from features.virtual_memory import DriverOutOfMemory
+from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
+from features.virtual.page_manager import PageManager
+from features.virtual.kv_cache import LAYOUTS, VirtualKVCache
+from features.virtual.memory import DriverOutOfMemory
 from engine.pools import kv_budget_bytes
 from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, hand_to_the_engine, importable
 
@@ -64,7 +64,7 @@ def allocate_kv_cache(run):
     args = run.args
     cache_class = VirtualKVCache
     if run.kv_cache_dtype is not None:  # --kv-cache-dtype fp8
-        from features.fp8_virtual_kv_cache import FP8VirtualKVCache as cache_class
+        from features.fp8.virtual import FP8VirtualKVCache as cache_class
     try:
         cache = cache_class(run.model.args, run.num_sequences, args.max_seq_len,
                             run.dtype, run.device, run.attention, args.layout,

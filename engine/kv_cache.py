@@ -2,7 +2,7 @@
 
 - **Prefill after cached tokens.** The lesson prefills every prompt of its static batch from the
   first token. The engine has prompts that begin cached: a fork shares its parent's blocks and a
-  prompt finds its system prompt's blocks (features/sharing.py), a swapped request comes back
+  prompt finds its system prompt's blocks (features/sharing/block_manager.py), a swapped request comes back
   with its K/V (engine/swap.py), a mixed step computes a prompt in chunks (engine/scheduler.py).
   Such a prompt packs only its new tokens (engine/model_runner.py's `prefill_from`), and its
   attention reads every token, cached and new, from the pool through the block table:
@@ -13,7 +13,7 @@
 - **Left out of compiled layers** (engine/compiled_layers.py): the cache's writes and the
   attention kernel run as they are, between the layers' two compiled graphs.
 
-Attention is the seam of the backends: `attend_with` is where features/cascade.py puts its
+Attention is the seam of the backends: `attend_with` is where features/cascade/attention.py puts its
 two-part attention around the backend chosen at start-up, once a system prompt's blocks are known.
 """
 
@@ -53,7 +53,7 @@ class EngineKVCache(lesson.KVCache):
                 self.v[layer, :self.num_slots].view(self.block_shape))
 
     def attend_with(self, backend) -> None:
-        """Attention through `backend` from now on (features/cascade.py's)."""
+        """Attention through `backend` from now on (features/cascade/attention.py's)."""
         self.attention_backend = backend
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The one place an engine with features is assembled from the lesson's parts, and `LLMEngine`,
 the Python API's engine that takes requests one at a time (vLLM's LLMEngine).
 
-From the flags (features/engine_args.py) and a pool (engine/pools.py), `make_scheduler` and
+From the flags (engine/config.py's Config) and a pool (engine/pools.py), `make_scheduler` and
 `make_engine` choose the engine's parts and the features' that plug into them.
 Everything that runs requests builds through them: the scripts' feature runs (`generate`, which
 engine/run.py calls), tools/bench.py and tools/latency_sweep.py, and `LLMEngine`, which
@@ -13,7 +13,7 @@ What serving adds to the scripts' runs:
   sees requests without end. Here a request takes a free row when it is added and gives it back
   when it finishes or is aborted, as its blocks go back to the free list.
 - A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
-  paged cache: the samples after the first fork (features/sharing.py), as `--samples` does.
+  paged cache: the samples after the first fork (features/sharing/block_manager.py), as `--samples` does.
 - Each request samples with its own parameters (features/sampling.py's `RowSampler`), and ends at
   its own stop strings, at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are
   checked here, on the host, between steps. On CUDA steps overlap (engine/model_runner.py) as in the
@@ -21,7 +21,6 @@ What serving adds to the scripts' runs:
   go (`let_go`) and throws away the token that step draws for it, as it does for a stop token.
 """
 
-import argparse
 import dataclasses
 import itertools
 import math
@@ -38,10 +37,10 @@ from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, gree
 from engine.scheduler import RequestTooLarge, Scheduler
 from engine.sequence import ServedRequest, Status
 from engine.swap import HostBlocks
-from features.engine_args import (engine_arguments, load, refuse_overlap, script_parts,
-                                  why_not_overlapped)
+from engine.config import Config
+from engine.loader import load
 from engine import pools
-from engine.pools import allocate_paged, decodes_with_graphs
+from engine.pools import allocate_naive, allocate_paged, decodes_with_graphs
 from features.sampling import RowSampler, SamplingParams, make_sampler
 from plumbing import inputs
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
@@ -51,12 +50,16 @@ from plumbing.inputs import Run
 SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
 
 
-def allocate_kv_cache(cache: str, run):
-    """A served engine's KV cache and block manager, as llama3_<cache>.py's flags make them. In
-    the paged cache a request's n samples share their prompt's blocks, as --samples's do."""
-    if cache == "paged":
-        return allocate_paged(run, samples=True)
-    return script_parts(cache).allocate_kv_cache(run)
+def allocate_kv_cache(run: Run, served: bool = False):
+    """The pool and block manager of the run's script, llama3_<cache>.py: where the three
+    differ. The virtual script is imported for its own runs only: the others never touch CUDA's
+    virtual memory. served: a served engine's, whose requests may ask for n samples."""
+    if run.args.cache == "virtual":
+        import llama3_virtual
+        return llama3_virtual.allocate_kv_cache(run)
+    return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
+
+
 def make_requests(run: Run) -> list[lesson.Request]:
     """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
     each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""
@@ -104,7 +107,7 @@ def make_scheduler(run, cache, manager, requests: list[lesson.Request],
             f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
             f"--max-new-tokens.", OUT_OF_MEMORY) from e
     if args.script == "llama3_virtual.py":  # its page managers may map the next prompts'
-        manager.watch_queue(scheduler.waiting)  # pages ahead (features/mapping_ahead.py)
+        manager.watch_queue(scheduler.waiting)  # pages ahead (features/virtual/mapping_ahead.py)
     return scheduler
 
 
@@ -147,7 +150,7 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
     greedily, and a step with a row that samples runs eagerly)."""
     cascade = None
     if pools.caches_prefix(run) and run.args.cascade != "off":  # a system prompt, cached
-        from features.cascade import cascade_for
+        from features.cascade.attention import cascade_for
         cascade = cascade_for(run, cache, manager)  # before the graphs record attention
     graphs = None
     if decodes_with_graphs(run):
@@ -161,11 +164,8 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
     overlap = run.args.overlap
     if overlap is None:
         overlap = run.device.type == "cuda"
-    if overlap:
-        why_not = why_not_overlapped(run.args)
-        if run.args.overlap:
-            refuse_overlap(why_not)
-        overlap = why_not is None
+    if overlap:  # an explicit --overlap the run cannot have was refused in Config
+        overlap = run.args.why_not_overlapped() is None
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
     engine = ModelRunner(forward, cache, manager, sampler, graphs, cascade, overlap=overlap,
                          longest_first=run.device.type == "cuda")
@@ -233,7 +233,7 @@ class QueueFull(Exception):
 def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_tokens: int) -> None:
     """Each of warm_up_prompts' passes through `run_pass(prompts)`, which runs them to their end.
     Then an FP8 cache forgets the scales the first of them set: a token repeated is not the data
-    they are for (features/fp8_cache.py)."""
+    they are for (features/fp8/cache.py)."""
     from engine.compiled_layers import warm_up_prompts  # here: it loads the compiler
     for prompts in warm_up_prompts(compiled, manager, max_seq_len, new_tokens):
         run_pass(prompts)
@@ -253,16 +253,16 @@ class LLMEngine:
             raise UserError("The Python API and serve.py run in one process for now, not under "
                             "torchrun: run them without it.")
         if run is None:
-            args = engine_arguments(cache, {"max_running": max_num_seqs, **options}, argv)
+            args = Config.from_options(cache, {"max_running": max_num_seqs, **options}, argv)
             if cache == "virtual":  # as its script does: from the flags, before loading
                 import llama3_virtual
                 llama3_virtual.require_cuda_and_flash_attn(args)
             run = load(args)
         elif run.args.max_running is None:  # the scripts' "all at once": here, every row
-            run = dataclasses.replace(run, args=argparse.Namespace(
-                **vars(run.args) | {"max_running": max_num_seqs}))
+            run = dataclasses.replace(run, args=dataclasses.replace(run.args,
+                                                                    max_running=max_num_seqs))
         self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
-        self.cache, self.manager = allocate_kv_cache(cache, self.run)
+        self.cache, self.manager = allocate_kv_cache(self.run, served=True)
         self.sampler = RowSampler(max_num_seqs, self.run.device)
         # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
         # the per-row sampler (a graph would have recorded one path for every row forever).

@@ -43,7 +43,7 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     compiled = bool(run.args.compile)
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         if run.kv_cache_dtype is not None:
-            from features.fp8_cache import FP8KVCache
+            from features.fp8.cache import FP8KVCache
             return FP8KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
                               run.attention, compiled=compiled)
         return EngineKVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
@@ -68,7 +68,7 @@ def shares_blocks(run: Run, served: bool = False) -> bool:
 
 
 def caches_prefix(run: Run) -> bool:
-    """Whether later prompts find a system prompt's blocks in the pool (features/prefix_cache.py)."""
+    """Whether later prompts find a system prompt's blocks in the pool (features/sharing/prefix_cache.py)."""
     args = run.args
     return (args.script == "llama3_paged.py" and not args.no_sharing
             and run.system_prompt is not None and not args.no_prefix_cache)
@@ -83,7 +83,7 @@ def allocate_paged(run: Run, samples: bool = False):
     if not shares_blocks(run, served=samples):
         return cache, lesson.BlockManager(num_blocks, block_size, run.num_sequences, max_blocks,
                                           run.device)
-    from features.sharing import SharingBlockManager
+    from features.sharing.block_manager import SharingBlockManager
     return cache, SharingBlockManager(cache, run.num_sequences, max_blocks, caches_prefix(run))
 
 

@@ -7,14 +7,17 @@ built here runs three features by default on CUDA: decode steps replayed as CUDA
 (features/cuda_graphs.py; --eager turns them off), compiled layers (engine/compiled_layers.py;
 --no-compile) and steps scheduled while the GPU computes the one before (engine/model_runner.py;
 --no-overlap). llama3_virtual.py's runs all come here: its pages are a feature
-(features/virtual_memory.py).
+(features/virtual/memory.py).
 """
 
 import sys
 
-from features.engine_args import cache_of, load, parser_with_features, script_parts
-from engine.llm_engine import generate, make_beam_engine, make_requests
-from features.report import report
+import llama3_naive
+import llama3_paged as lesson
+from engine.config import Config, cache_of, parser_with_features
+from engine.loader import load
+from engine.llm_engine import allocate_kv_cache, generate, make_beam_engine, make_requests
+from engine.report import report
 from plumbing.cli import (DRIVER_ERROR, UserError, add_pool_arguments, needs_features,
                           one_paragraph_errors)
 from plumbing.inputs import Run
@@ -24,20 +27,19 @@ def main(script: str, argv=None) -> None:
     """A script's run with the features its flags ask for: parse, load, allocate the cache,
     generate, report."""
     kind = cache_of(script)  # paged, naive or virtual
-    parts = script_parts(kind)
-    allocate = parts.allocate_kv_cache
     with one_paragraph_errors(script):
-        args = parser_with_features(kind).parse_args(argv)
+        config = Config.from_args(parser_with_features(kind).parse_args(argv))
         if kind == "virtual":  # from the flags, before minutes of loading the model
-            parts.module.require_cuda_and_flash_attn(args)
-        run = load(args)
+            import llama3_virtual
+            llama3_virtual.require_cuda_and_flash_attn(config)
+        run = load(config)
         if run.args.beam_width > 1:
-            return run_beam_search(run, *allocate(run))
+            return run_beam_search(run, *allocate_kv_cache(run))
         if run.args.find_max_batch:
-            return find_max_batch(run, allocate)
+            return find_max_batch(run)
         if kind == "virtual":
             return run_virtual(run)
-        cache, manager = allocate(run)
+        cache, manager = allocate_kv_cache(run)
         report(run, cache, manager, generate(run, cache, manager))
 
 
@@ -45,8 +47,8 @@ def run_virtual(run: Run) -> None:
     """llama3_virtual.py's run: a driver call that fails, in the loop or on the mapping thread,
     ends it in one paragraph; the thread stops with the run."""
     import llama3_virtual
-    from features.mapping_ahead import MappingAheadManager, MappingFailed
-    from features.virtual_memory import DriverError
+    from features.virtual.mapping_ahead import MappingAheadManager, MappingFailed
+    from features.virtual.memory import DriverError
     manager = None  # a driver call may fail at start-up, while the rows are mapped
     try:
         cache, manager = llama3_virtual.allocate_kv_cache(run)  # where the three scripts differ
@@ -73,7 +75,7 @@ def run_beam_search(run, cache, manager) -> None:
     search_and_report(run, make_beam_engine(run, cache, manager), budgets)
 
 
-def find_max_batch(run: Run, allocate_kv_cache) -> None:
+def find_max_batch(run: Run) -> None:
     """--find-max-batch (features/max_batch.py), loaded only when asked for."""
     from features import max_batch
     max_batch.find_max_batch(run, allocate_kv_cache, generate)
@@ -86,7 +88,7 @@ def command_line(script: str, argv: list[str]) -> None:
     pool_arguments = add_pool_arguments if kind == "paged" else None
     if kind == "virtual" or needs_features(script, argv, pool_arguments):
         return main(script, argv)
-    return script_parts(kind).module.main(argv)
+    return (lesson if kind == "paged" else llama3_naive).main(argv)
 
 
 if __name__ == "__main__":  # python -m engine.run llama3_paged.py 49 --continuous ...

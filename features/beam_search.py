@@ -4,7 +4,7 @@ Each prompt keeps K beams, the K likeliest continuations found so far, scored by
 tokens' log-probabilities. Each step every beam proposes its likeliest next tokens, and the K
 best of all K x vocabulary continuations become the next beams: a good beam may leave two
 children, a weak one none. So a beam's history is its parent's plus one token, and with
-SharingBlockManager (features/sharing.py) a child simply takes its parent's blocks: every block
+SharingBlockManager (features/sharing/block_manager.py) a child simply takes its parent's blocks: every block
 gains or loses holders at every step, and a block no beam holds any more returns to the pool.
 The last, part-full block is copied on write when two children both write into it. Without
 sharing (--no-sharing) each beam holds its own blocks, and a child's are copied from its parent.
@@ -115,7 +115,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     """Search K = width beams for each prompt, all prompts in one batch (static: every prompt's
     blocks are taken at the start). Prompt p's beams run in rows p*K .. p*K + K-1; engine's
     sampler must be BeamSampler(width). shares: the engine's block manager shares blocks
-    (features/sharing.py's, as engine/pools.py's `shares_blocks` chooses)."""
+    (features/sharing/block_manager.py's, as engine/pools.py's `shares_blocks` chooses)."""
     manager, cache = engine.manager, engine.cache
     searches = [Prompt(p, np.arange(i * width, (i + 1) * width), n)
                 for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]

@@ -13,7 +13,6 @@ the one past it: three runs in all, where the replay is right. Where it is wrong
 on by bisection; every answer is still a real run's.
 """
 
-import argparse
 import dataclasses
 import gc
 import time
@@ -24,7 +23,7 @@ import torch
 from block_manager import OutOfBlocks
 from plumbing import inputs
 from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes
-from features.report import memory_report
+from engine.report import memory_report
 from plumbing.cli import write_json
 
 
@@ -50,7 +49,7 @@ def run_batch(run, allocate_kv_cache, generate):
 
 def attempt(run, num_requests: int, allocate_kv_cache, generate) -> Attempt:
     """One run of the first `num_requests` prompts, in this process."""
-    args = argparse.Namespace(**vars(run.args) | {"num_requests": num_requests})
+    args = dataclasses.replace(run.args, num_requests=num_requests)
     per_prompt = run.num_sequences // len(run.prompts)
     batch = dataclasses.replace(run, args=args, prompts=run.prompts[:num_requests],
                                 num_sequences=num_requests * per_prompt)

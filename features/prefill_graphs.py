@@ -17,7 +17,7 @@ B rows as it would the eager pass's.
 
 Longer passes (their GPU work outlasts the launch), passes of more prompts, passes after cached
 tokens (engine/kv_cache.py's other path) and an FP8 cache's first pass (it sets the scales,
-features/fp8_cache.py) run as before.
+features/fp8/cache.py) run as before.
 """
 
 import bisect
@@ -68,7 +68,7 @@ class GraphPrefill:
 
     def __init__(self, engine):
         self.manager, self.cache = engine.manager, engine.cache
-        # An FP8 cache (features/fp8_cache.py): its first pass sets the scales.
+        # An FP8 cache (features/fp8/cache.py): its first pass sets the scales.
         self.float8 = float8 = self.cache.k[0].dtype == torch.float8_e4m3fn
         # The graphs' inputs: one buffer in LAYOUT, and views of it.
         self.inputs = torch.zeros(sum(LAYOUT), dtype=torch.long, device=engine.device)

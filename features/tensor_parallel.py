@@ -46,31 +46,31 @@ from plumbing.inputs import shapes_only
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that stops answering ends the others
 
 
-def start(args) -> None:
-    """Join torchrun's process group over the transport the device calls for. args.device becomes
-    this rank's GPU; ranks other than 0 stay quiet on stdout (rank 0 prints the one report) and
-    write no --json."""
-    refuse_what_is_not_split_yet(args)
+def start(config):
+    """Join torchrun's process group over the transport the device calls for; the config this
+    rank runs: its GPU, and on ranks other than 0 no --json (rank 0 prints the one report and
+    writes the file; the others stay quiet on stdout)."""
+    refuse_what_is_not_split_yet(config)
     backend, local_size = "gloo", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if args.device.type == "cuda":
-        if args.device.index is not None:
+    changes = {"compile": bool(config.compile)}  # default off: compiled layers with collectives
+    if config.device.type == "cuda":               # inside are not run yet
+        if config.device.index is not None:
             raise UserError("Under torchrun each process takes the GPU its LOCAL_RANK names: pass "
                             "--device cuda, without an index.")
         if torch.cuda.device_count() >= local_size:  # a GPU each: NCCL, graphs can capture it
             backend = "nccl"
-            args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(args.device)
+            changes["device"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(changes["device"])
         else:  # the processes share one GPU, and its memory
-            args.device = torch.device("cuda", 0)
-            args.eager = True  # no CUDA graphs (nor compiled layers) over gloo
-            args.gpu_memory_utilization = ((args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION)
-                                           / local_size)
-    if args.compile is None:
-        args.compile = False  # compiled layers with collectives inside: not yet
+            changes |= {"device": torch.device("cuda", 0),
+                        "eager": True,  # no CUDA graphs (nor compiled layers) over gloo
+                        "gpu_memory_utilization": (config.gpu_memory_utilization
+                                                   or GPU_MEMORY_UTILIZATION) / local_size}
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")
-        args.json = None
+        changes["json"] = None
+    return dataclasses.replace(config, **changes)
 
 
 def refuse_what_is_not_split_yet(args) -> None:
@@ -183,7 +183,7 @@ def transport(device: torch.device) -> str:
 
 
 def summed_over_processes(memory: dict, device: torch.device) -> dict:
-    """The report's memory figures of every process (features/report.py's), added up: each holds
+    """The report's memory figures of every process (engine/report.py's), added up: each holds
     its own pool, and its own unfilled slots."""
     names = ["weights_bytes", "kv_pool_bytes", "fragmented_bytes"]
     totals = reduced([float(memory[n]) for n in names])

@@ -43,7 +43,7 @@ def paged_decode_kernel(
     # Programs start in this order: a request's K/V heads one after another, so that with the
     # rows longest first (features/longest_first.py) the last programs to start are short ones.
     request, kv_head = tl.program_id(0) // KV_HEADS, tl.program_id(0) % KV_HEADS
-    if FP8:  # features/fp8_cache.py: K = K8 * k_scale, V = V8 * v_scale, folded in below
+    if FP8:  # features/fp8/cache.py: K = K8 * k_scale, V = V8 * v_scale, folded in below
         k_scale, v_scale = tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)
     else:
         k_scale, v_scale = 1.0, 1.0
@@ -101,7 +101,7 @@ def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens, kv_sca
     """q: [B, n_heads, d]; key_blocks, value_blocks: [num_blocks, block_size, n_kv_heads, d];
     block_table: [B, max_blocks] int32; cache_seqlens: [B] int32. Returns [B, n_heads, d].
     kv_scales: [2] float32 on the device, K's and V's scale, for float8 blocks
-    (features/fp8_cache.py). tile, num_warps: by default this dtype's (tools/decode_kernel_cost.py
+    (features/fp8/cache.py). tile, num_warps: by default this dtype's (tools/decode_kernel_cost.py
     times others)."""
     fp8 = kv_scales is not None
     tile = tile or (FP8_TOKENS_PER_TILE if fp8 else TOKENS_PER_TILE)

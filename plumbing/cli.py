@@ -408,7 +408,7 @@ def fraction(text: str) -> float:
 
 def kv_cache_dtype(text: str) -> str:
     """--kv-cache-dtype, with vLLM's names: fp8_e4m3 is our fp8. vLLM's fp8_e5m2 trades a
-    mantissa bit for range, which a per-layer scale already gives (features/fp8_cache.py), and
+    mantissa bit for range, which a per-layer scale already gives (features/fp8/cache.py), and
     is not built."""
     if text in ("auto", "fp8", "fp8_e4m3"):
         return text.removesuffix("_e4m3")
@@ -513,11 +513,11 @@ def first_paragraph(docstring: str) -> str:
 def argument_parser(script: str, description: str, add_arguments=None,
                     exit_on_error: bool = True, requests: bool = True) -> argparse.ArgumentParser:
     """The flags of the lesson, which every script takes, and the script's own (`add_arguments`:
-    its pool's); features/engine_args.py adds the features'. `script` names the program in messages and
+    its pool's); engine/config.py adds the features'. `script` names the program in messages and
     reports; the first line of `description` (the script's docstring) heads --help. requests:
     the N of a script's run (a served engine takes its requests one at a time: none here)."""
     import torch  # for the default device, once the script has loaded it
-    # conflict_handler="resolve": features/engine_args.py redefines --attn with the Triton kernel added.
+    # conflict_handler="resolve": engine/config.py redefines --attn with the Triton kernel added.
     p = argparse.ArgumentParser(prog=script, description=first_paragraph(description) or None,
                                 formatter_class=HelpFormatter, conflict_handler="resolve",
                                 exit_on_error=exit_on_error)

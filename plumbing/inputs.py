@@ -188,13 +188,15 @@ def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int)
     return model.eval().requires_grad_(False)
 
 
-def random_model(model_class, preset: str, device, dtype, max_positions: int, seed: int = 0):
-    """Random weights with the preset's shapes, drawn on the device in the target dtype.
+def random_model(model_class, preset: str | ModelArgs, device, dtype, max_positions: int,
+                 seed: int = 0):
+    """Random weights with the preset's shapes (its name, or the shapes themselves), drawn on the
+    device in the target dtype.
 
     Each matrix has std 1/sqrt(fan_in), so every projection keeps unit-scale activations and the
     residual stream grows only with the square root of the depth: finite in bf16 at 32 layers.
     """
-    args = PRESETS[preset]
+    args = PRESETS[preset] if isinstance(preset, str) else preset
     model = build_model(model_class, args, device, dtype, max_positions)
     generator = torch.Generator(device=device).manual_seed(seed)
     params = dict(model.named_parameters())

@@ -1,14 +1,46 @@
 """Tiny Llama checkpoints written by transformers, in both layouts, for tests that need real files."""
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers (pytest.ini's -n auto): a core
+    os.environ["OMP_NUM_THREADS"] = "1"    # each, for its tests and the scripts they start
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """pytest.ini's `-n auto`: on a machine without CUDA, a worker per core, two at most (the
+    CI's two cores: one process of small models and script runs leaves the other idle); with a
+    GPU, one process (the GPU tests share its memory, and time it)."""
+    return 0 if torch.cuda.is_available() else min(2, os.cpu_count() or 1)
+
+
+ENGINE_VOCAB = 2048  # the engine's tests feed random token ids, no text: the tiny preset's shapes
+# with a small output head, whose 128,256 rows are 96% of a tiny step's arithmetic (a run of ten
+# requests: 2.0 s with them, 0.18 s without, on 2 cores)
+
+
+def engine_model(seed: int, dtype=torch.float32, max_positions: int = 256):
+    """A random tiny Llama with ENGINE_VOCAB tokens, for tests of the scheduler, caches and loop."""
+    from llama3_paged import Llama
+    from plumbing.inputs import PRESETS, random_model
+    shapes = dataclasses.replace(PRESETS["tiny"], vocab_size=ENGINE_VOCAB)
+    return random_model(Llama, shapes, "cpu", dtype, max_positions, seed=seed)
+
+
+def random_ids(lengths, seed: int, prefix=()) -> list[list[int]]:
+    """Prompts of these lengths, random token ids below ENGINE_VOCAB, each after `prefix`."""
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(0, ENGINE_VOCAB, (n,), generator=g).tolist()
+            for n in lengths]
 
 
 def tokens(n: int, first: int = 0) -> list[int]:
@@ -91,7 +123,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     from engine.sequence import ServedRequest
     from engine.scheduler import Scheduler
     from engine.swap import HostBlocks
-    from features.sharing import SharingBlockManager
+    from features.sharing.block_manager import SharingBlockManager
     requests = [ServedRequest(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     host = HostBlocks(cache, swap_blocks) if continuous and swap_blocks else None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from conftest import tokens
+from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
@@ -16,8 +16,6 @@ from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler
 from engine.model_runner import ModelRunner
 from test_mixed_steps import takes_a_token
-from plumbing.inputs import random_model
-from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts, run
 
 
@@ -87,7 +85,7 @@ def test_no_request_is_admitted_before_it_arrives(mixed):
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return engine_model(11, torch.float32, MAX_SEQ_LEN)
 
 
 @pytest.mark.parametrize("mixed", [False, True])

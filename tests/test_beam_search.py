@@ -11,7 +11,7 @@ from block_manager import BlockManager
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from features.beam_search import BeamSampler, beam_search
-from features.sharing import SharingBlockManager
+from features.sharing.block_manager import SharingBlockManager
 from plumbing.inputs import load_model
 from llama3_paged import Llama
 

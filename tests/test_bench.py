@@ -47,7 +47,7 @@ def test_workload_w_is_what_the_paged_script_would_run():
     assert (w.num_requests, w.max_new_tokens, w.max_seq_len, w.block_size) == (256, 256, 1536, 256)
     assert w.random_weights and w.model == "8b" and w.attn == "flash" and w.script == "llama3_paged.py"
     naive = script_arguments(parse_arguments(["naive", "--eager", "--num-requests", "49"]))
-    assert naive.eager and naive.num_requests == 49 and not hasattr(naive, "block_size")
+    assert naive.eager and naive.num_requests == 49 and naive.block_size is None
 
 
 def test_workload_p_is_long_prompts_of_sharegpt_text_cut_to_length():
@@ -145,9 +145,11 @@ def test_workload_n_draws_what_nano_vllms_bench_py_draws():
 ])
 def test_layers_compile_by_default_only_where_they_can(device, attention, extra, compiles):
     from types import SimpleNamespace
-    from features.engine_args import compiles_by_default, parse_script_arguments
+    import dataclasses
+    from engine.config import parse_script_arguments
+    from engine.loader import compiles_by_default
     args = parse_script_arguments("paged", ["4", "--random-weights", "--device", "cpu", *extra])
-    args.device = torch.device(device)  # parsed on the CPU: the choice only reads the type
+    args = dataclasses.replace(args, device=torch.device(device))  # the choice reads the type
     assert compiles_by_default(args, SimpleNamespace(name=attention)) is compiles
 
 

@@ -1,4 +1,4 @@
-"""Cascade attention (features/cascade.py): attention over a shared prefix and a request's own
+"""Cascade attention (features/cascade/attention.py): attention over a shared prefix and a request's own
 blocks, merged by their log-sum-exps, equals attention over all its keys; a run with it gives the
 tokens of a run without it."""
 
@@ -15,13 +15,12 @@ from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import greedy
 from llama3_paged import DecodeBatch
-from features.cascade import CascadeAttention
+from features.cascade.attention import CascadeAttention
 from engine.scheduler import Scheduler
-from features.sharing import SharingBlockManager
+from features.sharing.block_manager import SharingBlockManager
 from plumbing.cli import importable
-from plumbing.inputs import random_model
-from llama3_paged import Llama
 from test_sharing import random_prompts
+from conftest import engine_model
 
 MAX_SEQ_LEN = 160
 
@@ -93,10 +92,9 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
     return engine.generate(scheduler, progress=False), cascade
 
 
-@pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8: the
-# same path as 4 over fewer, longer blocks (the suite's time)
+@pytest.mark.parametrize("block_size", [4, 8])  # 8: the same path as 4 over fewer, longer blocks
 def test_a_run_with_the_cascade_gives_the_tokens_of_a_run_without_it(block_size):
-    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=31)
+    model = engine_model(31, torch.float32, MAX_SEQ_LEN)
     system = random_prompts([21], seed=3)[0]  # 5 full blocks of 4, or 2 of 8, then a part
     prompts = random_prompts([5, 12, 1, 30, 8, 17, 9], seed=4, prefix=system)
     budgets = [9, 4, 12, 7, 10, 5, 8]
@@ -129,7 +127,7 @@ def test_the_flash_cascade_equals_flash_attention_over_all_the_keys(own_lengths)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton)")
 @pytest.mark.parametrize("n_heads", [32, 24])  # 24: heads padded to a power of two
 def test_the_fused_merge_equals_the_merge_in_float64(n_heads):
-    from features.cascade_merge import fused_merge
+    from features.cascade.merge import fused_merge
     g = torch.Generator().manual_seed(5)
     batch, d = 300, 128
     outs = [torch.randn(batch, n_heads, d, generator=g).cuda().bfloat16() for _ in range(2)]

@@ -6,7 +6,7 @@ import shlex
 import pytest
 from conftest import ROOT
 
-from features.engine_args import cache_of, engine_arguments, parser_with_features
+from engine.config import Config, cache_of, parser_with_features
 from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
                    nano_vllm_bench, power_cap, preemption_cost, serve_bench)
 
@@ -41,7 +41,7 @@ def parse(command: str) -> None:
     elif program == "serve.py":  # its own flags, and the rest are the scripts'
         import serve
         args, engine_argv = serve.argument_parser().parse_known_args(argv)
-        engine_arguments(args.cache, {}, engine_argv)
+        Config.from_options(args.cache, {}, engine_argv)
     else:
         assert program in ("tools/plot_memory.py", "tools/build_prompts.py", "-m"), program
 

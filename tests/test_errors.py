@@ -211,9 +211,9 @@ def test_a_number_not_written_in_ascii_digits_is_refused_and_shown(text):
                   plumbing.cli.fraction, plumbing.cli.gigabytes):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text)[1:-1])):
             parse(text)
-    from features.engine_args import engine_arguments  # LLM(...)'s keywords: the same rule
+    from engine.config import Config  # LLM(...)'s keywords: the same rule
     with pytest.raises(plumbing.cli.UserError, match="--max-seq-len"):
-        engine_arguments("paged", {"max_seq_len": text * 3})
+        Config.from_options("paged", {"max_seq_len": text * 3})
     assert plumbing.cli.positive_int("2") == plumbing.cli.port("2") == 2
     assert plumbing.cli.fraction("0.5") == plumbing.cli.fraction(".5") == 0.5
     assert plumbing.cli.gigabytes("1e-3") == 0.001
@@ -721,7 +721,7 @@ def test_the_tools_shared_module_run_by_mistake_says_what_it_is():
 def test_float32_on_cuda_attends_with_the_reference_and_refuses_a_bf16_kernel():
     """flash-attn and the Triton kernel read fp16 and bf16 only: `auto` picks the PyTorch
     reference for --dtype fp32 (a crash inside flash-attn before), an explicit kernel is refused."""
-    from features.engine_args import choose_attention
+    from engine.loader import choose_attention
     from engine.kv_cache import TorchAttentionAfterPrefix
     cuda = torch.device("cuda")  # only named: nothing runs on it
     assert isinstance(choose_attention("auto", cuda, "flash", "fp32"), TorchAttentionAfterPrefix)

@@ -47,7 +47,7 @@ def test_the_printed_fragmented_memory_is_the_unfilled_kv_at_the_fullest_step(sc
     """Four requests of different lengths (their ShareGPT replies, at most 100 tokens): the
     fullest step is not the last, and the printed figure is the arithmetic done here."""
     from plumbing.inputs import load_prompts, load_tokenizer
-    from features.report import device_total_bytes
+    from engine.report import device_total_bytes
     prompts = load_prompts(4, load_tokenizer())
     budgets = [min(p.num_reply_tokens, 100) for p in prompts]
     assert len(set(budgets)) > 1, "requests of different lengths"

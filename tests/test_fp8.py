@@ -6,15 +6,14 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, engine_model
 from test_scripts import TINY, run_script
 
 from engine.kv_cache import CachedPrefillBatch, TorchAttentionAfterPrefix
-from features.fp8_cache import FP8_MAX, HEADROOM, FP8KVCache, dequantize, quantize
+from features.fp8.cache import FP8_MAX, HEADROOM, FP8KVCache, dequantize, quantize
 from llama3_paged import DecodeBatch, PrefillBatch, TorchAttention
 from block_manager import BlockManager
-from llama3_paged import Llama
-from plumbing.inputs import PRESETS, random_model
+from plumbing.inputs import PRESETS
 
 
 def test_a_round_trip_keeps_three_mantissa_bits_and_clamps_what_is_out_of_range():
@@ -174,16 +173,16 @@ def test_what_the_fp8_cache_does_not_serve_yet_is_refused_in_one_paragraph(flags
 
 @pytest.mark.parametrize("name, chosen", [("auto", "auto"), ("fp8", "fp8"), ("fp8_e4m3", "fp8")])
 def test_vllms_names_for_the_kv_cache_dtype_choose_ours(name, chosen):
-    from features.engine_args import parse_script_arguments
+    from engine.config import parse_script_arguments
     args = parse_script_arguments("paged", ["4", "--random-weights", "--kv-cache-dtype", name])
     assert args.kv_cache_dtype == chosen
 
 
 def test_fp8_e5m2_is_refused_by_name():
-    from features.engine_args import engine_arguments
+    from engine.config import Config
     from plumbing.cli import UserError
     with pytest.raises(UserError, match="fp8_e5m2 is not built"):
-        engine_arguments("paged", {"kv_cache_dtype": "fp8_e5m2"})  # LLM(kv_cache_dtype=...)
+        Config.from_options("paged", {"kv_cache_dtype": "fp8_e5m2"})  # LLM(kv_cache_dtype=...)
 
 
 def test_fp8_blocks_swapped_out_and_back_give_the_recomputed_tokens():
@@ -192,7 +191,7 @@ def test_fp8_blocks_swapped_out_and_back_give_the_recomputed_tokens():
     # prefill, which a larger pool fills with other prompts (16 ShareGPT requests on the tiny
     # model, 100 blocks against 2,000: other tokens on 13 of the 16; docs/fp8.md).
     from conftest import generate
-    model = random_model(Llama, "tiny", "cpu", torch.float32, 256, seed=11)
+    model = engine_model(11, torch.float32, 256)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 12, 3, 9, 14, 7)]
 

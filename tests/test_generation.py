@@ -9,10 +9,8 @@ import torch
 from engine.sequence import ServedRequest
 from llama3_paged import TorchAttention
 from block_manager import BlockManager
-from conftest import generate, request
+from conftest import engine_model, generate, random_ids, request
 from block_manager import OutOfBlocks
-from plumbing.inputs import random_model
-from llama3_paged import Llama
 from llama3_paged import Decoder, Engine
 from llama3_paged import Scheduler
 from llama3_paged import KVCache
@@ -22,7 +20,7 @@ MAX_SEQ_LEN = 96
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=3)
+    return engine_model(3, torch.float32, MAX_SEQ_LEN)
 
 
 def run(model, prompts, budgets, num_blocks, block_size, stop_ids=frozenset(), chunk_tokens=64):
@@ -39,8 +37,7 @@ def naive(model, prompts, budgets, **kw):
 
 
 def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+    return random_ids(lengths, seed)
 
 
 # Around the block size of 8: exactly one block, exactly three, one past, one short, one token.

@@ -16,13 +16,13 @@ from conftest import ROOT
 from engine.kv_cache import (CachedPrefillBatch, EngineKVCache, FlashAttentionAfterPrefix,
                              TorchAttentionAfterPrefix)
 from conftest import generate
-from features.sharing import SharingBlockManager
+from features.sharing.block_manager import SharingBlockManager
 from plumbing.cli import importable
 from block_manager import BlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from llama3_paged import DecodeBatch, PrefillBatch
-from features.page_manager import PageManager
+from features.virtual.page_manager import PageManager
 from features.sampling import Sampler
 
 if importable("triton"):
@@ -206,7 +206,7 @@ def test_triton_and_flash_attn_generate_the_same_tokens():
 @pytest.mark.parametrize("block_size", [16, 256])  # tiles of 128: over 8 blocks, inside one
 def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(gqa, block_size):
     from features.triton_attention import paged_decode
-    from features.fp8_cache import FP8_MAX, dequantize, quantize
+    from features.fp8.cache import FP8_MAX, dequantize, quantize
     g = torch.Generator(device="cuda").manual_seed(gqa)
     batch, n_kv, d, longest = 10, 2, 128, 3000
     lengths = torch.randint(1, longest + 1, (batch,), device="cuda", generator=g)
@@ -231,7 +231,7 @@ def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(g
 @pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # 8B's rows; rows of 192, padded to 256
 def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_kv, d):
     from types import SimpleNamespace
-    from features.fp8_cache import FP8, FP8_MAX, Float8Writes
+    from features.fp8.cache import FP8, FP8_MAX, Float8Writes
     g = torch.Generator(device="cuda").manual_seed(n_kv)
     tokens, num_slots = 300, 1000
     qkv = (torch.randn(tokens, 6 * n_kv, d, device="cuda", generator=g) * 3).to(dtype)
@@ -254,7 +254,7 @@ def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_
 
 @needs_triton
 def test_an_fp8_cache_gives_the_same_tokens_through_the_reference_and_the_triton_kernel():
-    from features.fp8_cache import FP8KVCache
+    from features.fp8.cache import FP8KVCache
     from features.triton_attention import TritonDecode
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=6)
     prompts = random_prompts(8, torch.Generator().manual_seed(6))
@@ -278,7 +278,7 @@ def test_an_fp8_prefill_after_a_cached_prefix_matches_float64_dequantize_then_at
 def test_an_fp8_cache_gives_the_eager_tokens_through_compiled_layers_in_float32():
     # The layers compile around the FP8 cache's attention (quantizing writes, float8 decode) as
     # around the bf16 cache's: in float32 the fused kernels round as the eager ones do.
-    from features.fp8_cache import FP8KVCache
+    from features.fp8.cache import FP8KVCache
     model = random_model(Llama, "1b", "cuda", torch.float32, MAX_SEQ_LEN, seed=8)
     prompts, budgets = prompts_and_budgets(8, seed=8, most_tokens=40)
     kw = {"num_blocks": 1024, "block_size": 16, "attention": TritonAttention, "graphs": True,
@@ -415,8 +415,8 @@ def test_compiled_layers_give_the_eager_tokens_in_float32():
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
 def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead, start_mapped,
                                                                         overlap):
-    from features.mapping_ahead import BackgroundMapper, MappingAheadManager
-    from features.virtual_kv_cache import VirtualKVCache
+    from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager
+    from features.virtual.kv_cache import VirtualKVCache
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
     prompts = random_prompts(8, torch.Generator().manual_seed(0))
     budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
@@ -457,8 +457,8 @@ def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
     # The same float8 bytes with the same scales, read by the same Triton kernel: through the
     # paged pool's block table (blocks of 256) or as one block per row (features/
     # fp8_virtual_kv_cache.py). The paged FP8 cache is held to the PyTorch reference above.
-    from features.fp8_cache import FP8KVCache
-    from features.fp8_virtual_kv_cache import FP8VirtualKVCache
+    from features.fp8.cache import FP8KVCache
+    from features.fp8.virtual import FP8VirtualKVCache
     from features.triton_attention import TritonDecode
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=9)
     prompts = random_prompts(8, torch.Generator().manual_seed(9))
@@ -485,8 +485,8 @@ def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
 def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(budget_gb, flags,
                                                                         monkeypatch, capsys):
     from engine.run import main
-    from features.virtual_kv_cache import VirtualKVCache
-    from features.virtual_memory import DriverError
+    from features.virtual.kv_cache import VirtualKVCache
+    from features.virtual.memory import DriverError
     real_map, calls = VirtualKVCache.map, []
 
     def failing_map(self, *args):

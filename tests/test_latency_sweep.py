@@ -125,9 +125,7 @@ def test_the_virtual_curve_without_flash_attn_on_a_gpu_is_refused_in_one_paragra
     base = dataclasses.replace(loaded, device=torch.device("cuda"))
     parse = latency_sweep.curve_arguments
     def on_a_gpu(*args):  # what the parser gives on a CUDA machine
-        parsed = parse(*args)
-        parsed.device = torch.device("cuda")
-        return parsed
+        return dataclasses.replace(parse(*args), device=torch.device("cuda"))
     monkeypatch.setattr(latency_sweep, "curve_arguments", on_a_gpu)
     monkeypatch.setattr(latency_sweep.llama3_virtual, "importable", lambda name: False)
     with pytest.raises(UserError, match="needs --device cuda and flash-attn"):

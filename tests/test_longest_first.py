@@ -2,27 +2,30 @@
 tokens as the batch's own order, in static and continuous batches, under preemption, overlapped,
 with shared blocks and with mixed steps."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from block_manager import BlockManager
 from engine import model_runner
+from engine.config import parse_script_arguments
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import ModelForward
 from features.longest_first import longest_first
 from engine.llm_engine import make_engine
-from llama3_paged import Llama, Step
-from plumbing.inputs import random_model
+from llama3_paged import Step
 from test_overlap import run
 from test_scheduler import MAX_SEQ_LEN, random_prompts
+from conftest import engine_model
 
 PROMPT_LENGTHS = [5, 12, 3, 9, 14, 7, 1, 20, 16, 4]
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=5)
+    return engine_model(5, torch.float32, MAX_SEQ_LEN)
 
 
 def test_a_step_is_reordered_longest_first_and_stays_aligned():
@@ -36,9 +39,8 @@ def test_a_step_is_reordered_longest_first_and_stays_aligned():
 
 
 @pytest.mark.parametrize("kind, num_blocks, scheduling", [
-    # slow: the core loop's paths, which the overlapped cases below take too
-    pytest.param("paged", 200, {}, marks=pytest.mark.slow),  # one static batch
-    pytest.param("paged", 14, {"continuous": True}, marks=pytest.mark.slow),  # preemption
+    ("paged", 200, {}),  # one static batch
+    ("paged", 14, {"continuous": True}),  # preemption
     ("paged", 14, {"continuous": True, "overlap": True}),
     ("sharing", 200, {"continuous": True, "max_running": 5, "overlap": True}),
     ("paged", 200, {"continuous": True, "max_batched_tokens": 16}),  # decode rows in mixed steps
@@ -64,10 +66,9 @@ def test_rows_longest_first_give_the_batch_orders_tokens(model, monkeypatch, kin
 
 @pytest.mark.parametrize("device, expected", [("cpu", False), ("cuda", True)])
 def test_rows_are_longest_first_on_cuda(model, device, expected):
-    setup = type("Run", (), {"args": type("Args", (), {  # eager: no graphs of a CPU model
-        "overlap": False, "continuous": False, "max_batched_tokens": None, "eager": True,
-        "script": "llama3_naive.py"}),
-        "device": torch.device(device), "model": model})
+    config = parse_script_arguments("naive", ["1", "--random-weights", "--eager", "--no-overlap"])
+    setup = SimpleNamespace(args=config, device=torch.device(device), model=model)  # eager: no
+                                                                          # graphs of a CPU model
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
     assert engine.decode_longest_first is expected

@@ -1,4 +1,4 @@
-"""Mapping ahead (features/mapping_ahead.py) against a fake page table on a real background thread:
+"""Mapping ahead (features/virtual/mapping_ahead.py) against a fake page table on a real background thread:
 every page a step writes or reads is mapped before the step, pages are mapped steps ahead, a row is
 reused without driver calls, nothing leaks, a failing driver call ends the run instead of hanging
 it; and generation gives the tokens of the paged cache."""
@@ -16,12 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import BlockManager, OutOfBlocks
-from conftest import generate, request
+from conftest import engine_model, generate, request
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from features.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
+from features.virtual.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
                                     MappingFailed)
-from plumbing.inputs import random_model
-from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 
 
@@ -278,16 +276,14 @@ def run(model, prompts, budgets, tokens_per_page, num_pages, mapping_ahead, star
 
 
 @pytest.mark.parametrize("num_pages, start_mapped, scheduling", [
-    # slow: paths the two tight cases below take too
-    pytest.param(64, False, {}, marks=pytest.mark.slow),  # ample: the look-ahead never runs dry
-    pytest.param(64, True, {}, marks=pytest.mark.slow),  # and with the rows mapped at start-up
-    pytest.param(14, False, {"continuous": True},  # tight: preemption, rows reused, pages
-                 marks=pytest.mark.slow),  # taken back
+    (64, False, {}),  # ample: the look-ahead never runs dry
+    (64, True, {}),  # and with the rows mapped at start-up
+    (14, False, {"continuous": True}),  # tight: preemption, rows reused, pages taken back
     (16, True, {"continuous": True}),  # from idle rows; and with 8 pages mapped at start-up
     (14, False, {"continuous": True, "max_batched_tokens": 24}),  # and in mixed steps
 ])
 def test_mapping_ahead_gives_the_tokens_of_the_paged_cache(num_pages, start_mapped, scheduling):
-    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7, 1, 20], seed=2)
     budgets = [30, 4, 40, 17, 9, 33, 25, 12]
     paged, _ = run(model, prompts, budgets, 8, 64, mapping_ahead=False)

@@ -10,21 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import BlockManager
-from conftest import tokens
+from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
 from engine.scheduler import MixedStep, Scheduler
 from engine.model_runner import ModelRunner
-from features.sharing import SharingBlockManager
-from plumbing.inputs import random_model
-from llama3_paged import Llama
+from features.sharing.block_manager import SharingBlockManager
 from test_scheduler import MAX_SEQ_LEN, FakeCache, preemption_workload
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return engine_model(11, torch.float32, MAX_SEQ_LEN)
 
 
 def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_tokens, max_running=None):

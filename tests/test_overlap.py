@@ -5,20 +5,19 @@ away), with shared blocks and with pages mapped ahead; and every block comes bac
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from engine.run import command_line
 
 from block_manager import BlockManager
-from conftest import generate
+from conftest import engine_model, generate
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import ModelForward, ModelRunner, StepTimer
-from features.mapping_ahead import BackgroundMapper
-from features.engine_args import why_not_overlapped
-from features.sharing import SharingBlockManager
-from plumbing.inputs import random_model
-from llama3_paged import Llama
+from features.virtual.mapping_ahead import BackgroundMapper
+from engine.config import parse_script_arguments
+from features.sharing.block_manager import SharingBlockManager
 from engine.llm_engine import make_engine
 from test_mapping_ahead import CheckedManager, FakePageTable
 from test_scheduler import MAX_SEQ_LEN, random_prompts
@@ -30,7 +29,7 @@ BLOCK_SIZE = 4
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return engine_model(11, torch.float32, MAX_SEQ_LEN)
 
 
 def make_manager(kind: str, cache, num_blocks: int, num_requests: int):
@@ -69,11 +68,8 @@ def stop_tokens(model, prompts) -> set[int]:
 
 @pytest.mark.parametrize("kind, num_blocks, scheduling, with_stops", [
     ("paged", 200, {}, True),  # one static batch
-    # slow: paths the tight pool's case with stops takes too
-    pytest.param("paged", 200, {"continuous": True, "max_running": 4}, True,
-                 marks=pytest.mark.slow),  # the queue fills freed rows
-    pytest.param("paged", 14, {"continuous": True}, False,
-                 marks=pytest.mark.slow),  # a tight pool: preemption and recompute
+    ("paged", 200, {"continuous": True, "max_running": 4}, True),  # the queue fills freed rows
+    ("paged", 14, {"continuous": True}, False),  # a tight pool: preemption and recompute
     ("paged", 14, {"continuous": True}, True),
     ("sharing", 200, {"continuous": True, "max_running": 5}, True),  # blocks from the prefix cache
     ("mapping ahead", 14, {"continuous": True}, True),  # pages reused, taken back, unmapped
@@ -131,16 +127,14 @@ def test_the_gpu_idle_time_is_the_time_between_steps():
 
 
 def test_runs_that_read_the_host_in_flight_stay_on_the_core_loop():
-    args = lambda **kw: type("Args", (), {"continuous": True, "max_batched_tokens": None,
-                                          "preemption": "recompute", "sync_mapping": False,
-                                          "script": "llama3_virtual.py", "find_max_batch": False}
-                             | kw)
-    assert why_not_overlapped(args()) is None
-    assert "mixed steps" in why_not_overlapped(args(max_batched_tokens=64))
-    assert "swapping" in why_not_overlapped(args(preemption="swap"))
-    assert "--sync-mapping" in why_not_overlapped(args(sync_mapping=True))
-    assert "--find-max-batch" in why_not_overlapped(args(find_max_batch=True))  # maps in the loop
-    assert why_not_overlapped(args(find_max_batch=True, script="llama3_paged.py")) is None
+    def why_not(cache, *flags):
+        return parse_script_arguments(cache, ["2", "--random-weights", *flags]).why_not_overlapped()
+    assert why_not("virtual", "--continuous") is None
+    assert "mixed steps" in why_not("paged", "--continuous", "--max-batched-tokens", "64")
+    assert "swapping" in why_not("paged", "--continuous", "--preemption", "swap")
+    assert "--sync-mapping" in why_not("virtual", "--continuous", "--sync-mapping")
+    assert "--find-max-batch" in why_not("virtual", "--find-max-batch")  # maps in the loop
+    assert why_not("paged", "--find-max-batch") is None
 
 
 @pytest.mark.parametrize("flags, reason", [
@@ -162,21 +156,10 @@ def test_an_overlap_the_run_cannot_have_is_refused_before_the_model_loads(flags,
     (False, "cpu", False),
 ])
 def test_the_flag_chooses_the_loop(model, overlap, device, expected):
-    setup = type("Run", (), {"args": type("Args", (), {
-        "overlap": overlap, "continuous": False, "max_batched_tokens": None, "eager": True,
-        "script": "llama3_naive.py",
-        "preemption": "recompute", "sync_mapping": False}), "device": torch.device(device), "model": model})
+    flag = {None: [], True: ["--overlap"], False: ["--no-overlap"]}[overlap]
+    config = parse_script_arguments("naive", ["1", "--random-weights", "--eager", *flag])
+    setup = SimpleNamespace(args=config, device=torch.device(device), model=model)
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
     assert engine.overlap == expected
 
-
-def test_asking_for_overlap_where_it_cannot_run_ends_in_one_paragraph(model):
-    from plumbing.cli import UserError
-    setup = type("Run", (), {"args": type("Args", (), {
-        "overlap": True, "continuous": True, "max_batched_tokens": 64, "eager": True,
-        "script": "llama3_naive.py",
-        "preemption": "recompute", "sync_mapping": False}), "device": torch.device("cpu"), "model": model})
-    cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    with pytest.raises(UserError, match="mixed steps"):
-        make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)

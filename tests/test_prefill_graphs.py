@@ -16,6 +16,7 @@ from features.prefill_graphs import BUCKETS, LARGEST, LAYOUT, MAX_PROMPTS, padde
 from llama3_paged import Engine, Llama, PrefillBatch, Request, TorchAttention
 from plumbing.cli import importable
 from plumbing.inputs import random_model
+from conftest import engine_model, random_ids
 
 MAX_SEQ_LEN = 2048
 BLOCK_SIZE = 16
@@ -25,8 +26,7 @@ CPU_CASES = [[5], [100, 37, 300], [64] * MAX_PROMPTS, [600, 424]]
 
 
 def prompts_of(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+    return random_ids(lengths, seed)
 
 
 def engine_with_blocks(model, cache_class, attention, prompts, block_size, device,
@@ -47,7 +47,7 @@ def test_a_padded_pass_gives_the_pass_logits_and_kv(lengths):
     # The graph's pass, run eagerly: tokens padded to the bucket, a padding prompt writing to the
     # spare slot, empty prompts after it, logits read at each prompt's last token. float64, so
     # that padding could change nothing but the rounding.
-    model = random_model(Llama, "tiny", "cpu", torch.float64, MAX_SEQ_LEN, seed=2)
+    model = engine_model(2, torch.float64, MAX_SEQ_LEN)
     prompts = prompts_of(lengths)
     engine = engine_with_blocks(model, functools.partial(EngineKVCache, spare_slot=True),
                                 TorchAttention(), prompts, BLOCK_SIZE, "cpu")
@@ -94,7 +94,7 @@ def test_prefill_graphs_give_the_eager_passes_logits_and_kv(float8, compiled):
     cache_class = functools.partial(EngineKVCache, spare_slot=True)
     attention = FlashAttentionAfterPrefix()
     if float8:
-        from features.fp8_cache import FP8KVCache
+        from features.fp8.cache import FP8KVCache
         from features.triton_attention import TritonDecode
         cache_class, attention = FP8KVCache, TritonDecode()
     all_prompts = [prompts_of(lengths, seed=i) for i, lengths in enumerate(CASES)]

@@ -11,18 +11,16 @@ from hypothesis import strategies as st
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
-from plumbing.inputs import random_model
-from llama3_paged import Llama
-from conftest import generate
+from conftest import engine_model, generate, random_ids
 from engine.scheduler import RequestTooLarge, Scheduler
-from features.sharing import SharingBlockManager
+from features.sharing.block_manager import SharingBlockManager
 
 MAX_SEQ_LEN = 640  # room for prompts of two blocks of 256 and their new tokens
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    return engine_model(11, torch.float32, MAX_SEQ_LEN)
 
 
 def run(model, prompts, budgets, num_blocks, block_size, **scheduling):
@@ -46,8 +44,7 @@ def feed_one_token(step) -> list:
 
 
 def random_prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+    return random_ids(lengths, seed)
 
 
 def preemption_workload(model, block_size):

@@ -125,7 +125,7 @@ def test_seeded_samples_are_reproducible_and_n_gives_n_choices(client):
 
 
 def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_tokens():
-    """The samples after the first fork: they take the prompt's blocks (features/sharing.py). Top-k
+    """The samples after the first fork: they take the prompt's blocks (features/sharing/block_manager.py). Top-k
     keeps each draw far from a boundary that rounding could move (random weights' full
     distributions are flat), so the tokens are those of the same samples without sharing."""
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=5, seed=11, n=4, ignore_eos=True)
@@ -330,7 +330,8 @@ def test_a_stop_string_ends_the_text_just_before_it(client, offline):
     assert whole.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("clients", ["1", "3"])
+# slow: three clients, the path one takes, on connections of their own
+@pytest.mark.parametrize("clients", ["1", pytest.param("3", marks=pytest.mark.slow)])
 def test_serve_bench_replays_the_workload_through_http(server, tmp_path, clients):
     """From one process or several (each every third request), the same requests: the server
     counts the workload's prompt tokens, sent as ids."""
@@ -724,6 +725,9 @@ def test_a_server_beyond_this_machine_without_a_key_is_said(host, open_to_others
     assert serve.open_to_others(host) == open_to_others
 
 
+# slow: a server of its own; the FP8 cache's tokens are tests/test_fp8.py's, the server's path
+# the 16-bit one
+@pytest.mark.slow
 def test_an_fp8_server_says_its_bytes_per_token_and_gives_the_offline_fp8_text():
     # The first prefill sets each layer's scales, in the server as offline: the same prompt first.
     process, url = start_server("--kv-cache-dtype", "fp8_e4m3")

@@ -7,10 +7,8 @@ import torch
 
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from plumbing.inputs import random_model
-from llama3_paged import Llama
-from conftest import generate
-from features.sharing import SharingBlockManager
+from conftest import engine_model, generate, random_ids
+from features.sharing.block_manager import SharingBlockManager
 from features.sampling import Sampler
 
 MAX_SEQ_LEN = 160
@@ -18,14 +16,14 @@ MAX_SEQ_LEN = 160
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=21)
+    return engine_model(21, torch.float32, MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
 def model64():
     """Sampling turns any rounding difference into another token; float64 leaves none that
     matters, so runs that compute the same values in another order must draw the same tokens."""
-    return random_model(Llama, "tiny", "cpu", torch.float64, MAX_SEQ_LEN, seed=22)
+    return engine_model(22, torch.float64, MAX_SEQ_LEN)
 
 
 def run(model, prompts, budgets, block_size=8, num_blocks=256, samples=1, share=False,
@@ -54,8 +52,7 @@ def run(model, prompts, budgets, block_size=8, num_blocks=256, samples=1, share=
 
 
 def random_prompts(lengths, seed, prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    return [list(prefix) + torch.randint(0, 128_000, (n,), generator=g).tolist() for n in lengths]
+    return random_ids(lengths, seed, prefix)
 
 
 # Around blocks of 8: exactly one and two blocks, one past, one short, one token.

@@ -1,4 +1,4 @@
-"""features/sharing.py's block manager: reference counts, forks, copy on write, the prefix cache,
+"""features/sharing/block_manager.py's block manager: reference counts, forks, copy on write, the prefix cache,
 driven through the core's interface (allocate, append_token, free) on a one-value-per-slot cache."""
 
 import numpy as np
@@ -10,7 +10,7 @@ from block_manager import OutOfBlocks
 from conftest import tokens
 from engine.sequence import ServedRequest
 from llama3_paged import Request
-from features.sharing import SharingBlockManager
+from features.sharing.block_manager import SharingBlockManager
 
 
 class SlotCache:

@@ -75,6 +75,8 @@ def test_a_digit_is_split_off_before_the_byte_level_pattern_as_the_file_says(our
         ChatMLTokenizer(NamesAnotherPreTokenizer(GGUFFile(GGUF), "qwen2"))
 
 
+# slow: transformers' tokenizer and model, read from the GGUF, load in about 35 s on 2 cores
+@pytest.mark.slow
 def test_chat_prompts_match_transformers_chat_template(ours, transformers_smollm2):
     _, theirs = transformers_smollm2
     for prompt in load_prompts(50, ours):
@@ -116,6 +118,8 @@ def test_greedy_tokens_match_transformers_naive_paged_and_preempted(tmp_path, ou
             assert records[name]["requests"][i]["output_tokens"] == expected, (name, i)
 
 
+# slow: transformers' tokenizer and model, read from the GGUF, load in about 35 s on 2 cores
+@pytest.mark.slow
 def test_a_short_answer_stops_at_end_of_text_as_transformers_does(ours, transformers_smollm2):
     from llama3_paged import Llama, TorchAttention, KVCache
     from block_manager import BlockManager

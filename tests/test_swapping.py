@@ -16,6 +16,7 @@ from engine.swap import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from test_scheduler import MAX_SEQ_LEN, random_prompts
+from conftest import engine_model
 
 
 def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swaps_another():
@@ -57,7 +58,7 @@ def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
     # Short prompts that grow by 40 tokens each, in a pool too small for all of them at once.
-    model = random_model(Llama, "tiny", "cpu", dtype, MAX_SEQ_LEN, seed=11)
+    model = engine_model(11, dtype, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
     ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=dtype)
@@ -73,7 +74,7 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
 def test_swapping_in_mixed_steps_gives_the_tokens_of_a_run_without_preemption():
     # Steps of at most 8 tokens: prompts are chunked over several steps beside decode rows. A
     # victim that is decoding is swapped; one halfway through its prompt is recomputed.
-    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
     ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
@@ -85,7 +86,7 @@ def test_swapping_in_mixed_steps_gives_the_tokens_of_a_run_without_preemption():
 
 
 def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed():
-    model = random_model(Llama, "tiny", "cpu", torch.float32, MAX_SEQ_LEN, seed=11)
+    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
     needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))

@@ -42,9 +42,9 @@ SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in 
     pytest.param("llama3_paged.py", ["--continuous", "--system-prompt", "You answer in one short "
                  "sentence, and you never give advice."], marks=SLOW),  # the prefix cache
     pytest.param("llama3_naive.py", [], marks=SLOW),
-    ("llama3_paged.py", ["--kv-cache-dtype", "fp8", "--system-prompt", "You answer in one short "
-                         "sentence."]),  # each process scales by the largest of all; prompts
-    # after the first read the system prompt from float8 blocks
+    pytest.param("llama3_paged.py", ["--kv-cache-dtype", "fp8", "--system-prompt", "You answer "
+                 "in one short sentence."], marks=SLOW),  # each process scales by the largest of
+    # all; prompts after the first read the system prompt from float8 blocks
 ], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive", "fp8"])
 def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(script, flags,
                                                                               tmp_path):
@@ -149,6 +149,8 @@ def test_a_real_checkpoint_over_two_processes_gives_the_one_process_tokens(tmp_p
     assert [r["output_tokens"] for r in two["requests"]] == [r["output_tokens"] for r in one["requests"]]
 
 
+# slow: eight runs of two processes; the one-process search is tests/test_scripts.py's
+@SLOW
 def test_find_max_batch_over_two_processes_finds_the_one_process_batch(tmp_path):
     # The pool of exactly the first 5 requests' blocks, which one process fits and no more
     # (test_scripts.py): each process holds those blocks with half the heads, the block
@@ -207,8 +209,9 @@ def before_torchruns_summary(stderr: str) -> str:
 
 
 @pytest.mark.parametrize("processes, argv, why", [
-    ("2", ["serve.py", *TINY], "serve.py run in one process for now"),
-    ("4", ["llama3_paged.py", "3", *TINY], "n_kv_heads (2) does not split over 4 processes"),
+    pytest.param("2", ["serve.py", *TINY], "serve.py run in one process for now", marks=SLOW),
+    pytest.param("4", ["llama3_paged.py", "3", *TINY], "n_kv_heads (2) does not split over 4 "
+                 "processes", marks=SLOW),  # four processes start to say it
 ], ids=["serve", "heads"])
 def test_what_is_not_split_yet_is_refused_in_one_paragraph(processes, argv, why):
     done = subprocess.run([*TORCHRUN[:-1], processes, *argv], cwd=ROOT, capture_output=True,
@@ -245,6 +248,8 @@ def test_a_rank_that_raises_ends_both_processes_with_its_paragraph(tmp_path):
     assert "llama3_paged.py (process 0 of 2): Another of this run's processes failed" in ours
 
 
+# slow: a rank's failure reaches the other as the raising case above shows
+@SLOW
 def test_a_killed_rank_ends_the_other_within_bounded_time(tmp_path):
     launcher = subprocess.Popen([*TORCHRUN, "llama3_paged.py", "7", *TINY, "--max-new-tokens",
                                  "2000"], cwd=ROOT, stdout=subprocess.DEVNULL,

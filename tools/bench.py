@@ -54,17 +54,17 @@ from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch
 from features.arrivals import latency_report
 from engine.scheduler import Scheduler
-from features.mapping_ahead import MappingAheadManager, mapping_seconds
+from features.virtual.mapping_ahead import MappingAheadManager, mapping_seconds
 from plumbing.cli import (HelpFormatter, first_paragraph, fraction,
                           one_paragraph_errors, positive_int, refuse_output_over_input,
                           request_rate, sequence_length, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
-from features.report import scheduling_report, sharing_report
+from engine.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
-from features import engine_args
-from features.engine_args import CACHES, load
+from engine.config import CACHES, Config
+from engine.loader import load
 from engine.llm_engine import (allocate_kv_cache, arrival_times, make_engine,
                                make_scheduler, model_forward, warm_up)
 from tools.kernel_profile import profile_engine
@@ -291,7 +291,7 @@ def script_arguments(bench_args):
                         cascade=a.cascade, decode_kernel=a.decode_kernel)
     if a.script == "virtual":
         options |= dict(layout=a.layout, sync_mapping=a.sync_mapping)
-    return engine_args.script_arguments(a.script, a.num_requests, options)
+    return Config.from_options(a.script, options, num_requests=a.num_requests)
 
 
 def long_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:
@@ -353,7 +353,7 @@ def bench(a) -> dict:
     hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
     weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
-    cache, manager = allocate_kv_cache(a.script, setup)
+    cache, manager = allocate_kv_cache(setup, served=True)  # as a served engine's pool
     engine = make_engine(setup, model_forward(setup), cache, manager, greedy,
                          min(len(setup.prompts), a.max_running or len(setup.prompts)),
                          arrivals=not math.isinf(a.request_rate))

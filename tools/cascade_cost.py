@@ -1,5 +1,5 @@
 """When cascade attention pays: one layer's decode attention, plain against cascade, per shared
-prefix length and batch size (features/cascade.py's MIN_SHARED_TOKENS_READ comes from here).
+prefix length and batch size (features/cascade/attention.py's MIN_SHARED_TOKENS_READ comes from here).
 
     python tools/cascade_cost.py                 # 8B's heads, blocks of 256, flash-attn, bf16
     python tools/cascade_cost.py --json cost.json
@@ -27,7 +27,7 @@ import torch
 from llama3_paged import FlashAttention
 from llama3_paged import DecodeBatch
 from plumbing.inputs import PRESETS
-from features.cascade import CascadeAttention
+from features.cascade.attention import CascadeAttention
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
                           positive_int_list, standard_json, writable_file, write_atomically)
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds

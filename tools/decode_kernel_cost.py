@@ -116,7 +116,7 @@ def one_case(name: str, device) -> dict:
 
 def measure(a) -> dict:
     from flash_attn import flash_attn_with_kvcache
-    from features.fp8_cache import FP8_MAX, HEADROOM, quantize
+    from features.fp8.cache import FP8_MAX, HEADROOM, quantize
     from features.triton_attention import paged_decode
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -141,7 +141,7 @@ def measure(a) -> dict:
                 differs = None if flash_out is None else (out.float() - flash_out.float()).abs().max().item()
                 row["triton"].append({"tile": tile, "warps": warps, "seconds": seconds,
                                       "max_difference_from_flash": differs})
-        # The same K/V in float8 (features/fp8_cache.py), float8's default tile and warps: half the
+        # The same K/V in float8 (features/fp8/cache.py), float8's default tile and warps: half the
         # bytes read; its difference is from the bf16 Triton kernel's output.
         scales = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float() * HEADROOM / FP8_MAX
         keys8, values8 = quantize(c["keys"], scales[0]), quantize(c["values"], scales[1])

@@ -12,6 +12,7 @@ Triton decode kernel on a GPU, the PyTorch reference on the CPU): only the K/V s
 """
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -76,17 +77,19 @@ def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
 def measure(a) -> dict:
     import torch
     from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-    from features.fp8_cache import FP8KVCache
-    from features.engine_args import load, parse_script_arguments
+    from features.fp8.cache import FP8KVCache
+    from engine.config import Config
+    from engine.loader import load
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    argv = [str(a.num_prompts), "--model", a.model, "--device", device]
-    args = parse_script_arguments("paged", argv + ([] if a.model == "smollm2" else ["--random-weights"]))
-    run = load(args)
+    run = load(Config.from_options("paged", dict(model=a.model, device=device,
+                                                 random_weights=a.model != "smollm2"),
+                                   num_requests=a.num_prompts))
     if device == "cpu":
-        run.attention = TorchAttentionAfterPrefix()
+        attention = TorchAttentionAfterPrefix()
     else:
         from features.triton_attention import TritonDecode
-        run.attention = TritonDecode()  # the kernels fp8 runs with; bf16 runs them too here
+        attention = TritonDecode()  # the kernels fp8 runs with; bf16 runs them too here
+    run = dataclasses.replace(run, attention=attention)
     prompts = [p.prompt_tokens for p in run.prompts]
     reference = run_cache(run, EngineKVCache, prompts, a.steps)
     forced = [[int(reference.logits[r, s].argmax()) for s in range(a.steps)] for r in range(len(prompts))]

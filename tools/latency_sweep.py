@@ -61,10 +61,11 @@ from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph,
                           refuse_output_over_input, seed, writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
-from features.report import format_seconds, scheduling_report
-from features.engine_args import choose_attention, load, parse_script_arguments
-from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_engine,
-                               make_requests, make_scheduler, model_forward, warm_up)
+from engine.report import format_seconds, scheduling_report
+from engine.config import Config
+from engine.loader import choose_attention, load
+from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_engine, make_requests,
+                               make_scheduler, model_forward, warm_up)
 from features.sampling import SamplingParams
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
@@ -72,16 +73,16 @@ from features.sampling import SamplingParams
 # sharegpt_filtered.json fits in 2,048 tokens, prompt and reply: that is the tightest single
 # reservation a naive cache can make for them all, so naive-2048 stands in for Oracle.
 CURVES = {
-    "naive-8192": ("naive", ["--max-seq-len", "8192"], "naive, 8,192 per request (Orca-Max)"),
-    "naive-2048": ("naive", ["--max-seq-len", "2048"], "naive, 2,048 per request (Oracle-like)"),
-    "paged": ("paged", ["--block-size", "256"], "paged, blocks of 256"),
-    "paged-triton": ("paged", ["--attn", "triton", "--block-size", "16"], "paged, blocks of 16"),
-    "virtual": ("virtual", [], "virtual (vAttention), pages mapped ahead"),
-    "paged-mixed": ("paged", ["--block-size", "256", "--max-batched-tokens", "2048"],
+    "naive-8192": ("naive", dict(max_seq_len=8192), "naive, 8,192 per request (Orca-Max)"),
+    "naive-2048": ("naive", dict(max_seq_len=2048), "naive, 2,048 per request (Oracle-like)"),
+    "paged": ("paged", dict(block_size=256), "paged, blocks of 256"),
+    "paged-triton": ("paged", dict(attn="triton", block_size=16), "paged, blocks of 16"),
+    "virtual": ("virtual", {}, "virtual (vAttention), pages mapped ahead"),
+    "paged-mixed": ("paged", dict(block_size=256, max_batched_tokens=2048),
                     "paged, blocks of 256, mixed steps of 2,048 tokens"),
-    "paged-mixed-1024": ("paged", ["--block-size", "256", "--max-batched-tokens", "1024"],
+    "paged-mixed-1024": ("paged", dict(block_size=256, max_batched_tokens=1024),
                          "paged, blocks of 256, mixed steps of 1,024 tokens"),
-    "paged-api": ("paged", ["--block-size", "256"],
+    "paged-api": ("paged", dict(block_size=256),
                   "paged, blocks of 256, through the Python API (serve.py's engine, no HTTP)"),
 }
 THROUGH_THE_API = {"paged-api"}  # served by engine/llm_engine.py's LLMEngine, request by request
@@ -195,16 +196,13 @@ def requests_at(rate: float, a) -> int:
     return max(a.min_requests, round(rate * a.seconds))
 
 
-def curve_arguments(name: str, num_requests: int, a):
-    """The curve's run as its script's command line would set it up."""
-    script, flags, _ = CURVES[name]
-    argv = [str(num_requests), "--random-weights", "--model", a.model, "--device", str(a.device),
-            "--continuous", "--max-new-tokens", str(a.max_new_tokens), "--seed", str(a.seed),
-            *flags]
-    argv += ["--kv-budget-gb", str(a.kv_budget_gb)] if a.kv_budget_gb else []
-    argv += (["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
-             if a.gpu_memory_utilization else [])
-    return parse_script_arguments(script, argv)
+def curve_arguments(name: str, num_requests: int, a) -> Config:
+    """The curve's run, as its script's flags would set it up."""
+    script, options, _ = CURVES[name]
+    return Config.from_options(script, dict(
+        random_weights=True, model=a.model, device=str(a.device), continuous=True,
+        max_new_tokens=a.max_new_tokens, seed=a.seed, kv_budget_gb=a.kv_budget_gb,
+        gpu_memory_utilization=a.gpu_memory_utilization) | options, num_requests=num_requests)
 
 
 def run_curve(base, name: str, a, bar, save) -> dict:
@@ -221,7 +219,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         cache, manager = engine.cache, engine.manager
         serve = lambda rate, n: run_point_through_the_api(engine, setup, rate, n)
     else:
-        cache, manager = allocate_kv_cache(script, setup)
+        cache, manager = allocate_kv_cache(setup, served=True)  # as a served engine's pool
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
         engine = make_engine(setup, model_forward(setup), cache, manager, greedy, largest_batch,
@@ -295,7 +293,7 @@ def run_point_through_the_api(engine, setup, rate: float, num_requests: int) -> 
 
 def arriving_at(setup, rate: float, num_requests: int):
     """A point's run: the first num_requests prompts, arriving at `rate`."""
-    args = argparse.Namespace(**vars(setup.args) | {"request_rate": rate})
+    args = dataclasses.replace(setup.args, request_rate=rate)
     return dataclasses.replace(setup, args=args, prompts=setup.prompts[:num_requests])
 
 

@@ -52,9 +52,9 @@ from llama3_paged import Llama
 from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, device, first_paragraph, format_bytes,
                           host_available_bytes, one_paragraph_errors, positive_int,
                           positive_int_list, writable_file)
-from features.report import format_seconds
+from engine.report import format_seconds
 from plumbing.inputs import DTYPES, PRESETS
-from features.engine_args import choose_attention
+from engine.loader import choose_attention
 from tools.shared import matmul_flops_per_second, median_cuda_seconds, write_and_print
 
 BLOCK_SIZES = [16, 32, 64, 128, 256]

@@ -2,7 +2,7 @@
 to --json, its table printed).
 
 A tool runs the scripts' caches in its own process (the model loaded once), set up as the
-script's command line would set them up (features/engine_args.py's `parse_script_arguments`,
+script's command line would set them up (engine/config.py's `Config.from_options`,
 engine/llm_engine.py's `allocate_kv_cache`). The ceilings are what each tool sets its figures against: the copy bandwidth
 and the matmul rate, measured on this GPU, timed with CUDA events after a warm-up, as medians.
 """

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 
 from block_manager import BlockManager
-from features.prefix_cache import PrefixCache
+from features.sharing.prefix_cache import PrefixCache
 
 
 def copy_blocks(cache, sources: list[int], destinations: list[int]) -> None:

@@ -1,6 +1,6 @@
 """The FP8 cache's write in one kernel: a step's new K and V rows, quantized and stored.
 
-features/fp8_cache.py's `write_float8` says it in PyTorch: for K and for V, widen to float32,
+features/fp8/cache.py's `write_float8` says it in PyTorch: for K and for V, widen to float32,
 divide by the layer's scale, clamp to float8's range, cast, and copy into the token's slot. That is
 ten kernels a layer, each a few microseconds for a decode step's few hundred rows, where the
 16-bit cache launches two. Here one program takes one token: it reads the token's K row and V

@@ -1,5 +1,5 @@
 """The virtual cache in float8 (llama3_virtual.py --kv-cache-dtype fp8): vAttention's rows,
-each token's K and V in 8 bits (features/fp8_cache.py says how and why).
+each token's K and V in 8 bits (features/fp8/cache.py says how and why).
 
 Half the bytes per token also doubles the tokens a 2 MB page holds: for Llama 3 8B, 32 tokens of
 every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), so the page manager
@@ -14,8 +14,8 @@ length). Prefill attends over the fresh 16-bit K/V, as in the paged FP8 cache.
 
 import torch
 
-from features.fp8_cache import FP8, Float8Writes
-from features.virtual_kv_cache import VirtualKVCache
+from features.fp8.cache import FP8, Float8Writes
+from features.virtual.kv_cache import VirtualKVCache
 from llama3_paged import PrefillBatch
 
 

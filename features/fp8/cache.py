@@ -12,12 +12,12 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   tensor is all the kernel needs (it multiplies the scores and the output once); finer scales
   would buy range, which a float format has plenty of, and a later token past the headroom is
   clamped to +-448 rather than overflowing.
-- Writes quantize (on CUDA in one kernel: features/fp8_write.py); prefill attends over the
+- Writes quantize (on CUDA in one kernel: features/fp8/write.py); prefill attends over the
   fresh bf16 K and V, as the lesson's does; decode reads float8. flash-attn 2 cannot read
   float8, so on CUDA the decode goes through the Triton kernel (features/triton_attention.py),
   which converts each tile to bf16 in registers and folds the scales into the scores and the
   output; the PyTorch reference dequantizes the blocks it gathers.
-- A prompt after a cached prefix (a system prompt's blocks, features/prefix_cache.py) reads the
+- A prompt after a cached prefix (a system prompt's blocks, features/sharing/prefix_cache.py) reads the
   prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
   those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the
   bf16 cache would (`attend_after_prefix`). A mixed step (--max-batched-tokens) would copy every
@@ -67,7 +67,7 @@ class DequantizedBlocks:
 
 class Float8Writes:
     """What both FP8 caches do with a layer's new K and V: the paged pool below and the virtual
-    rows (features/fp8_virtual_kv_cache.py). A layer's first prefill sets its scales; every write
+    rows (features/fp8/virtual.py). A layer's first prefill sets its scales; every write
     quantizes with them."""
 
     def init_scales(self, n_layers: int, device) -> None:
@@ -101,7 +101,7 @@ class Float8Writes:
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
         if k.is_cuda and self.attention_backend.name != "torch":  # one kernel, not ten
-            from features.fp8_write import write_float8_rows
+            from features.fp8.write import write_float8_rows
             write_float8_rows(k, v, batch.slot_mapping, key_slots, value_slots,
                               self.scales[layer], FP8_MAX)
             return

@@ -32,7 +32,7 @@ class PageManager(BlockManager):
 
     def watch_queue(self, waiting) -> None:
         """Pages are mapped as requests need them, never ahead for the queue's prompts
-        (features/mapping_ahead.py's manager does that)."""
+        (features/virtual/mapping_ahead.py's manager does that)."""
 
     def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
         # Request r lives in virtual row r + 1 (row 0 is the cache's spare row).

@@ -49,7 +49,7 @@ class FlashParts:
     def __init__(self, prefix_tokens: int, device):
         from flash_attn import flash_attn_with_kvcache
 
-        from features.cascade_merge import fused_merge
+        from features.cascade.merge import fused_merge
         self.with_kvcache, self.merge = flash_attn_with_kvcache, fused_merge
         # The prefix as a sequence of one: [1], on the GPU, where a CUDA graph reads it.
         self.prefix_tokens = torch.full((1,), prefix_tokens, dtype=torch.int32, device=device)

@@ -123,7 +123,7 @@ def scheduling_report(generation, continuous: bool) -> dict:
 
 
 def sharing_report(run, manager, generation) -> dict:
-    """What sharing blocks saved (features/sharing.py): the samples forked, the prompt tokens found
+    """What sharing blocks saved (features/sharing/block_manager.py): the samples forked, the prompt tokens found
     in the prefix cache, and the KV memory at the fullest step against what the same requests
     would hold with no block shared (the PagedAttention paper's measure, section 6.3). Zeros for
     a manager that shares nothing."""

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from llama3_paged import PrefillBatch
-from features.virtual_memory import VirtualMemory
+from features.virtual.memory import VirtualMemory
 
 LAYOUTS = ["per-token", "per-layer"]
 

@@ -1,0 +1,88 @@
+"""From a checked Config to a loaded run: the attention chosen, then tokenizer, prompts and model
+loaded (plumbing/inputs.py), all before any KV memory."""
+
+import dataclasses
+
+import torch
+
+import llama3_paged as lesson
+from engine.config import Config
+from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
+from plumbing import inputs
+from plumbing.cli import UserError, importable, read_text_input, torchrun_process
+from plumbing.inputs import Run
+
+
+def load(config: Config) -> Run:
+    """The run `config` asks for: under torchrun this process's slice of the model (features/
+    tensor_parallel.py), the attention, compiled layers' default, then the model."""
+    model_class = lesson.Llama
+    if torchrun_process() is not None:  # torchrun's processes split the model
+        from features import tensor_parallel
+        config = tensor_parallel.start(config)
+        model_class = tensor_parallel.SplitLlama
+    decode_kernel = config.decode_kernel
+    if config.kv_cache_dtype == "fp8" and config.device.type == "cuda" and (
+            config.attn == "flash" or config.attn == "auto" and importable("flash_attn")):
+        decode_kernel = "triton"  # flash-attn 2 reads no float8: Triton decodes, flash prefills
+    attention = choose_attention(config.attn, config.device, decode_kernel, config.dtype)
+    if config.compile is None:
+        config = dataclasses.replace(config, compile=compiles_by_default(config, attention))
+    sequences = config.samples * config.beam_width
+    run = inputs.load_run(config, model_class, attention, system_prompt(config), sequences)
+    if config.kv_cache_dtype == "fp8":
+        from features.fp8.cache import FP8
+        run = dataclasses.replace(run, kv_cache_dtype=FP8)
+    return run
+
+
+def compiles_by_default(config: Config, attention) -> bool:
+    """Compiled layers (engine/compiled_layers.py) where nothing stands in their way: CUDA, a
+    GPU attention kernel, and not --eager. In bf16 they round otherwise than the eager kernels,
+    so tokens can differ from an --eager run's; --no-compile keeps CUDA graphs without them."""
+    return config.device.type == "cuda" and attention.name != "torch" and not config.eager
+
+
+def system_prompt(config: Config) -> str | None:
+    if config.system_prompt_file is None:
+        return config.system_prompt
+    try:
+        return read_text_input(config.system_prompt_file, "--system-prompt-file")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Could not read --system-prompt-file {config.system_prompt_file}: "
+                        f"{e}") from e
+
+
+def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash",
+                     dtype: str | None = None):
+    """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
+    PyTorch reference; for --dtype fp32 the reference, as both kernels read fp16 and bf16 only.
+    decode_kernel "triton" (llama3_paged.py) decodes through the Triton kernel beside
+    flash-attn's prefill."""
+    if name == "auto":
+        name = ("torch" if device.type != "cuda" or dtype == "fp32" else
+                "flash" if importable("flash_attn") else "triton" if importable("triton") else "torch")
+    if name != "torch" and dtype == "fp32":
+        raise UserError(f"--attn {name} reads fp16 and bf16 only: with --dtype fp32 use --attn "
+                        f"torch (the PyTorch reference), or --dtype bf16.")
+    if decode_kernel == "triton" and name != "flash":
+        raise UserError(f"--decode-kernel triton pairs the Triton decode kernel with flash-attn's "
+                        f"prefill, and this run attends with --attn {name}: use --attn flash "
+                        f"(with flash-attn installed), or drop --decode-kernel.")
+    if name == "torch":
+        return TorchAttentionAfterPrefix()
+    if device.type != "cuda":
+        raise UserError(f"--attn {name} needs a CUDA device; use --attn torch on the CPU.")
+    if name == "triton":
+        if not importable("triton"):
+            raise UserError("--attn triton: Triton is not installed (it comes with PyTorch's CUDA "
+                            "builds); use --attn torch.")
+        from features.triton_attention import TritonAttention
+        return TritonAttention()
+    if not importable("flash_attn"):
+        raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
+                        "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
+    if decode_kernel == "triton":
+        from features.triton_attention import TritonDecode
+        return TritonDecode()
+    return FlashAttentionAfterPrefix()
