@@ -276,7 +276,7 @@ class LLMEngine:
         self.engine.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row
-        self.tokenizer, self.max_seq_len = self.run.tokenizer, self.run.args.max_seq_len
+        self.tokenizer, self.max_seq_len = self.run.tokenizer, self.context_the_pool_holds()
         self.stop_ids = self.tokenizer.stop_ids
         self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
         self._steps = None
@@ -287,6 +287,24 @@ class LLMEngine:
             if progress:
                 print(f"Warmed up in {time.perf_counter() - start:.1f} s: prefill passes compiled "
                       f"before the first request", flush=True)
+
+    def context_the_pool_holds(self) -> int:
+        """--max-seq-len, or, where the whole KV pool holds less for one request, the longest
+        request it holds, said in one line (vLLM fits its max_model_len to the KV cache at
+        start-up): a request without max_tokens gets what is left of this context, and is never
+        refused for the default."""
+        asked, manager = self.run.args.max_seq_len, self.manager
+        fits = lambda length: manager.blocks_needed(length - 1) <= manager.num_blocks  # a
+        if fits(asked):                          # request caches every token but its last
+            return asked
+        holds, too_long = 1, asked  # bisect: fits(holds), not fits(too_long)
+        while too_long - holds > 1:
+            middle = (holds + too_long) // 2
+            holds, too_long = (middle, too_long) if fits(middle) else (holds, middle)
+        print(f"The KV pool holds {holds:,} tokens of one request, fewer than --max-seq-len "
+              f"{asked:,}: serving a context of {holds:,} tokens (give the pool more memory to "
+              f"serve more).", flush=True)
+        return holds
 
     def warm_up(self) -> None:
         """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
@@ -312,9 +330,11 @@ class LLMEngine:
         (a replayed trace's time; by default now), from which its latencies count."""
         params.check()
         request_id = request_id or f"req-{next(self._ids)}"
+        context = (f"{self.max_seq_len:,} tokens (" + ("--max-seq-len" if self.max_seq_len ==
+                   self.run.args.max_seq_len else "what the KV pool holds of one request") + ")")
         if not prompt_token_ids or len(prompt_token_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; it must have "
-                             f"1 to {self.max_seq_len - 1:,} (--max-seq-len {self.max_seq_len:,})")
+                             f"1 to {self.max_seq_len - 1:,}: the context is {context}")
         if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
         if params.n > len(self.free_rows):
@@ -326,10 +346,9 @@ class LLMEngine:
         room = self.max_seq_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(f"max_tokens is too large: {max_tokens:,}. The context is "
-                             f"{self.max_seq_len:,} tokens (--max-seq-len) and the prompt has "
-                             f"{len(prompt_token_ids):,} ({max_tokens:,} > {self.max_seq_len:,} - "
-                             f"{len(prompt_token_ids):,}).")
+            raise ValueError(f"max_tokens is too large: {max_tokens:,}. The context is {context} "
+                             f"and the prompt has {len(prompt_token_ids):,} ({max_tokens:,} > "
+                             f"{self.max_seq_len:,} - {len(prompt_token_ids):,}).")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         arrived = self.scheduler.now() if arrival_time is None else arrival_time
         rows = [self.free_rows.popleft() for _ in range(params.n)]

@@ -182,7 +182,7 @@ def test_the_engine_takes_a_max_seq_len_shorter_than_the_prompts_files_prompts()
     llm = LLM(model="tiny", random_weights=True, device="cpu", max_seq_len=24)
     answer = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(answer[0].outputs[0].token_ids) == 8
-    with pytest.raises(ValueError, match="--max-seq-len 24"):
+    with pytest.raises(ValueError, match=r"the context is 24 tokens \(--max-seq-len\)"):
         llm.generate([[5] * 24], SamplingParams(max_tokens=1))
 
 
@@ -507,6 +507,21 @@ def test_max_tokens_past_the_context_is_refused_by_the_api_as_by_the_server():
     whole = llm.generate("hi", SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
                          use_tqdm=False)[0]  # None: the context left, as vLLM's None
     assert len(whole.prompt_token_ids) + len(whole.outputs[0].token_ids) == 64
+
+
+def test_the_context_is_fitted_to_the_pool_and_the_default_answer_fills_what_is_left(capsys):
+    # vLLM sizes its context to the KV cache at start-up: here --max-seq-len 8,192 (the default)
+    # over 8 blocks of 16. A request caches every token but its last, so the pool holds one
+    # request of 8 x 16 + 1 tokens; a chat without max_tokens once got 400 for the default.
+    llm = LLM(model="tiny", random_weights=True, device="cpu", block_size=16, num_blocks=8)
+    assert "serving a context of 129 tokens" in capsys.readouterr().out
+    answer = llm.generate("hi", SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(answer.prompt_token_ids) + len(answer.outputs[0].token_ids) == 8 * 16 + 1
+    assert answer.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"context is 129 tokens \(what the KV pool holds"):
+        llm.generate("hi", SamplingParams(max_tokens=200), use_tqdm=False)
+    assert llm.engine.manager.num_used_blocks == 0  # the whole pool was the answer's, and is back
 
 
 def test_what_generate_cannot_read_is_refused_by_name(offline):
