@@ -145,18 +145,55 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
         ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"))
 
 
-# OpenAI's fields this engine does not implement, and the values that ask for nothing: any other
-# value gets a 400, rather than an answer that silently lacks what was asked for
+# The fields each endpoint reads (`sampling_params`, the prompt readers, the stream's); "user"
+# names the client for its own records, and changes no answer
+READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+        "stop", "seed", "ignore_eos", "stream", "stream_options", "user"}
+READ_BY = {"completions": READ | {"prompt"}, "chat": READ | {"messages"}}
+
+# OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
+# (their defaults): any other value gets a 400, rather than an answer that silently lacks what
+# was asked for (docs/serving.md's table)
 NOT_IMPLEMENTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1),
-                   "suffix": (None, ""), "tools": (None, []),
-                   "response_format": (None, {"type": "text"})}
+                   "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+                   "response_format": (None, {"type": "text"}),
+                   # vLLM's own
+                   "min_p": (None, 0), "min_tokens": (None, 0), "stop_token_ids": (None, []),
+                   "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+                   "length_penalty": (None, 1), "truncate_prompt_tokens": (None,),
+                   "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+                   "bad_words": (None, []), "structured_outputs": (None,),
+                   "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+                   "guided_grammar": (None,), "request_id": (None,),
+                   "return_token_ids": (None, False), "chat_template": (None,),
+                   "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+                   "continue_final_message": (None, False), "skip_special_tokens": (None, True),
+                   "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+                   "logits_processors": (None,), "prompt_embeds": (None,),
+                   "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+                   "structural_tag": (None,), "return_tokens_as_token_ids": (None, False),
+                   "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
+                   "reasoning_effort": (None,), "include_reasoning": (None, True),
+                   "parallel_tool_calls": (None, False, True),  # no tools: nothing to call
+                   "documents": (None,), "mm_processor_kwargs": (None,)}
+# vLLM's defaults that differ by endpoint: a completion's prompt gets begin-of-text, a chat's
+# template places its own
+NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"add_special_tokens": (None, True)},
+                      "chat": NOT_IMPLEMENTED | {"add_special_tokens": (None, False)}}
 
 
-def refuse_what_is_not_implemented(body: dict) -> None:
-    for name, asks_nothing in NOT_IMPLEMENTED.items():
-        if body.get(name) not in asks_nothing:
+def refuse_what_is_not_implemented(body: dict, endpoint: str) -> None:
+    """A 400 naming the first field that asks for what this server does not do, or that is no
+    field of the endpoint at all (vLLM logs such a field and ignores it: here it is said)."""
+    not_implemented = NOT_IMPLEMENTED_BY[endpoint]
+    for name, value in body.items():
+        if name in READ_BY[endpoint]:
+            continue
+        if name not in not_implemented:
+            raise BadRequest(f"'{name}' is no field of this endpoint; leave it out", name)
+        if value not in not_implemented[name]:
             raise BadRequest(f"'{name}' is not implemented by this server; leave it out", name)
 
 
@@ -180,13 +217,16 @@ def chat_prompt(body: dict) -> dict:
         raise BadRequest(str(e), "messages") from e
 
 
-def request_schema(prompt_field: dict, max_n: int) -> dict:
+def request_schema(prompt_field: dict, max_n: int, endpoint: str) -> dict:
     """A request body's JSON Schema for /openapi.json: the fields `sampling_params` and the
     prompt readers take, with the ranges they check (a schema-driven client can test them)."""
     whole = lambda low, high=None: {"type": "integer", "minimum": low} | (
         {} if high is None else {"maximum": high})
     text = {"type": "string", "minLength": 1}
-    return {"type": "object", "additionalProperties": True, "properties": prompt_field | {
+    asks_nothing = {name: {"enum": list(values)}
+                    for name, values in NOT_IMPLEMENTED_BY[endpoint].items()}
+    return {"type": "object", "additionalProperties": False, "properties": asks_nothing | {
+        **prompt_field,
         "model": {"type": "string"},
         "max_tokens": whole(1) | {"type": ["integer", "null"]},
         "max_completion_tokens": whole(1) | {"type": ["integer", "null"]},
@@ -198,6 +238,7 @@ def request_schema(prompt_field: dict, max_n: int) -> dict:
         "seed": whole(0, 2**63 - 1),
         "ignore_eos": {"type": "boolean"},
         "stream": {"type": "boolean"},
+        "user": {"type": "string"},
         "stream_options": {"type": "object",
                            "properties": {"include_usage": {"type": "boolean"}}}}}
 
@@ -322,7 +363,7 @@ def build_app(engine, model_name: str, api_key: str | None):
             return refused(request)
         try:
             body = await read_body(request)
-            refuse_what_is_not_implemented(body)
+            refuse_what_is_not_implemented(body, "chat" if chat else "completions")
             prompt = (chat_prompt if chat else completion_prompt)(body)
             params = sampling_params(body, max_n, None if chat else 16)
             stream = field(body, "stream", bool, False, None, "true or false")
@@ -402,12 +443,12 @@ def build_app(engine, model_name: str, api_key: str | None):
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions", openapi_extra=json_body(
-        request_schema(COMPLETION_PROMPT, max_n), ["prompt"]))
+        request_schema(COMPLETION_PROMPT, max_n, "completions"), ["prompt"]))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(
-        request_schema(CHAT_MESSAGES, max_n), ["messages"]))
+        request_schema(CHAT_MESSAGES, max_n, "chat"), ["messages"]))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 

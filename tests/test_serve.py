@@ -898,3 +898,55 @@ def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     assert post("/detokenize", {"tokens": [10**9]}).status_code == 400
     assert httpx.post(server + "/tokenize", json={"prompt": "hi"}).status_code == 401  # the key
+
+
+# Every field of vLLM's request models (vllm/entrypoints/openai/protocol.py, CompletionRequest
+# and ChatCompletionRequest), each with a value that asks for something. The server either does
+# it (the fields it reads, each tested for its effect above) or answers 400 naming the field.
+ASKS = {"best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0},
+        "logprobs": 1, "presence_penalty": 0.5, "suffix": "!", "use_beam_search": True,
+        "min_p": 0.5, "repetition_penalty": 1.2, "length_penalty": 0.5, "stop_token_ids": [5],
+        "include_stop_str_in_output": True, "min_tokens": 3, "skip_special_tokens": False,
+        "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
+        "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "prompt_embeds": "AAAA",
+        "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
+        "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
+        "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ", "priority": 1,
+        "request_id": "mine", "logits_processors": ["x.Y"], "return_tokens_as_token_ids": True,
+        "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+        "top_logprobs": 2, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "required", "reasoning_effort": "low", "include_reasoning": False,
+        "documents": [{"title": "a", "text": "b"}], "chat_template": "{{ messages }}",
+        "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
+        "structural_tag": "{}", "add_generation_prompt": False, "continue_final_message": True,
+        "bad_words": ["x"], "structured_outputs": {"choice": ["a"]}, "no_such_field": 1}
+COMPLETION_ONLY = {"echo", "suffix", "prompt_embeds", "add_special_tokens"}
+CHAT_ONLY = {"tools", "tool_choice", "reasoning_effort", "include_reasoning", "documents",
+             "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
+             "add_generation_prompt", "continue_final_message"}
+
+
+@pytest.mark.parametrize("path, base, skip, chat", [
+    ("/v1/completions", {"prompt": "hi"}, CHAT_ONLY, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, COMPLETION_ONLY,
+     True)], ids=["completions", "chat"])
+def test_every_vllm_field_works_or_is_refused_by_name(server, path, base, skip, chat):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    post = lambda body: httpx.post(server + path, json=base | {"max_tokens": 2} | body,
+                                   headers=headers, timeout=30)
+    asks = {name: value for name, value in ASKS.items() if name not in skip}
+    asks["add_special_tokens"] = chat  # a completion adds begin-of-text by default, a chat not
+    for name, value in asks.items():
+        refused = post({name: value})
+        assert refused.status_code == 400, (name, refused.text)
+        assert refused.json()["error"]["param"] == name and f"'{name}'" in refused.text
+    # The same fields at vLLM's defaults ask for nothing: one request with all of them is served.
+    defaults = {"best_of": 1, "echo": False, "frequency_penalty": 0, "logprobs": None,
+                "presence_penalty": 0, "use_beam_search": False, "length_penalty": 1.0,
+                "stop_token_ids": [], "include_stop_str_in_output": False, "min_tokens": 0,
+                "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                "priority": 0, "bad_words": [], "add_special_tokens": not chat,
+                "tool_choice": "none", "include_reasoning": True, "add_generation_prompt": True,
+                "continue_final_message": False, "user": "me"}
+    served = post({name: value for name, value in defaults.items() if name not in skip})
+    assert served.status_code == 200, served.text
