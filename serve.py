@@ -142,13 +142,21 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
         n=field(body, "n", int, 1, lambda v: 1 <= v <= max_n, f"a whole number from 1 to {max_n}"),
         stop=[stop] if isinstance(stop, str) else list(stop),
         seed=field(body, "seed", int, None, lambda v: 0 <= v < 2**63, "a whole number, 0 or more"),
-        ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"))
+        ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"),
+        stop_token_ids=field(body, "stop_token_ids", list, [], lambda ids: len(ids) <= MAX_STOP_IDS
+                             and all(isinstance(t, int) and not isinstance(t, bool)
+                                     and 0 <= t < 2**63 for t in ids),
+                             f"a list of at most {MAX_STOP_IDS:,} token ids"),
+        include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False, None,
+                                         "true or false"))
 
 
 # The fields each endpoint reads (`sampling_params`, the prompt readers, the stream's); "user"
 # names the client for its own records, and changes no answer
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-        "stop", "seed", "ignore_eos", "stream", "stream_options", "user"}
+        "stop", "seed", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "stream",
+        "stream_options", "user"}
+MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
 READ_BY = {"completions": READ | {"prompt"}, "chat": READ | {"messages"}}
 
 # OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
@@ -160,8 +168,7 @@ NOT_IMPLEMENTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "ech
                    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
                    "response_format": (None, {"type": "text"}),
                    # vLLM's own
-                   "min_p": (None, 0), "min_tokens": (None, 0), "stop_token_ids": (None, []),
-                   "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+                   "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
                    "length_penalty": (None, 1), "truncate_prompt_tokens": (None,),
                    "allowed_token_ids": (None,), "prompt_logprobs": (None,),
                    "bad_words": (None, []), "structured_outputs": (None,),
@@ -237,6 +244,9 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str) -> dict:
         "stop": {"oneOf": [text, {"type": "array", "items": text, "maxItems": 4}]},
         "seed": whole(0, 2**63 - 1),
         "ignore_eos": {"type": "boolean"},
+        "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_IDS,
+                           "items": whole(0, 2**63 - 1)},
+        "include_stop_str_in_output": {"type": "boolean"},
         "stream": {"type": "boolean"},
         "user": {"type": "string"},
         "stream_options": {"type": "object",

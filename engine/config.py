@@ -209,7 +209,8 @@ def refuse_per_request_flags(asked: dict) -> None:
         instead = "; ".join(f"{flag}: {what}" for flag, what in flags.items() if what)
         raise UserError(f"{', '.join(flags)}: a served engine (serve.py, engine/llm.py's LLM) "
                         f"takes the flags that build it (model, cache, pool, kernels), and each "
-                        f"request chooses the rest for itself" + (f" ({instead})" if instead else "")
+                        f"request chooses the rest for itself"
+                        + (f" ({instead})" if instead else "")
                         + ". Drop " + ("it." if len(flags) == 1 else "them."))
 
 

@@ -414,8 +414,10 @@ class LLMEngine:
                 continue  # aborted already, or a prompt computed only in part
             changed.append(sequence)
             self.num_generated_tokens += len(request.output_tokens) - sequence.num_sent_tokens
-            if (request.output_tokens and request.output_tokens[-1] in self.stop_ids
-                    and not sequence.params.ignore_eos):
+            params = sequence.params
+            if request.output_tokens and (
+                    request.output_tokens[-1] in params.stop_token_ids
+                    or request.output_tokens[-1] in self.stop_ids and not params.ignore_eos):
                 request.output_tokens.pop()  # the stop token is not part of the answer
                 self._end(sequence, "stop")
             # Only the new tokens are decoded: from the last whole character on, the bytes start
@@ -424,11 +426,12 @@ class LLMEngine:
             text = sequence.text
             if not tail.endswith("\ufffd") or request.status == Status.FINISHED:
                 text, sequence.num_text_tokens = text + tail, len(request.output_tokens)
-            look_from = max(len(sequence.text) - max(map(len, sequence.params.stop), default=0), 0)
-            stop_at = min((i for i in (text.find(s, look_from) for s in sequence.params.stop)
-                           if i >= 0), default=-1)
-            if stop_at >= 0:
-                text = text[:stop_at]
+            look_from = max(len(sequence.text) - max(map(len, params.stop), default=0), 0)
+            found = [(i, len(s)) for s in params.stop
+                     if (i := text.find(s, look_from)) >= 0]
+            if found:  # the first stop string in the text ends it, kept if the request asks
+                stop_at, length = min(found)
+                text = text[:stop_at + (length if params.include_stop_str_in_output else 0)]
                 self._end(sequence, "stop")
             sequence.text, sequence.num_sent_tokens = text, len(request.output_tokens)
             if sequence.finish_reason is None and request.status == Status.FINISHED:

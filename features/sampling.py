@@ -105,6 +105,8 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # end there, as at EOS
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
 
     def __post_init__(self):
         """Checked as made, as vLLM's are: a wrong value fails here, naming its field, not deep
@@ -128,7 +130,11 @@ class SamplingParams:
                           or is_whole_number(self.seed) and 0 <= self.seed < 2**63),
                          ("stop", isinstance(stop, list) and all(isinstance(s, str) and s
                                                                  for s in stop)),
-                         ("ignore_eos", isinstance(self.ignore_eos, bool))]:
+                         ("ignore_eos", isinstance(self.ignore_eos, bool)),
+                         ("stop_token_ids", isinstance(self.stop_token_ids, list) and all(
+                             is_whole_number(t) and 0 <= t < 2**63 for t in self.stop_token_ids)),
+                         ("include_stop_str_in_output",
+                          isinstance(self.include_stop_str_in_output, bool))]:
             if not ok:
                 raise ValueError(f"SamplingParams {name} = {getattr(self, name)!r} is of the "
                                  f"wrong kind or out of range")

@@ -900,13 +900,39 @@ def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts
     assert httpx.post(server + "/tokenize", json={"prompt": "hi"}).status_code == 401  # the key
 
 
+def test_stop_token_ids_end_an_answer_and_a_stop_string_may_stay_in_it(server, offline):
+    # The truth is the answer without them, cut: before the first of the stop ids (the token
+    # is not part of the answer, as end-of-text is not), after the stop string when asked.
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    free = offline.generate(PROMPTS[:1], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[4]
+    cut = offline.generate(PROMPTS[:1], SamplingParams(**greedy, stop_token_ids=[stop_id]),
+                           use_tqdm=False)[0].outputs[0]
+    assert cut.token_ids == free.token_ids[:free.token_ids.index(stop_id)]
+    assert cut.finish_reason == "stop"
+    stop = free.text[len(free.text) // 2:][:3]
+    kept = offline.generate(PROMPTS[:1], SamplingParams(**greedy, stop=[stop],
+                                                        include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[:free.text.index(stop) + len(stop)]
+    served = httpx.post(server + "/v1/completions", timeout=30, headers={
+        "Authorization": f"Bearer {KEY}"}, json={"prompt": PROMPTS[0], **greedy, "stop": [stop],
+                                                "include_stop_str_in_output": True}).json()
+    assert served["choices"][0]["text"] == kept.text
+    served = httpx.post(server + "/v1/completions", timeout=30, headers={
+        "Authorization": f"Bearer {KEY}"}, json={"prompt": PROMPTS[0], **greedy,
+                                                "stop_token_ids": [stop_id]}).json()
+    assert served["choices"][0]["text"] == cut.text and served["usage"]["completion_tokens"] == (
+        len(cut.token_ids))
+
+
 # Every field of vLLM's request models (vllm/entrypoints/openai/protocol.py, CompletionRequest
 # and ChatCompletionRequest), each with a value that asks for something. The server either does
 # it (the fields it reads, each tested for its effect above) or answers 400 naming the field.
 ASKS = {"best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0},
         "logprobs": 1, "presence_penalty": 0.5, "suffix": "!", "use_beam_search": True,
-        "min_p": 0.5, "repetition_penalty": 1.2, "length_penalty": 0.5, "stop_token_ids": [5],
-        "include_stop_str_in_output": True, "min_tokens": 3, "skip_special_tokens": False,
+        "min_p": 0.5, "repetition_penalty": 1.2, "length_penalty": 0.5, "min_tokens": 3,
+        "skip_special_tokens": False,
         "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
         "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "prompt_embeds": "AAAA",
         "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
