@@ -12,12 +12,13 @@ the same flags the scripts take.
 import dataclasses
 import time
 from collections import deque
+from pathlib import Path
 
 from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine, QueueFull, Sequence
 from features.sampling import SamplingParams, is_whole_number
-from plumbing.cli import chat_messages
+from plumbing.cli import MODELS, UserError, chat_messages
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -33,6 +34,7 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestOutput:
     request_id: str
+    prompt: str | None  # the prompt's text: as given, or a chat's as its template made it
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput | None]  # a sample's, once it has ended
 
@@ -45,8 +47,20 @@ class LLM:
     """Offline generation: every prompt at once through continuous batching."""
 
     def __init__(self, model: str = "8b", cache: str = "paged", **options):
+        """model: a preset's name (the scripts' --model), or, as vLLM's LLM(model=PATH) takes
+        one, a checkpoint: a folder (Meta's or Hugging Face's layout) or a .gguf file (the
+        scripts' --ckpt-dir); options: the scripts' other flags, by name."""
+        if model not in MODELS:
+            if not Path(model).exists():
+                raise UserError(f"model={model!r} is neither a preset ({', '.join(MODELS)}) nor a "
+                                f"checkpoint folder or .gguf file that exists.")
+            model, options = None, {"ckpt_dir": model} | options  # None: --model's default
         self.engine = LLMEngine(cache, model=model, **options)
         self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""
+        return self.tokenizer
 
     def generate(self, prompts, sampling_params=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -60,7 +74,9 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts is a text, token ids, a dict or a list of those, not "
                              f"{str(prompts)[:80]}")
-        return self._run([self._token_ids(p) for p in prompts], sampling_params, use_tqdm)
+        texts = [p.get("prompt") if isinstance(p, dict) else p if isinstance(p, str) else None
+                 for p in prompts]
+        return self._run([self._token_ids(p) for p in prompts], sampling_params, use_tqdm, texts)
 
     def _token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
@@ -80,9 +96,10 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):  # one conversation
             conversations = [conversations]
         token_lists = [self.tokenizer.chat(chat_messages(c)) for c in conversations]
-        return self._run(token_lists, sampling_params, use_tqdm)
+        texts = [self.tokenizer.decode(tokens) for tokens in token_lists]  # the templated prompt
+        return self._run(token_lists, sampling_params, use_tqdm, texts)
 
-    def _run(self, token_lists, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, token_lists, sampling_params, use_tqdm: bool, texts) -> list[RequestOutput]:
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params or SamplingParams()] * len(token_lists))
         if not all(isinstance(p, SamplingParams) for p in params):
@@ -97,7 +114,7 @@ class LLM:
                    disable=not use_tqdm)
         try:
             while pending or self.engine.has_unfinished():
-                self._add_while_rows_are_free(pending, params, outputs)
+                self._add_while_rows_are_free(pending, params, outputs, texts)
                 for sequence in self.engine.step():
                     if sequence.finish_reason is not None and self._keep(sequence, outputs):
                         generated = self.engine.num_generated_tokens - generated_before
@@ -112,7 +129,7 @@ class LLM:
             bar.close()
         return list(outputs.values())
 
-    def _add_while_rows_are_free(self, pending: deque, params, outputs: dict) -> None:
+    def _add_while_rows_are_free(self, pending: deque, params, outputs: dict, texts) -> None:
         """Prompts from the head of `pending` while the engine has free rows; the rest join as
         rows come back."""
         while pending:
@@ -122,7 +139,7 @@ class LLM:
             except QueueFull:
                 return
             pending.popleft()
-            outputs[request_id] = RequestOutput(request_id, tokens, [None] * params[i].n)
+            outputs[request_id] = RequestOutput(request_id, texts[i], tokens, [None] * params[i].n)
 
     @staticmethod
     def _keep(sequence: Sequence, outputs: dict) -> bool:

@@ -146,3 +146,21 @@ def test_a_damaged_gguf_ends_in_one_paragraph(tmp_path, damage):
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and "bad.gguf" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_api_takes_the_checkpoint_path_and_answers_as_the_preset_that_names_it():
+    # vLLM's LLM(model=PATH): the .gguf the smollm2 preset reads, given by its path, gives the
+    # preset's tokens; RequestOutput.prompt is the prompt's text (a chat's, as templated).
+    from engine.llm import LLM, SamplingParams
+    from plumbing.cli import UserError
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    by_path = LLM(model=str(GGUF), device="cpu", max_seq_len=256)
+    by_name = LLM(model="smollm2", device="cpu", max_seq_len=256)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = [llm.chat(question, greedy, use_tqdm=False)[0] for llm in (by_path, by_name)]
+    assert answers[0].outputs[0].token_ids == answers[1].outputs[0].token_ids
+    assert "capital of France" in answers[0].prompt
+    assert by_path.get_tokenizer().encode_prompt("Paris") == by_name.tokenizer.encode_prompt("Paris")
+    assert by_path.generate("Paris is", greedy, use_tqdm=False)[0].prompt == "Paris is"
+    with pytest.raises(UserError, match="neither a preset .* nor a checkpoint"):
+        LLM(model="no/such/checkpoint")
