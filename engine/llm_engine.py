@@ -113,7 +113,7 @@ def make_scheduler(run, cache, manager, requests: list[lesson.Request],
 
 def host_blocks(run, cache, shares_blocks: bool) -> HostBlocks:
     """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
-    if not isinstance(cache, lesson.KVCache) or shares_blocks:
+    if run.args.cache == "virtual" or shares_blocks:  # the virtual rows are no blocks to copy
         raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
                         "cache; it does not combine with shared blocks (--samples, a system "
                         "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")

@@ -47,7 +47,7 @@ def run_virtual(run: Run) -> None:
     """llama3_virtual.py's run: a driver call that fails, in the loop or on the mapping thread,
     ends it in one paragraph; the thread stops with the run."""
     import llama3_virtual
-    from features.virtual.mapping_ahead import MappingAheadManager, MappingFailed
+    from features.virtual.mapping_ahead import MappingFailed
     from features.virtual.memory import DriverError
     manager = None  # a driver call may fail at start-up, while the rows are mapped
     try:
@@ -55,16 +55,20 @@ def run_virtual(run: Run) -> None:
         generation = generate(run, cache, manager)
         report(run, cache, manager, generation)
         print(llama3_virtual.mapping_report(cache, manager, len(generation.timeline)))
-    except (DriverError, MappingFailed) as e:
-        where = "on the background thread" if isinstance(e, MappingFailed) else "in the loop"
-        raise UserError(f"A driver call mapping a KV page {where} failed ({e}), so the run "
-                        f"cannot go on: its next tokens would be written to unmapped memory. "
-                        f"Check the GPU (nvidia-smi); --sync-mapping makes every driver call "
-                        f"in the loop, where the failing one is easier to follow.",
-                        DRIVER_ERROR) from e
+    except MappingFailed as e:
+        raise mapping_failed("on the background thread", e) from e
+    except DriverError as e:
+        raise mapping_failed("in the loop", e) from e
     finally:
-        if isinstance(manager, MappingAheadManager):
-            manager.close()
+        if manager is not None:
+            manager.close()  # the mapping thread, if one runs
+
+
+def mapping_failed(where: str, error: Exception) -> UserError:
+    return UserError(f"A driver call mapping a KV page {where} failed ({error}), so the run "
+                     f"cannot go on: its next tokens would be written to unmapped memory. Check "
+                     f"the GPU (nvidia-smi); --sync-mapping makes every driver call in the loop, "
+                     f"where the failing one is easier to follow.", DRIVER_ERROR)
 
 
 def run_beam_search(run, cache, manager) -> None:

@@ -34,6 +34,9 @@ class PageManager(BlockManager):
         """Pages are mapped as requests need them, never ahead for the queue's prompts
         (features/virtual/mapping_ahead.py's manager does that)."""
 
+    def close(self) -> None:
+        """No thread maps beside the loop: nothing to end (the mapping-ahead manager's has one)."""
+
     def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
         # Request r lives in virtual row r + 1 (row 0 is the cache's spare row).
         for start, end in consecutive_runs(rows, columns):  # a prompt's pages: one run
