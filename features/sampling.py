@@ -93,6 +93,13 @@ def is_real_number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
+NOT_IMPLEMENTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+                   "min_p": 0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None,
+                   "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+                   "truncate_prompt_tokens": None, "skip_special_tokens": True,
+                   "spaces_between_special_tokens": True}
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
@@ -107,6 +114,21 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # end there, as at EOS
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    # vLLM's fields this engine does not implement yet, at the defaults that ask for nothing:
+    # any other value is refused by name (check), not taken and silently ignored
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         """Checked as made, as vLLM's are: a wrong value fails here, naming its field, not deep
@@ -138,6 +160,11 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams {name} = {getattr(self, name)!r} is of the "
                                  f"wrong kind or out of range")
+        for name, default in NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value != default and not (default is None and value in ([], {})):  # none asked
+                raise ValueError(f"SamplingParams {name} = {value!r}: not implemented by this "
+                                 f"engine yet; leave it at {default!r}")
 
 
 class RowSampler:

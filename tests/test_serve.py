@@ -496,6 +496,21 @@ def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
     assert SamplingParams(stop=None).stop == [] and SamplingParams(stop="x").stop == ["x"]
 
 
+@pytest.mark.parametrize("fields", [
+    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
+    {"min_p": 0.1}, {"min_tokens": 3}, {"logprobs": 1}, {"prompt_logprobs": 0},
+    {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]},
+    {"truncate_prompt_tokens": 3}, {"skip_special_tokens": False},
+    {"spaces_between_special_tokens": False}], ids=lambda fields: next(iter(fields)))
+def test_vllms_sampling_fields_not_implemented_are_refused_by_name(fields):
+    # vLLM's SamplingParams takes them; here they were a TypeError. At their defaults they ask
+    # for nothing and pass; any other value is refused, not silently ignored.
+    name = next(iter(fields))
+    with pytest.raises(ValueError, match=f"SamplingParams {name} = .*not implemented"):
+        SamplingParams(**fields)
+    SamplingParams(**{name: getattr(SamplingParams(), name)})  # its default raises nothing
+
+
 def test_max_tokens_past_the_context_is_refused_by_the_api_as_by_the_server():
     # One rule for both (vLLM's server's): the API once cut max_tokens=10**12 to the context
     # and ran minutes, while the server answered 400 naming an internal request number.
