@@ -13,7 +13,8 @@ By default a background thread maps the pages a few steps ahead, a finished requ
 stay mapped for the next request in its row, and half the pool is mapped under the empty rows at
 start-up (features/virtual/mapping_ahead.py, vAttention's way).
 --sync-mapping maps in the loop when a page is needed and unmaps when a request finishes
-(features/virtual/page_manager.py): simpler to read, and the driver calls are then on the critical path.
+(features/virtual/page_manager.py): simpler to read, and the driver calls are then on the
+critical path.
 --kv-cache-dtype fp8 stores K and V in 8 bits and decodes with the Triton kernel
 (features/fp8/virtual.py).
 

@@ -161,7 +161,8 @@ READ_BY = {"completions": READ | {"prompt"}, "chat": READ | {"messages"}}
 
 # OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
 # (their defaults): any other value gets a 400, rather than an answer that silently lacks what
-# was asked for (docs/serving.md's table)
+# was asked for (docs/errors.md's table). The sampling ones are SamplingParams' (features/
+# sampling.py's NOT_IMPLEMENTED), named again here: the server's process never imports PyTorch.
 NOT_IMPLEMENTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1),
@@ -485,12 +486,13 @@ def build_app(engine, model_name: str, api_key: str | None):
             return answer(UnknownModel(model))
         return model_card()
 
-    async def tokenizer_call(request: Request, kind: str, read) -> JSONResponse | dict:
-        """vLLM's /tokenize and /detokenize: `read(body)` is what the engine's tokenizer takes."""
+    async def tokenizer_call(request: Request, kind: str, read, shape) -> JSONResponse | dict:
+        """vLLM's /tokenize and /detokenize: `read(body)` is what the engine's tokenizer takes,
+        `shape(its answer)` the response body."""
         if refused(request):
             return refused(request)
         try:
-            return await engine.ask(kind, read(await read_body(request)))
+            return shape(await engine.ask(kind, read(await read_body(request))))
         except BadRequest as e:
             return answer(e)
         except ValueError as e:
@@ -499,11 +501,9 @@ def build_app(engine, model_name: str, api_key: str | None):
     @app.post("/tokenize")
     async def tokenize(request: Request):
         prompt = lambda body: chat_prompt(body) if "messages" in body else completion_prompt(body)
-        tokens = await tokenizer_call(request, "tokenize", prompt)
-        if not isinstance(tokens, list):
-            return tokens  # an error
-        return {"count": len(tokens), "max_model_len": engine.info["max_seq_len"],
-                "tokens": tokens, "token_strs": None}
+        return await tokenizer_call(request, "tokenize", prompt, lambda tokens: {
+            "count": len(tokens), "max_model_len": engine.info["max_seq_len"], "tokens": tokens,
+            "token_strs": None})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -513,8 +513,7 @@ def build_app(engine, model_name: str, api_key: str | None):
                     isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
                 raise BadRequest("'tokens' must be a list of token ids", "tokens")
             return tokens
-        text = await tokenizer_call(request, "detokenize", ids)
-        return text if not isinstance(text, str) else {"prompt": text}
+        return await tokenizer_call(request, "detokenize", ids, lambda text: {"prompt": text})
 
     @app.get("/health")
     async def health():

@@ -135,9 +135,9 @@ class Config:
         if self.top_p < 1 and self.temperature == 0:
             raise UserError("--top-p chooses among the likeliest tokens when sampling, and "
                             "--temperature 0 (the default) is greedy: add --temperature, e.g. 0.8.")
-        if self.overlap and self.why_not_overlapped():  # an explicit --overlap
-            raise UserError(f"--overlap does not combine with this run: "
-                            f"{self.why_not_overlapped()}. Drop --overlap.")
+        if self.overlap and (why_not := self.why_not_overlapped()):  # an explicit --overlap
+            raise UserError(f"--overlap does not combine with this run: {why_not}. Drop "
+                            f"--overlap.")
         if self.beam_width > 1 and (self.continuous or self.samples > 1
                                     or self.temperature > 0 or self.find_max_batch):
             raise UserError("--beam-width runs its own static search, greedy by summed "

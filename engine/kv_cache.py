@@ -2,8 +2,9 @@
 
 - **Prefill after cached tokens.** The lesson prefills every prompt of its static batch from the
   first token. The engine has prompts that begin cached: a fork shares its parent's blocks and a
-  prompt finds its system prompt's blocks (features/sharing/block_manager.py), a swapped request comes back
-  with its K/V (engine/swap.py), a mixed step computes a prompt in chunks (engine/scheduler.py).
+  prompt finds its system prompt's blocks (features/sharing/block_manager.py), a swapped request
+  comes back with its K/V (engine/swap.py), a mixed step computes a prompt in chunks
+  (engine/scheduler.py).
   Such a prompt packs only its new tokens (engine/model_runner.py's `prefill_from`), and its
   attention reads every token, cached and new, from the pool through the block table:
   flash-attn's varlen kernel takes the block table too, and the reference gathers the prompt's

@@ -13,7 +13,8 @@ What serving adds to the scripts' runs:
   sees requests without end. Here a request takes a free row when it is added and gives it back
   when it finishes or is aborted, as its blocks go back to the free list.
 - A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
-  paged cache: the samples after the first fork (features/sharing/block_manager.py), as `--samples` does.
+  paged cache: the samples after the first fork (features/sharing/block_manager.py), as
+  `--samples` does.
 - Each request samples with its own parameters (features/sampling.py's `RowSampler`), and ends at
   its own stop strings, at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are
   checked here, on the host, between steps. On CUDA steps overlap (engine/model_runner.py) as in the
@@ -293,18 +294,22 @@ class LLMEngine:
         request it holds, said in one line (vLLM fits its max_model_len to the KV cache at
         start-up): a request without max_tokens gets what is left of this context, and is never
         refused for the default."""
-        asked, manager = self.run.args.max_seq_len, self.manager
-        fits = lambda length: manager.blocks_needed(length - 1) <= manager.num_blocks  # a
-        if fits(asked):                          # request caches every token but its last
+        asked = self.run.args.max_seq_len
+        # A request caches every token but its last: the whole pool at most (its blocks or
+        # pages of block_size tokens; a naive row is one block), and one token more.
+        holds = self.manager.num_blocks * self.manager.block_size + 1
+        if holds >= asked:
             return asked
-        holds, too_long = 1, asked  # bisect: fits(holds), not fits(too_long)
-        while too_long - holds > 1:
-            middle = (holds + too_long) // 2
-            holds, too_long = (middle, too_long) if fits(middle) else (holds, middle)
         print(f"The KV pool holds {holds:,} tokens of one request, fewer than --max-seq-len "
               f"{asked:,}: serving a context of {holds:,} tokens (give the pool more memory to "
               f"serve more).", flush=True)
         return holds
+
+    def _context(self) -> str:
+        """The context a request must fit, and where it comes from, for a refusal's message."""
+        source = ("--max-seq-len" if self.max_seq_len == self.run.args.max_seq_len
+                  else "what the KV pool holds of one request")
+        return f"{self.max_seq_len:,} tokens ({source})"
 
     def warm_up(self) -> None:
         """A few requests, run to their end and forgotten. Compiled layers compile for prefill on
@@ -330,11 +335,9 @@ class LLMEngine:
         (a replayed trace's time; by default now), from which its latencies count."""
         params.check()
         request_id = request_id or f"req-{next(self._ids)}"
-        context = (f"{self.max_seq_len:,} tokens (" + ("--max-seq-len" if self.max_seq_len ==
-                   self.run.args.max_seq_len else "what the KV pool holds of one request") + ")")
         if not prompt_token_ids or len(prompt_token_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; it must have "
-                             f"1 to {self.max_seq_len - 1:,}: the context is {context}")
+                             f"1 to {self.max_seq_len - 1:,}: the context is {self._context()}")
         if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
         if params.n > len(self.free_rows):
@@ -346,9 +349,10 @@ class LLMEngine:
         room = self.max_seq_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(f"max_tokens is too large: {max_tokens:,}. The context is {context} "
-                             f"and the prompt has {len(prompt_token_ids):,} ({max_tokens:,} > "
-                             f"{self.max_seq_len:,} - {len(prompt_token_ids):,}).")
+            raise ValueError(f"max_tokens is too large: {max_tokens:,}. The context is "
+                             f"{self._context()} and the prompt has {len(prompt_token_ids):,} "
+                             f"({max_tokens:,} > {self.max_seq_len:,} - "
+                             f"{len(prompt_token_ids):,}).")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         arrived = self.scheduler.now() if arrival_time is None else arrival_time
         rows = [self.free_rows.popleft() for _ in range(params.n)]

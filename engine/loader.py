@@ -61,7 +61,8 @@ def choose_attention(name: str, device: torch.device, decode_kernel: str = "flas
     flash-attn's prefill."""
     if name == "auto":
         name = ("torch" if device.type != "cuda" or dtype == "fp32" else
-                "flash" if importable("flash_attn") else "triton" if importable("triton") else "torch")
+                "flash" if importable("flash_attn") else
+                "triton" if importable("triton") else "torch")
     if name != "torch" and dtype == "fp32":
         raise UserError(f"--attn {name} reads fp16 and bf16 only: with --dtype fp32 use --attn "
                         f"torch (the PyTorch reference), or --dtype bf16.")

@@ -180,11 +180,11 @@ class ModelRunner(Engine):
                  tokens_per_pass: int | None = None):
         """model: the lesson's Llama, or the ModelForward that calls it (compiled layers).
         sampler: how tokens are drawn (features/sampling.py, features/beam_search.py). graphs:
-        decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder; short prefill
-        passes as graphs come with `capture_prefill_graphs`). cascade: the two-part attention of a cached system
-        prompt (features/cascade/attention.py's CascadeAttention), already in the cache. longest_first:
-        decode steps' rows longest first, so that the attention kernel's last wave is short
-        (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
+        decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder; short prefill passes as
+        graphs come with `capture_prefill_graphs`). cascade: the two-part attention of a cached
+        system prompt (features/cascade/attention.py's CascadeAttention), already in the cache.
+        longest_first: decode steps' rows longest first, so that the attention kernel's last wave is
+        short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
         the lesson's."""
         super().__init__(model, cache, manager)
         self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first

@@ -68,7 +68,8 @@ def shares_blocks(run: Run, served: bool = False) -> bool:
 
 
 def caches_prefix(run: Run) -> bool:
-    """Whether later prompts find a system prompt's blocks in the pool (features/sharing/prefix_cache.py)."""
+    """Whether later prompts find a system prompt's blocks in the pool
+    (features/sharing/prefix_cache.py)."""
     args = run.args
     return (args.script == "llama3_paged.py" and not args.no_sharing
             and run.system_prompt is not None and not args.no_prefix_cache)

@@ -123,10 +123,10 @@ def scheduling_report(generation, continuous: bool) -> dict:
 
 
 def sharing_report(run, manager, generation) -> dict:
-    """What sharing blocks saved (features/sharing/block_manager.py): the samples forked, the prompt tokens found
-    in the prefix cache, and the KV memory at the fullest step against what the same requests
-    would hold with no block shared (the PagedAttention paper's measure, section 6.3). Zeros for
-    a manager that shares nothing."""
+    """What sharing blocks saved (features/sharing/block_manager.py): the samples forked, the prompt
+    tokens found in the prefix cache, and the KV memory at the fullest step against what the same
+    requests would hold with no block shared (the PagedAttention paper's measure, section 6.3).
+    Zeros for a manager that shares nothing."""
     g, system = generation, run.num_system_prompt_tokens
     sharing = shares_blocks(run)
     n = len(g.requests)

@@ -26,9 +26,9 @@ scheduler with what a server needs, each chosen once from the flags, none a subc
   With `host`, a pool of host blocks (engine/swap.py, --preemption swap), its K/V are copied there
   and back, and it rejoins the decode batch with no prefill; one halfway through its prompt, or
   finding the host pool full, is recomputed.
-- Prefix-cache hits: tokens the block manager finds cached (`shares_blocks`, features/sharing/block_manager.py)
-  are not computed again; a fork whose every token but the last is cached joins the decode batch
-  directly, which computes that token.
+- Prefix-cache hits: tokens the block manager finds cached (`shares_blocks`,
+  features/sharing/block_manager.py) are not computed again; a fork whose every token but the last
+  is cached joins the decode batch directly, which computes that token.
 
 Mixed steps do not share blocks yet: sharing lists a prompt's full blocks in the prefix cache
 when they are allocated, and a request preempted halfway through its chunked prompt would leave

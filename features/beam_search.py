@@ -4,9 +4,9 @@ Each prompt keeps K beams, the K likeliest continuations found so far, scored by
 tokens' log-probabilities. Each step every beam proposes its likeliest next tokens, and the K
 best of all K x vocabulary continuations become the next beams: a good beam may leave two
 children, a weak one none. So a beam's history is its parent's plus one token, and with
-SharingBlockManager (features/sharing/block_manager.py) a child simply takes its parent's blocks: every block
-gains or loses holders at every step, and a block no beam holds any more returns to the pool.
-The last, part-full block is copied on write when two children both write into it. Without
+SharingBlockManager (features/sharing/block_manager.py) a child simply takes its parent's blocks:
+every block gains or loses holders at every step, and a block no beam holds any more returns to the
+pool. The last, part-full block is copied on write when two children both write into it. Without
 sharing (--no-sharing) each beam holds its own blocks, and a child's are copied from its parent.
 
 The rules are transformers' `generate(num_beams=K, do_sample=False, length_penalty=0.0)`, which

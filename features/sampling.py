@@ -93,13 +93,6 @@ def is_real_number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
-NOT_IMPLEMENTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-                   "min_p": 0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None,
-                   "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
-                   "truncate_prompt_tokens": None, "skip_special_tokens": True,
-                   "spaces_between_special_tokens": True}
-
-
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's names and defaults: temperature 1 samples; temperature 0 is greedy."""
@@ -165,6 +158,16 @@ class SamplingParams:
             if value != default and not (default is None and value in ([], {})):  # none asked
                 raise ValueError(f"SamplingParams {name} = {value!r}: not implemented by this "
                                  f"engine yet; leave it at {default!r}")
+
+
+# SamplingParams' fields this engine does not implement yet -> the default that asks for nothing,
+# as the class declares it (serve.py refuses the same fields of a request)
+NOT_IMPLEMENTED = {f.name: f.default for f in dataclasses.fields(SamplingParams)
+                   if f.name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                 "min_p", "min_tokens", "logprobs", "prompt_logprobs",
+                                 "logit_bias", "allowed_token_ids", "bad_words",
+                                 "truncate_prompt_tokens", "skip_special_tokens",
+                                 "spaces_between_special_tokens")}
 
 
 class RowSampler:

@@ -1,6 +1,6 @@
-"""Cascade attention (features/cascade/attention.py): attention over a shared prefix and a request's own
-blocks, merged by their log-sum-exps, equals attention over all its keys; a run with it gives the
-tokens of a run without it."""
+"""Cascade attention (features/cascade/attention.py): attention over a shared prefix and a request's
+own blocks, merged by their log-sum-exps, equals attention over all its keys; a run with it gives
+the tokens of a run without it."""
 
 import math
 from types import SimpleNamespace

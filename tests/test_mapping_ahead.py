@@ -1,7 +1,7 @@
-"""Mapping ahead (features/virtual/mapping_ahead.py) against a fake page table on a real background thread:
-every page a step writes or reads is mapped before the step, pages are mapped steps ahead, a row is
-reused without driver calls, nothing leaks, a failing driver call ends the run instead of hanging
-it; and generation gives the tokens of the paged cache."""
+"""Mapping ahead (features/virtual/mapping_ahead.py) against a fake page table on a real background
+thread: every page a step writes or reads is mapped before the step, pages are mapped steps ahead, a
+row is reused without driver calls, nothing leaks, a failing driver call ends the run instead of
+hanging it; and generation gives the tokens of the paged cache."""
 
 import concurrent.futures
 import math
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from block_manager import BlockManager, OutOfBlocks
 from conftest import engine_model, generate, request
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from features.virtual.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper, MappingAheadManager,
-                                    MappingFailed)
+from features.virtual.mapping_ahead import (LOOKAHEAD_STEPS, MAP_RUN_TOKENS, BackgroundMapper,
+                                            MappingAheadManager, MappingFailed)
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 
 

@@ -125,9 +125,10 @@ def test_seeded_samples_are_reproducible_and_n_gives_n_choices(client):
 
 
 def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_tokens():
-    """The samples after the first fork: they take the prompt's blocks (features/sharing/block_manager.py). Top-k
-    keeps each draw far from a boundary that rounding could move (random weights' full
-    distributions are flat), so the tokens are those of the same samples without sharing."""
+    """The samples after the first fork: they take the prompt's blocks
+    (features/sharing/block_manager.py). Top-k keeps each draw far from a boundary that rounding
+    could move (random weights' full distributions are flat), so the tokens are those of the same
+    samples without sharing."""
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=5, seed=11, n=4, ignore_eos=True)
     engine = dict(model="tiny", random_weights=True, device="cpu", block_size=16, max_num_seqs=8)
     shared, unshared = LLM(**engine), LLM(**engine, no_sharing=True)

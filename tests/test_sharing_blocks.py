@@ -1,5 +1,6 @@
-"""features/sharing/block_manager.py's block manager: reference counts, forks, copy on write, the prefix cache,
-driven through the core's interface (allocate, append_token, free) on a one-value-per-slot cache."""
+"""features/sharing/block_manager.py's block manager: reference counts, forks, copy on write, the
+prefix cache, driven through the core's interface (allocate, append_token, free) on a
+one-value-per-slot cache."""
 
 import numpy as np
 import torch

@@ -1,5 +1,6 @@
 """When cascade attention pays: one layer's decode attention, plain against cascade, per shared
-prefix length and batch size (features/cascade/attention.py's MIN_SHARED_TOKENS_READ comes from here).
+prefix length and batch size (features/cascade/attention.py's MIN_SHARED_TOKENS_READ comes from
+here).
 
     python tools/cascade_cost.py                 # 8B's heads, blocks of 256, flash-attn, bf16
     python tools/cascade_cost.py --json cost.json

@@ -54,7 +54,7 @@ def parse_arguments(argv=None):
                    help="nano-vllm's: share of the GPU it may use")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt, as tools/bench.py's")
-    p.set_defaults(system_prompt=None)  # the file is the only way in here, as engine/loader.py reads it
+    p.set_defaults(system_prompt=None)  # the file is the only way in, as engine/loader.py reads it
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
     p.add_argument("--profile", type=writable_file, metavar="PATH",
                    help="kernel time by class, to PATH (tools/kernel_profile.py)")

@@ -17,8 +17,8 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   float8, so on CUDA the decode goes through the Triton kernel (features/triton_attention.py),
   which converts each tile to bf16 in registers and folds the scales into the scores and the
   output; the PyTorch reference dequantizes the blocks it gathers.
-- A prompt after a cached prefix (a system prompt's blocks, features/sharing/prefix_cache.py) reads the
-  prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
+- A prompt after a cached prefix (a system prompt's blocks, features/sharing/prefix_cache.py) reads
+  the prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
   those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the
   bf16 cache would (`attend_after_prefix`). A mixed step (--max-batched-tokens) would copy every
   running request's blocks so, every step: refused.

@@ -1,7 +1,7 @@
 """Mapping ahead: vAttention's way of taking the page table's driver calls off the critical path.
 
-features/virtual/page_manager.py maps a page when a request's next token crosses into it, and unmaps a
-request's pages when it finishes, in the loop, between two steps: every driver call (cuMemMap and
+features/virtual/page_manager.py maps a page when a request's next token crosses into it, and unmaps
+a request's pages when it finishes, in the loop, between two steps: every driver call (cuMemMap and
 cuMemSetAccess, tens of microseconds each) is time the GPU waits. vAttention (Prabhu et al., 2024)
 hides them in two ways, and this manager does both:
 

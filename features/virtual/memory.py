@@ -69,7 +69,8 @@ class VirtualMemory:
         self.seconds_mapping, self.num_maps, self.num_unmaps = 0.0, 0, 0
 
     def make_current(self) -> None:
-        """Another thread's driver calls work in the same context (features/virtual/mapping_ahead.py)."""
+        """Another thread's driver calls work in the same context
+        (features/virtual/mapping_ahead.py)."""
         check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def reserve(self, num_bytes: int) -> int:
