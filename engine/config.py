@@ -270,18 +270,23 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --preemption swap: host memory for swapped K/V (default: 4)")
     p.add_argument("--max-batched-tokens", type=positive_int, metavar="TOKENS",
                    help="with --continuous: steps that decode and prefill, up to TOKENS tokens")
-    p.add_argument("--eager", action="store_true",
-                   help="kernel by kernel from Python: no CUDA graphs, no compiled layers")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule a step while the GPU runs the one before (default: on CUDA)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="fuse small kernels with torch.compile (default: on CUDA unless --eager)")
+    add_fast_path_arguments(p)
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
                    help="fp8 (or fp8_e4m3): K/V in float8, half the bytes")
     p.add_argument("--find-max-batch", action="store_true",
                    help="bisect for the largest batch, at most N, that completes")
     p.add_argument("--json", type=writable_file, metavar="PATH",
                    help="write arguments, token ids, memory and throughput here")
+
+
+def add_fast_path_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's fast path, on by default on CUDA (tools/bench.py takes them too)."""
+    p.add_argument("--eager", action="store_true",
+                   help="kernel by kernel from Python: no CUDA graphs, no compiled layers")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule a step while the GPU runs the one before (default: on CUDA)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuse small kernels with torch.compile (default: on CUDA unless --eager)")
 
 
 def add_paged_feature_arguments(parser) -> None:

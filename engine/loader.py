@@ -16,8 +16,8 @@ from plumbing.inputs import Run
 def load(config: Config) -> Run:
     """The run `config` asks for: under torchrun this process's slice of the model (features/
     tensor_parallel.py), the attention, compiled layers' default, then the model."""
-    model_class = lesson.Llama
-    if torchrun_process() is not None:  # torchrun's processes split the model
+    model_class, split = lesson.Llama, torchrun_process() is not None
+    if split:  # torchrun's processes split the model
         from features import tensor_parallel
         config = tensor_parallel.start(config)
         model_class = tensor_parallel.SplitLlama
@@ -29,7 +29,7 @@ def load(config: Config) -> Run:
     if config.compile is None:
         config = dataclasses.replace(config, compile=compiles_by_default(config, attention))
     sequences = config.samples * config.beam_width
-    run = inputs.load_run(config, model_class, attention, system_prompt(config), sequences)
+    run = inputs.load_run(config, model_class, attention, system_prompt(config), sequences, split)
     if config.kv_cache_dtype == "fp8":
         from features.fp8.cache import FP8
         run = dataclasses.replace(run, kv_cache_dtype=FP8)

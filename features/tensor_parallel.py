@@ -11,8 +11,8 @@ KV cache holds n_kv_heads / tp heads of every token: half the bytes per token on
 the same memory holds twice the tokens. The block manager and its table do not change at all.
 
 No rank ever holds the whole model: it is built with the slice's shapes (SplitLlama), and
-plumbing/inputs.py cuts each checkpoint tensor to this rank's share as it copies it in
-(`share_of`), one tensor at a time. Random weights are drawn whole, one tensor at a time, and cut
+plumbing/inputs.py, told the model is `split` (engine/loader.py), cuts each checkpoint tensor to
+this rank's share as it copies it in (`share_of`), one tensor at a time. Random weights are drawn whole, one tensor at a time, and cut
 the same way (`keep_share`), so that the processes compute with the one process's numbers.
 
 One scheduler, the same decisions on every rank (SPMD, as gpt-fast runs): each rank runs the

@@ -124,6 +124,7 @@ class TritonAttention:
     """Decode through `paged_decode`; prefill through PyTorch's SDPA on the packed prompts."""
 
     name = "triton"
+    paged_decode = staticmethod(paged_decode)  # the kernel itself, for the FP8 caches' float8 blocks
 
     def __init__(self):
         self._split_of = self._split = None  # the last prefill batch, and _fresh_part's answer
@@ -189,6 +190,8 @@ class TritonDecode(FlashAttentionAfterPrefix):
     few hundred tokens per request, flash-attn's decode kernel reads the cache at 2.9 TB/s on the
     H200 and this one at 3.5 TB/s; at W2's longer requests the lead shrinks to 1.08x
     (tools/decode_kernel_cost.py, README "Speed")."""
+
+    paged_decode = staticmethod(paged_decode)  # the kernel itself, for the FP8 caches' float8 blocks
 
     def decode(self, q, key_blocks, value_blocks, batch):
         return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens)

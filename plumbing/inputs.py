@@ -189,44 +189,45 @@ def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int)
 
 
 def random_model(model_class, preset: str | ModelArgs, device, dtype, max_positions: int,
-                 seed: int = 0):
+                 seed: int = 0, split: bool = False):
     """Random weights with the preset's shapes (its name, or the shapes themselves), drawn on the
     device in the target dtype.
 
     Each matrix has std 1/sqrt(fan_in), so every projection keeps unit-scale activations and the
     residual stream grows only with the square root of the depth: finite in bf16 at 32 layers.
+    split: `model_class` holds one process's slice (features/tensor_parallel.py's SplitLlama),
+    which draws each whole tensor, as one process does, and keeps its share.
     """
     args = PRESETS[preset] if isinstance(preset, str) else preset
     model = build_model(model_class, args, device, dtype, max_positions)
     generator = torch.Generator(device=device).manual_seed(seed)
     params = dict(model.named_parameters())
-    # A model split over processes (features/tensor_parallel.py) draws each whole tensor, as one
-    # process does, and keeps its share.
-    split = getattr(model, "whole_shapes", None)
-    for name, shape in (split or {n: p.shape for n, p in params.items()}).items():
-        whole = params[name] if split is None else torch.empty(shape, dtype=dtype, device=device)
+    for name, shape in (model.whole_shapes if split else
+                        {n: p.shape for n, p in params.items()}).items():
+        whole = torch.empty(shape, dtype=dtype, device=device) if split else params[name]
         if name.endswith("norm.weight"):
             whole.fill_(1.0)
         elif name == "tok_embeddings.weight":
             whole.normal_(0.0, 1.0, generator=generator)
         else:
             whole.normal_(0.0, shape[1] ** -0.5, generator=generator)
-        if split is not None:
+        if split:
             model.keep_share(name, whole)
     return model
 
 
-def load_model(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
+def load_model(model_class, ckpt_dir: Path, device, dtype, max_positions: int,
+               split: bool = False):
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.exists():
         raise UserError(f"--ckpt-dir {ckpt_dir}: no such file or folder.\n" + DOWNLOAD_HINT)
     if ckpt_dir.suffix == ".gguf":
         from plumbing.gguf_checkpoint import GGUFFile
-        return _load_gguf(model_class, GGUFFile(ckpt_dir), device, dtype, max_positions)
+        return _load_gguf(model_class, GGUFFile(ckpt_dir), device, dtype, max_positions, split)
     if (ckpt_dir / "params.json").exists():
-        return _load_meta(model_class, ckpt_dir, device, dtype, max_positions)
+        return _load_meta(model_class, ckpt_dir, device, dtype, max_positions, split)
     if (ckpt_dir / "config.json").exists():
-        return _load_hugging_face(model_class, ckpt_dir, device, dtype, max_positions)
+        return _load_hugging_face(model_class, ckpt_dir, device, dtype, max_positions, split)
     raise UserError(
         f"No Llama 3 checkpoint in {ckpt_dir}: expected Meta's layout (params.json, "
         f"consolidated.00.pth, tokenizer.model), Hugging Face's (config.json, *.safetensors) or "
@@ -254,7 +255,7 @@ def meta_args(params: dict) -> ModelArgs:
         rope_theta=params.get("rope_theta", 500_000.0), rope_scaling=scaling)
 
 
-def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
+def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int, split: bool):
     shard = ckpt_dir / "consolidated.00.pth"
     if not shard.exists():
         raise UserError(f"{ckpt_dir} has params.json but no consolidated.00.pth.\n" + DOWNLOAD_HINT)
@@ -273,7 +274,7 @@ def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
     if "output.weight" not in state:  # Llama 3.2 1B/3B
         args = ModelArgs(**{**args.__dict__, "tie_embeddings": True})
     model = build_model(model_class, args, device, dtype, max_positions)
-    _fill(model, tensor_names(args, "meta"), state.__getitem__, state.keys(), shard)
+    _fill(model, tensor_names(args, "meta"), state.__getitem__, state.keys(), shard, split)
     return model
 
 
@@ -296,7 +297,8 @@ def hugging_face_args(config: dict) -> ModelArgs:
         rope_scaling=scaling, tie_embeddings=config.get("tie_word_embeddings", False))
 
 
-def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions: int):
+def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions: int,
+                       split: bool):
     config = ckpt_dir / "config.json"
     args = _model_args(hugging_face_args, _read_json(config), config)
     index = ckpt_dir / "model.safetensors.index.json"
@@ -322,7 +324,7 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
                 keys = set(f.keys())
                 seen |= keys
                 get = lambda name, f=f: _unpermute_rope_rows(name, f.get_tensor(name), args)
-                _fill(model, {k: v for k, v in names.items() if k in keys}, get, keys, file)
+                _fill(model, {k: v for k, v in names.items() if k in keys}, get, keys, file, split)
         except (SafetensorError, OSError) as e:
             raise UserError(f"{file} is not a readable safetensors file (truncated or damaged?): "
                             f"{e}") from e
@@ -334,7 +336,7 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
 
 # --- GGUF (llama.cpp's one-file format): shapes, tokenizer and weights in one file -------------
 
-def _load_gguf(model_class, file, device, dtype, max_positions: int):
+def _load_gguf(model_class, file, device, dtype, max_positions: int, split: bool = False):
     """A GGUF file (plumbing/gguf_checkpoint.py's GGUFFile): every tensor dequantized to float32,
     then copied into the model in its dtype."""
     from plumbing.gguf_checkpoint import gguf_shapes
@@ -343,7 +345,7 @@ def _load_gguf(model_class, file, device, dtype, max_positions: int):
     except ValueError as e:
         raise UserError(f"{file.path} is malformed: {e}.") from e
     model = build_model(model_class, args, device, dtype, max_positions)
-    _fill(model, tensor_names(args, "gguf"), file.tensor, file.tensors.keys(), file.path)
+    _fill(model, tensor_names(args, "gguf"), file.tensor, file.tensors.keys(), file.path, split)
     return model
 
 
@@ -397,20 +399,21 @@ def _unpermute_rope_rows(name: str, w: torch.Tensor, args: ModelArgs) -> torch.T
 
 # --- shared ----------------------------------------------------------------------------------
 
-def _fill(model, names: dict, get_tensor, keys, source: Path) -> None:
-    """Copy each checkpoint tensor into its parameter (or its rows of a merged one)."""
+def _fill(model, names: dict, get_tensor, keys, source: Path, split: bool) -> None:
+    """Copy each checkpoint tensor into its parameter (or its rows of a merged one); a model
+    `split` over processes (features/tensor_parallel.py's SplitLlama) takes its share of each."""
     missing = sorted(set(names) - set(keys))
     if missing:
         raise UserError(f"{source} is missing {len(missing)} tensors, e.g. {missing[:3]}; "
                         f"is it a Llama 3 checkpoint?\n" + DOWNLOAD_HINT)
     params = dict(model.named_parameters(remove_duplicate=False))
-    # A model split over processes (features/tensor_parallel.py) takes its share of each tensor.
-    share_of = getattr(model, "share_of", lambda ours, tensor: tensor)
     for name, (ours, part) in names.items():
         tensor = get_tensor(name)
         if not isinstance(tensor, torch.Tensor):
             raise UserError(f"{source}: {name} is a {type(tensor).__name__}, not a tensor.")
-        tensor, target = share_of(ours, tensor), params[ours]
+        target = params[ours]
+        if split:
+            tensor = model.share_of(ours, tensor)
         if ours.endswith("wqkv.weight"):
             a = model.args
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
@@ -670,9 +673,10 @@ class Run:
 
 
 def load_run(args, model_class, attention, system_prompt: str | None = None,
-             sequences_per_prompt: int = 1) -> Run:
-    """Tokenizer, prompts and model (`model_class`: llama3_paged.py's Llama), in that order: a
-    bad prompt file is found before minutes of loading weights."""
+             sequences_per_prompt: int = 1, split: bool = False) -> Run:
+    """Tokenizer, prompts and model (`model_class`: llama3_paged.py's Llama, or with `split` one
+    process's slice of it), in that order: a bad prompt file is found before minutes of loading
+    weights."""
     device = args.device
     if args.gpu_memory_utilization is not None and device.type != "cuda":  # would change nothing
         raise UserError(f"--gpu-memory-utilization shares out a GPU's memory; on the CPU the KV "
@@ -698,12 +702,14 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
         print("Random weights: end-of-text is ignored and each request generates as many tokens "
               "as its ShareGPT reply (at most --max-new-tokens)." if prompts else
               "Random weights: the answers are nonsense, of the lengths asked for.")
-        model = random_model(model_class, args.model, device, dtype, args.max_seq_len, args.seed)
+        model = random_model(model_class, args.model, device, dtype, args.max_seq_len, args.seed,
+                             split)
     else:
         print(f"Real weights ({checkpoint}): each request runs to its end-of-text token or "
               f"--max-new-tokens.")
-        model = (_load_gguf(model_class, gguf_file, device, dtype, args.max_seq_len) if gguf_file
-                 else load_model(model_class, checkpoint, device, dtype, args.max_seq_len))
+        model = (_load_gguf(model_class, gguf_file, device, dtype, args.max_seq_len, split)
+                 if gguf_file else
+                 load_model(model_class, checkpoint, device, dtype, args.max_seq_len, split))
     if model.args.vocab_size < tokenizer.n_vocab:  # an id past the embedding table
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
                         f"tokenizer's {tokenizer.n_vocab:,}: they do not belong together.")

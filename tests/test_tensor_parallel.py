@@ -114,7 +114,7 @@ def test_random_weights_drawn_whole_give_each_rank_its_slice(monkeypatch):
     for rank in range(2):
         as_rank(monkeypatch, rank, 2)
         ranks.append(random_model(tensor_parallel.SplitLlama, "tiny", "cpu", torch.float32, 64,
-                                  seed=3))
+                                  seed=3, split=True))
     assert_slices_make_the_whole(whole, ranks)
     cache = KVCache(ranks[0].args, 4, 16, torch.float32, "cpu", TorchAttention())
     assert cache.block_shape == (4, 16, whole.args.n_kv_heads // 2, whole.args.head_dim)
@@ -133,7 +133,8 @@ def test_a_checkpoint_loads_each_ranks_slice(monkeypatch, tmp_path, layout, tied
     ranks = []
     for rank in range(2):
         as_rank(monkeypatch, rank, 2)
-        ranks.append(load_model(tensor_parallel.SplitLlama, ckpt, "cpu", torch.float32, 64))
+        ranks.append(load_model(tensor_parallel.SplitLlama, ckpt, "cpu", torch.float32, 64,
+                                split=True))
     assert_slices_make_the_whole(whole, ranks)
 
 

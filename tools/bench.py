@@ -63,7 +63,7 @@ from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
 from engine.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
-from engine.config import CACHES, Config
+from engine.config import CACHES, Config, add_fast_path_arguments
 from engine.loader import load
 from engine.llm_engine import (allocate_kv_cache, arrival_times, make_engine,
                                make_scheduler, model_forward, warm_up)
@@ -249,12 +249,7 @@ def parse_arguments(argv=None):
                    help="the attention kernels (triton: ours for prefill and decode)")
     p.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
                    help="paged with --attn flash: the kernel of decode steps")
-    p.add_argument("--eager", action="store_true",
-                   help="no CUDA graphs, and no compiled layers unless --compile")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule a step while the GPU runs the one before (default: if it can)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="fused small kernels, torch.compile (default: on, unless --eager)")
+    add_fast_path_arguments(p)
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--no-prefix-cache", action="store_true", help="paged only")

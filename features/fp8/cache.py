@@ -14,8 +14,8 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   clamped to +-448 rather than overflowing.
 - Writes quantize (on CUDA in one kernel: features/fp8/write.py); prefill attends over the
   fresh bf16 K and V, as the lesson's does; decode reads float8. flash-attn 2 cannot read
-  float8, so on CUDA the decode goes through the Triton kernel (features/triton_attention.py),
-  which converts each tile to bf16 in registers and folds the scales into the scores and the
+  float8, so on CUDA the decode goes through the Triton kernel, its attention backend's
+  `paged_decode` (engine/loader.py gives an FP8 cache on CUDA a Triton backend), which converts each tile to bf16 in registers and folds the scales into the scores and the
   output; the PyTorch reference dequantizes the blocks it gathers.
 - A prompt after a cached prefix (a system prompt's blocks, features/sharing/prefix_cache.py) reads
   the prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
@@ -134,9 +134,9 @@ class FP8KVCache(Float8Writes, EngineKVCache):
             return self.attention_backend.decode(
                 q, DequantizedBlocks(key_blocks, k_scale, q.dtype),
                 DequantizedBlocks(value_blocks, v_scale, q.dtype), batch)
-        from features.triton_attention import paged_decode
-        return paged_decode(q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens,
-                            kv_scales=self.scales[layer])
+        return self.attention_backend.paged_decode(  # a Triton backend's (engine/loader.py)
+            q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens,
+            kv_scales=self.scales[layer])
 
     def attend_after_prefix(self, layer: int, q, k, v, batch: CachedPrefillBatch) -> torch.Tensor:
         """The prompts' new tokens over their cached prefixes and themselves. The blocks they read,

@@ -6,7 +6,7 @@ every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), so 
 grows a request half as often.
 
 flash-attn's non-paged kernel, the 16-bit virtual cache's decode, cannot read float8. The Triton
-kernel (features/triton_attention.py) can, and it reads blocks through a block table: a request's
+kernel (its attention backend's `paged_decode`: TritonDecode, engine/loader.py) can, and it reads blocks through a block table: a request's
 row is one contiguous run of virtual memory, so it is read as a single block of `row_tokens`,
 and its table has one entry, the row (no tile can cross into another block, whatever the row's
 length). Prefill attends over the fresh 16-bit K/V, as in the paged FP8 cache.
@@ -33,7 +33,7 @@ class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
         self.write_float8(layer, k, v, batch, *slots)
         if isinstance(batch, PrefillBatch):
             return self.attention_backend.prefill(q, k, v, batch)
-        from features.triton_attention import paged_decode
         rows = self._rows_of(batch)[:, None]  # [B, 1]: each request's whole row, one block
-        return paged_decode(q, self.k[layer], self.v[layer], rows, batch.cache_seqlens,
-                            kv_scales=self.scales[layer])
+        return self.attention_backend.paged_decode(  # TritonDecode's (engine/loader.py)
+            q, self.k[layer], self.v[layer], rows, batch.cache_seqlens,
+            kv_scales=self.scales[layer])
