@@ -3,6 +3,7 @@ own loader and tokenizer, held to transformers reading the same file."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +74,16 @@ def test_a_digit_is_split_off_before_the_byte_level_pattern_as_the_file_says(our
 
     with pytest.raises(UserError, match="'qwen2'; this reader knows gpt-2, smollm"):
         ChatMLTokenizer(NamesAnotherPreTokenizer(GGUFFile(GGUF), "qwen2"))
+
+
+def test_tokens_are_llama_cpps_on_the_same_file(ours):
+    # llama.cpp's ids for 326 texts (ShareGPT turns, whitespace and digits), saved once by
+    # tools/llama_cpp_token_ids.py: transformers' GGUF reader drops the pre-tokenizer, llama.cpp
+    # applies it, so it is the independent truth here.
+    saved = json.loads((Path(__file__).parent / "data" / "smollm2_llama_cpp_ids.json").read_text())
+    assert saved["gguf"] == GGUF.name
+    differ = [p["text"] for p in saved["texts"] if ours.encode(p["text"]) != p["ids"]]
+    assert not differ, f"{len(differ)} of {len(saved['texts'])} texts differ, e.g. {differ[:3]}"
 
 
 # slow: transformers' tokenizer and model, read from the GGUF, load in about 35 s on 2 cores
