@@ -11,8 +11,11 @@ runs continuous batching in a process of its own (engine/engine_process.py: engi
 LLMEngine, stepped without waiting for HTTP); the handlers only send it requests and read their
 tokens. A client that goes away before its answer ends, streamed or not, has its request
 aborted: its blocks and row are free at the next step. Every flag the scripts take for the
-model, cache and pool (--model, --random-weights, --block-size, ...) works here too. OpenAI's
-fields the engine does not implement (logprobs, penalties, tools, ...) get a 400 when set.
+model, cache and pool (--model, --random-weights, --block-size, ...) works here too. Log-
+probabilities come as vLLM gives them (`logprobs`, `echo` and a list of prompts in one
+completion request, as lm-evaluation-harness asks; `logprobs`/`top_logprobs` in chat;
+`prompt_logprobs`). OpenAI's and vLLM's fields the engine does not implement (penalties,
+tools, ...) get a 400 naming the field when set (docs/errors.md).
 """
 
 if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
@@ -121,11 +124,14 @@ def field(body: dict, name: str, kinds, default=None, check=None, why: str = "")
     return value
 
 
-def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
+def sampling_params(body: dict, max_n: int, default_max_tokens: int, max_logprobs: int = 20,
+                    chat: bool = False) -> dict:
     """features/sampling.py's SamplingParams, by name (the engine's process builds it). Without
     max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
     default_max_tokens: None, the context left (vLLM's defaults). One past the context left is
-    refused by the engine, as by vLLM's server."""
+    refused by the engine, as by vLLM's server. Log-probabilities: a completion's `logprobs`
+    is k; a chat's is true or false, with `top_logprobs` k; `echo` with `logprobs` scores the
+    prompt too (vLLM's `prompt_logprobs`)."""
     stop = field(body, "stop", (str, list), [], lambda s: (isinstance(s, str) and s) or (
         isinstance(s, list) and len(s) <= 4 and all(isinstance(x, str) and x for x in s)),
         "a non-empty string or up to 4 of them")
@@ -148,7 +154,26 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int) -> dict:
                                      and 0 <= t < 2**63 for t in ids),
                              f"a list of at most {MAX_STOP_IDS:,} token ids"),
         include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False, None,
-                                         "true or false"))
+                                         "true or false"),
+        **logprobs_params(body, max_logprobs, chat))
+
+
+def logprobs_params(body: dict, max_logprobs: int, chat: bool) -> dict:
+    """SamplingParams' logprobs and prompt_logprobs, from either endpoint's fields."""
+    k = lambda name: field(body, name, int, None, lambda v: 0 <= v <= max_logprobs,
+                           f"a whole number from 0 to {max_logprobs} (--max-logprobs)")
+    if chat:
+        logprobs = field(body, "logprobs", bool, False, None, "true or false")
+        top = k("top_logprobs")
+        if top is not None and not logprobs:
+            raise BadRequest("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+        asked = (top or 0) if logprobs else None
+    else:
+        asked = k("logprobs")
+    prompt = k("prompt_logprobs")
+    if not chat and field(body, "echo", bool, False, None, "true or false") and asked is not None:
+        prompt = max(prompt or 0, asked)  # the echoed prompt's tokens are scored too
+    return {"logprobs": asked, "prompt_logprobs": prompt}
 
 
 # The fields each endpoint reads (`sampling_params`, the prompt readers, the stream's); "user"
@@ -157,21 +182,21 @@ READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", 
         "stop", "seed", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "stream",
         "stream_options", "user"}
 MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
-READ_BY = {"completions": READ | {"prompt"}, "chat": READ | {"messages"}}
+READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs"},
+           "chat": READ | {"messages", "logprobs", "top_logprobs", "prompt_logprobs"}}
 
 # OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
 # (their defaults): any other value gets a 400, rather than an answer that silently lacks what
 # was asked for (docs/errors.md's table). The sampling ones are SamplingParams' (features/
 # sampling.py's NOT_IMPLEMENTED), named again here: the server's process never imports PyTorch.
-NOT_IMPLEMENTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                   "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+NOT_IMPLEMENTED = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1),
                    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
                    "response_format": (None, {"type": "text"}),
                    # vLLM's own
                    "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
                    "length_penalty": (None, 1), "truncate_prompt_tokens": (None,),
-                   "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+                   "allowed_token_ids": (None,),
                    "bad_words": (None, []), "structured_outputs": (None,),
                    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
                    "guided_grammar": (None,), "request_id": (None,),
@@ -188,8 +213,10 @@ NOT_IMPLEMENTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "ech
                    "documents": (None,), "mm_processor_kwargs": (None,)}
 # vLLM's defaults that differ by endpoint: a completion's prompt gets begin-of-text, a chat's
 # template places its own
-NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"add_special_tokens": (None, True)},
-                      "chat": NOT_IMPLEMENTED | {"add_special_tokens": (None, False)}}
+NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"add_special_tokens": (None, True),
+                                                      "top_logprobs": (None, 0)},
+                      "chat": NOT_IMPLEMENTED | {"add_special_tokens": (None, False),
+                                               "echo": (None, False)}}
 
 
 def refuse_what_is_not_implemented(body: dict, endpoint: str) -> None:
@@ -205,27 +232,33 @@ def refuse_what_is_not_implemented(body: dict, endpoint: str) -> None:
             raise BadRequest(f"'{name}' is not implemented by this server; leave it out", name)
 
 
-def completion_prompt(body: dict) -> dict:
+def completion_prompts(body: dict, max_prompts: int) -> list[dict]:
+    """One prompt (a text, or a list of token ids), or a batch of them (a list of texts or of
+    token-id lists, as lm-evaluation-harness sends), each run as a request of its own."""
+    def one(prompt):
+        if isinstance(prompt, str) and prompt:
+            return {"text": prompt}
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return {"ids": prompt}
+        return None
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return {"text": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in prompt):
-        return {"ids": prompt}
-    raise BadRequest("'prompt' must be a non-empty string or a list of token ids (one prompt "
-                     "per request)", "prompt")
+    if one(prompt) is not None:
+        return [one(prompt)]
+    if isinstance(prompt, list) and 0 < len(prompt) <= max_prompts and all(map(one, prompt)):
+        return [one(p) for p in prompt]
+    raise BadRequest(f"'prompt' must be a non-empty string, a list of token ids, or a list of up "
+                     f"to {max_prompts} of those (--max-num-seqs)", "prompt")
 
 
-def chat_prompt(body: dict) -> dict:
+def chat_prompt(body: dict) -> list[dict]:
     try:
-        return {"messages": chat_messages(body.get("messages"))}
+        return [{"messages": chat_messages(body.get("messages"))}]
     except ValueError as e:
         raise BadRequest(str(e), "messages") from e
 
 
-def request_schema(prompt_field: dict, max_n: int, endpoint: str) -> dict:
+def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: int) -> dict:
     """A request body's JSON Schema for /openapi.json: the fields `sampling_params` and the
     prompt readers take, with the ranges they check (a schema-driven client can test them)."""
     whole = lambda low, high=None: {"type": "integer", "minimum": low} | (
@@ -233,6 +266,9 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str) -> dict:
     text = {"type": "string", "minLength": 1}
     asks_nothing = {name: {"enum": list(values)}
                     for name, values in NOT_IMPLEMENTED_BY[endpoint].items()}
+    k = whole(0, max_logprobs) | {"type": ["integer", "null"]}
+    logprobs = ({"logprobs": {"type": "boolean"}, "top_logprobs": k} if endpoint == "chat" else
+                {"logprobs": k, "echo": {"type": "boolean"}})
     return {"type": "object", "additionalProperties": False, "properties": asks_nothing | {
         **prompt_field,
         "model": {"type": "string"},
@@ -248,15 +284,17 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str) -> dict:
         "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_IDS,
                            "items": whole(0, 2**63 - 1)},
         "include_stop_str_in_output": {"type": "boolean"},
+        **logprobs, "prompt_logprobs": k,
         "stream": {"type": "boolean"},
         "user": {"type": "string"},
         "stream_options": {"type": "object",
                            "properties": {"include_usage": {"type": "boolean"}}}}}
 
 
-COMPLETION_PROMPT = {"prompt": {"oneOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}}
+PROMPT = [{"type": "string", "minLength": 1},
+          {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]
+COMPLETION_PROMPT = {"prompt": {"oneOf": PROMPT + [
+    {"type": "array", "items": {"oneOf": PROMPT}, "minItems": 1}]}}
 CHAT_MESSAGES = {"messages": {"type": "array", "minItems": 1, "items": {
     "type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": list(CHAT_ROLES)},
@@ -271,6 +309,61 @@ def json_body(schema: dict, required: list[str]) -> dict:
         "schema": schema | {"required": required}}}}}
 
 
+# --- Answers: what the engine sends back, in OpenAI's and vLLM's shapes ---------------------------
+
+class Answer:
+    """One sample's answer, from the engine's updates (engine/engine_process.py's): its text,
+    tokens, finish reason, tokens' log-probabilities and, where asked, the prompt's."""
+
+    def __init__(self):
+        self.text, self.num_tokens, self.reason, self.logprobs, self.prompt = "", 0, None, None, None
+
+    def take(self, update: tuple) -> None:
+        _, delta, self.num_tokens, reason, logprobs, prompt = update
+        self.text += delta
+        self.reason = reason or self.reason
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        self.prompt = prompt or self.prompt
+
+
+def completion_logprobs(scored: list, k: int, offset: int = 0) -> dict:
+    """OpenAI's legacy completion logprobs: each token's text, log-probability (None for a
+    prompt's first token), its k + 1 likeliest as text -> log-probability (the token's own
+    first, as vLLM gives them), and where its text begins."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for entry in scored:  # entry: (id, text, log-probability, rank) each, the token's own first
+        _, text, logprob, _ = entry[0]
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(None if logprob is None else
+                            {t: max(lp, -9999.0) for _, t, lp, _ in entry[:k + 1]})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(scored: list | None, k: int | None) -> dict | None:
+    """OpenAI's chat logprobs: each token with its bytes and its `top_logprobs` (vLLM's: the
+    first k of the token's own and the likeliest)."""
+    if scored is None:
+        return None
+    as_one = lambda text, logprob: {"token": text, "logprob": max(logprob, -9999.0),
+                                    "bytes": list(text.encode("utf-8", errors="replace"))}
+    return {"content": [as_one(e[0][1], e[0][2]) | {
+        "top_logprobs": [as_one(t, lp) for _, t, lp, _ in e[:k]]} for e in scored]}
+
+
+def vllm_prompt_logprobs(prompt: dict | None) -> list | None:
+    """vLLM's prompt_logprobs: None for the first token, then for each token its own and the
+    likeliest, by token id: {"logprob", "rank", "decoded_token"}."""
+    if prompt is None or prompt["logprobs"] is None:
+        return None
+    return [None] + [{str(i): {"logprob": lp, "rank": rank, "decoded_token": t}
+                      for i, t, lp, rank in entry} for entry in prompt["logprobs"][1:]]
+
+
 # --- The HTTP application ------------------------------------------------------------------------
 
 def build_app(engine, model_name: str, api_key: str | None):
@@ -282,6 +375,7 @@ def build_app(engine, model_name: str, api_key: str | None):
     from engine.engine_process import RequestFailed
 
     max_n = min(MAX_N, engine.info["max_num_seqs"])
+    max_num_seqs, max_logprobs = engine.info["max_num_seqs"], engine.info["max_logprobs"]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -349,18 +443,15 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The engine stopped: {e}", status=500) from e
         return request_id, num_prompt_tokens, updates
 
-    async def whole_answers(updates: asyncio.Queue, n: int):
-        """Each sample's text, tokens and finish reason once all n have ended; None if the
-        engine stopped first."""
-        texts, tokens, reasons = [""] * n, [0] * n, [None] * n
-        while None in reasons:
+    async def whole_answers(updates: asyncio.Queue, n: int) -> list[Answer] | None:
+        """Each sample's answer once all n have ended; None if the engine stopped first."""
+        answers = [Answer() for _ in range(n)]
+        while any(a.reason is None for a in answers):
             update = await updates.get()
             if update is None:
                 return None
-            index, delta, tokens[index], reason = update
-            texts[index] += delta
-            reasons[index] = reason or reasons[index]
-        return texts, tokens, reasons
+            answers[update[0]].take(update)
+        return answers
 
     async def until_disconnected(request: Request) -> None:
         """Returns when the client hangs up. Its body has been read whole, so the next message
@@ -372,25 +463,43 @@ def build_app(engine, model_name: str, api_key: str | None):
     async def serve(request: Request, chat: bool):
         if refused(request):
             return refused(request)
+        submitted = []  # (request id, prompt tokens, updates), one per prompt
         try:
             body = await read_body(request)
             refuse_what_is_not_implemented(body, "chat" if chat else "completions")
-            prompt = (chat_prompt if chat else completion_prompt)(body)
-            params = sampling_params(body, max_n, None if chat else 16)
+            prompts = chat_prompt(body) if chat else completion_prompts(body, max_num_seqs)
+            params = sampling_params(body, max_n, None if chat else 16, max_logprobs, chat)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
+            echo = not chat and field(body, "echo", bool, False, None, "true or false")
             if body.get("stream_options") is not None and not stream:  # as vLLM: for a stream
                 raise BadRequest("'stream_options' is for a streamed answer: add \"stream\": "
                                  "true, or leave it out", "stream_options")
-            request_id, num_prompt_tokens, updates = await submit(prompt, params, chat)
+            if len(prompts) * params["n"] > max_num_seqs:
+                raise BadRequest(f"{len(prompts)} prompts x n = {params['n']} sequences; this "
+                                 f"server runs at most {max_num_seqs} at once (--max-num-seqs)",
+                                 "prompt")
+            for name, asked in [("prompt", len(prompts) > 1), ("echo", echo),
+                                ("prompt_logprobs", params["prompt_logprobs"] is not None)]:
+                if stream and asked:  # whole answers only, for now
+                    raise BadRequest(f"'{name}' is answered whole: leave out \"stream\", or "
+                                     f"send {'one prompt' if name == 'prompt' else 'no ' + name}",
+                                     name)
+            for prompt in prompts:
+                submitted.append(await submit(prompt | {"echo": echo}, params, chat))
         except BadRequest as e:
+            for request_id, _, _ in submitted:  # the batch's earlier prompts end with it
+                engine.abort(request_id)
             return answer(e)
         kind = "chat.completion" if chat else "text_completion"
-        created, n = int(time.time()), params["n"]
+        created, n, request_id = int(time.time()), params["n"], submitted[0][0]
+        num_prompt_tokens = sum(count for _, count, _ in submitted)
         usage = lambda tokens: {"prompt_tokens": num_prompt_tokens, "completion_tokens": sum(tokens),
                                 "total_tokens": num_prompt_tokens + sum(tokens)}
+        k = params["logprobs"]
         if not stream:
-            answers = asyncio.ensure_future(whole_answers(updates, n))
+            answers = asyncio.ensure_future(asyncio.gather(
+                *[whole_answers(updates, n) for _, _, updates in submitted]))
             hang_up = asyncio.ensure_future(until_disconnected(request))
             try:
                 await asyncio.wait([answers, hang_up], return_when=asyncio.FIRST_COMPLETED)
@@ -399,21 +508,38 @@ def build_app(engine, model_name: str, api_key: str | None):
                 hung_up = not answers.done()
                 if hung_up:
                     answers.cancel()
-                    engine.abort(request_id)
+                    for submitted_id, _, _ in submitted:
+                        engine.abort(submitted_id)
             if hung_up:
                 return Response(status_code=499)  # nginx's "client closed": no one reads it
-            if answers.result() is None:
+            if None in answers.result():
                 return error(f"The engine stopped: {engine.failed}", 500, kind="server_error")
-            engine.forget(request_id)
-            texts, tokens, reasons = answers.result()
-            choices = [{"index": i, "finish_reason": reasons[i], "logprobs": None,
-                        **({"message": {"role": "assistant", "content": texts[i]}} if chat
-                           else {"text": texts[i]})} for i in range(n)]
+            for submitted_id, _, _ in submitted:
+                engine.forget(submitted_id)
+            choices, prompt_logprobs = [], None
+            for p, (prompt, samples) in enumerate(zip(prompts, answers.result())):
+                for i, a in enumerate(samples):
+                    choice = {"index": p * n + i, "finish_reason": a.reason}
+                    if chat:
+                        choice |= {"message": {"role": "assistant", "content": a.text},
+                                   "logprobs": chat_logprobs(a.logprobs, k)}
+                        prompt_logprobs = vllm_prompt_logprobs(a.prompt)
+                    else:
+                        echoed = prompt.get("text", a.prompt and a.prompt["text"]) if echo else ""
+                        scored = (a.prompt["logprobs"] if echo else []) + (a.logprobs or [])
+                        choice |= {"text": echoed + a.text,
+                                   "logprobs": None if k is None else completion_logprobs(scored, k),
+                                   "prompt_logprobs": vllm_prompt_logprobs(a.prompt)}
+                    choices.append(choice)
             return {"id": request_id, "object": kind, "created": created, "model": model_name,
-                    "choices": choices, "usage": usage(tokens)}
+                    "choices": choices,
+                    "usage": usage([a.num_tokens for samples in answers.result() for a in samples]),
+                    **({"prompt_logprobs": prompt_logprobs} if chat else {})}
+
+        updates = submitted[0][2]
 
         async def events():
-            tokens, finished = [0] * n, 0
+            tokens, finished, offsets = [0] * n, 0, [0] * n
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             def chunk(choices, **extra):
                 return "data: " + json.dumps({"id": request_id, "object": chunk_kind,
@@ -431,16 +557,22 @@ def build_app(engine, model_name: str, api_key: str | None):
                         yield "data: " + json.dumps({"error": {"message": "The engine stopped: "
                                                     f"{engine.failed}"}}) + "\n\n"
                         return
-                    deltas, reasons = [""] * n, {}
-                    for index, delta, tokens[index], reason in waiting:
-                        deltas[index] += delta
-                        reasons[index] = reason
+                    moved = {}  # index -> the sample's part of this event
+                    for update in waiting:
+                        moved.setdefault(update[0], Answer()).take(update)
                     events_now = []
-                    for index, reason in reasons.items():  # one event per sample that moved
-                        finished, delta = finished + (reason is not None), deltas[index]
-                        body = ({"delta": {"content": delta}} if chat else {"text": delta})
-                        events_now.append(chunk([{"index": index, **body, "finish_reason": reason,
-                                                  "logprobs": None}]))
+                    for index, a in moved.items():  # one event per sample that moved
+                        finished, tokens[index] = finished + (a.reason is not None), a.num_tokens
+                        if chat:
+                            body = {"delta": {"content": a.text},
+                                    "logprobs": chat_logprobs(a.logprobs, k)}
+                        else:
+                            scored = None if k is None else completion_logprobs(
+                                a.logprobs, k, offsets[index])
+                            body = {"text": a.text, "logprobs": scored}
+                            offsets[index] += sum(len(t[0][1]) for t in a.logprobs or [])
+                        events_now.append(chunk([{"index": index, **body,
+                                                  "finish_reason": a.reason}]))
                     yield "".join(events_now)
                 if options.get("include_usage"):
                     yield chunk([], usage=usage(tokens))
@@ -454,12 +586,12 @@ def build_app(engine, model_name: str, api_key: str | None):
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions", openapi_extra=json_body(
-        request_schema(COMPLETION_PROMPT, max_n, "completions"), ["prompt"]))
+        request_schema(COMPLETION_PROMPT, max_n, "completions", max_logprobs), ["prompt"]))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(
-        request_schema(CHAT_MESSAGES, max_n, "chat"), ["messages"]))
+        request_schema(CHAT_MESSAGES, max_n, "chat", max_logprobs), ["messages"]))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 
@@ -500,7 +632,11 @@ def build_app(engine, model_name: str, api_key: str | None):
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        prompt = lambda body: chat_prompt(body) if "messages" in body else completion_prompt(body)
+        def prompt(body):  # add_special_tokens: vLLM's, a text's begin-of-text (default true)
+            plain = not field(body, "add_special_tokens", bool, True, None, "true or false")
+            if "messages" in body:
+                return chat_prompt(body)[0]
+            return completion_prompts(body, max_prompts=1)[0] | {"plain": plain}
         return await tokenizer_call(request, "tokenize", prompt, lambda tokens: {
             "count": len(tokens), "max_model_len": engine.info["max_seq_len"], "tokens": tokens,
             "token_strs": None})
@@ -514,6 +650,11 @@ def build_app(engine, model_name: str, api_key: str | None):
                 raise BadRequest("'tokens' must be a list of token ids", "tokens")
             return tokens
         return await tokenizer_call(request, "detokenize", ids, lambda text: {"prompt": text})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """vLLM's: the tokenizer's special tokens and length, for clients that tokenize here."""
+        return refused(request) or engine.info["tokenizer"]
 
     @app.get("/health")
     async def health():

@@ -19,7 +19,7 @@ import llama3_paged as lesson
 from plumbing import inputs
 from plumbing.cli import (UserError, add_pool_arguments, argument_parser, fraction, gigabytes,
                           kv_cache_dtype, positive_int, refuse_output_over_input, request_rate,
-                          temperature, writable_file)
+                          seed, temperature, writable_file)
 
 MAX_BEAM_WIDTH = 1024  # beams per prompt: more than any search uses, far fewer than a vocabulary
 MAX_SEQUENCES = 1_000_000  # N x --samples: far more than any GPU holds, few enough to count
@@ -52,6 +52,8 @@ class Config:
     system_prompt_file: Path | None
     beam_width: int
     find_max_batch: bool
+    logprobs: int | None  # every request's tokens' log-probabilities, with the top K
+    max_logprobs: int  # the most top log-probabilities a token may ask for; 0: none at all
     show_all: bool
     json: Path | None
     # the KV pool
@@ -143,6 +145,12 @@ class Config:
             raise UserError("--beam-width runs its own static search, greedy by summed "
                             "log-probabilities: it does not combine with --continuous, "
                             "--samples, --temperature or --find-max-batch. Drop those flags.")
+        if self.logprobs is not None and self.beam_width > 1:
+            raise UserError("--logprobs does not combine with --beam-width: the search scores "
+                            "its beams by summed log-probabilities of its own. Drop one.")
+        if self.logprobs is not None and self.logprobs > self.max_logprobs:
+            raise UserError(f"--logprobs {self.logprobs} asks for more top tokens than "
+                            f"--max-logprobs {self.max_logprobs}: raise --max-logprobs.")
         if self.cascade == "on" and not self.has_system_prompt:
             raise UserError("--cascade on reads a cached system prompt's blocks once per step, "
                             "and this run has no system prompt: add --system-prompt-file or "
@@ -199,6 +207,7 @@ PER_REQUEST = {  # the scripts' flags that choose what a run asks, not the engin
     "system_prompt_file": "a system message of its own",
     "request_rate": "when its client sends it", "beam_width": None, "find_max_batch": None,
     "show_all": None, "json": None,  # a script's search, report and answers: no request's
+    "logprobs": "its logprobs",
 }
 
 
@@ -273,6 +282,10 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     add_fast_path_arguments(p)
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
                    help="fp8 (or fp8_e4m3): K/V in float8, half the bytes")
+    p.add_argument("--logprobs", type=logprobs_count, metavar="K",
+                   help="each generated token's log-probability and the K likeliest (in --json)")
+    p.add_argument("--max-logprobs", type=logprobs_count, default=20, metavar="K",
+                   help="most top log-probabilities a request may ask for; 0: none")
     p.add_argument("--find-max-batch", action="store_true",
                    help="bisect for the largest batch, at most N, that completes")
     p.add_argument("--json", type=writable_file, metavar="PATH",
@@ -302,6 +315,16 @@ def add_paged_feature_arguments(parser) -> None:
                         help="beam search: K beams per prompt, sharing blocks")
     parser.add_argument("--no-sharing", action="store_true",
                         help="every sequence holds its own blocks (the comparison run)")
+
+
+MAX_LOGPROBS = 1024  # top tokens per token: far more than any evaluation asks, far below a vocabulary
+
+
+def logprobs_count(text: str) -> int:
+    value = seed(text)  # a whole number from 0
+    if value > MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_LOGPROBS}")
+    return value
 
 
 def beam_width(text: str) -> int:

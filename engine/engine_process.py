@@ -19,7 +19,9 @@ Two pipes carry pickled messages, small and few:
                                                              row), "bad" (the input's fault) or
                                                              "failed" (ours: this request only)
                        ("step", updates, metrics)            one message a step: each sample's
-                                                             new text, tokens so far, finish
+                                                             new text, tokens so far, finish,
+                                                             new tokens' log-probabilities and,
+                                                             in its first, the prompt's (if asked)
                        ("failed", message)                   the engine stopped
 
 The engine side tokenizes (the server never loads the model's files) and detokenizes, as
@@ -88,7 +90,9 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
     results.send(("ready", {"model": engine.run.args.model, "num_blocks": m.num_blocks,
                             "block_size": m.block_size, "pool_bytes": engine.cache.nbytes,
                             "kv_bytes_per_token": engine.kv_bytes_per_token,
-                            "max_seq_len": engine.max_seq_len, "max_num_seqs": max_num_seqs}))
+                            "max_seq_len": engine.max_seq_len, "max_num_seqs": max_num_seqs,
+                            "max_logprobs": engine.run.args.max_logprobs,
+                            "tokenizer": tokenizer_info(engine.tokenizer, engine.max_seq_len)}))
     try:
         serve(engine, inbox, results)
     except Exception as e:  # a bug or a device failure: say so once; the server ends requests
@@ -110,6 +114,8 @@ def drain(commands, inbox: queue.Queue) -> None:
 
 def serve(engine, inbox: queue.Queue, results) -> None:
     sent_chars = {}  # (request id, sample) -> characters of its text sent: only new text travels
+    sent_logprobs = {}  # (request id, sample) -> tokens whose log-probabilities were sent
+    echoes = set()  # request ids whose first updates carry the prompt's text
     # From a request's arrival at the engine's process to its first and last token on the host:
     # what tools/latency_sweep.py measures in one process, so that a client's time less these is
     # HTTP's own (tools/serve_bench.py prints both)
@@ -120,26 +126,48 @@ def serve(engine, inbox: queue.Queue, results) -> None:
                                    "e2e_request_latency_seconds": end_to_end.export()}
     results.send(("step", [], metrics()))  # /metrics serves every figure from the start
     while True:
-        took = take_commands(engine, inbox, results, block=not engine.has_unfinished())
+        took = take_commands(engine, inbox, results, block=not engine.has_unfinished(),
+                             echoes=echoes)
         updates = []
         for s in engine.step():
             key, request = (s.request_id, s.index), s.request
             text = s.sendable_text
+            logprobs = engine.logprobs_of(s, sent_logprobs.get(key, 0))
+            sent_logprobs[key] = len(request.output_tokens)
+            prompt = None
+            if key not in sent_chars and (s.request_id in echoes
+                                          or s.params.prompt_logprobs is not None):
+                first = (request.prompt_tokens[0], engine.tokenizer.decode(request.prompt_tokens[:1]),
+                         None, None)  # nothing scores the first token
+                prompt = {"text": engine.tokenizer.decode(request.prompt_tokens),
+                          "logprobs": on_the_wire(engine.prompt_logprobs_of(s), first)}
             updates.append((*key, text[sent_chars.get(key, 0):], len(request.output_tokens),
-                            s.finish_reason))
+                            s.finish_reason, on_the_wire(logprobs), prompt))
             if key not in sent_chars and request.token_times:
                 first_token.observe(request.token_times[0] - request.arrival_time)
             sent_chars[key] = len(text)
             if s.finish_reason is not None:
-                del sent_chars[key]
+                del sent_chars[key], sent_logprobs[key]
+                echoes.discard(s.request_id)
                 if request.token_times:
                     end_to_end.observe(request.token_times[-1] - request.arrival_time)
         if updates or took:  # one message a step, not one a request
             results.send(("step", updates, metrics()))
 
 
-def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
-    """Add and abort what the server asked for since the last step; wait for work when idle."""
+def on_the_wire(logprobs: list | None, first: tuple | None = None) -> list | None:
+    """LLMEngine's log-probabilities as the server reads them: for each token a list of (id,
+    text, log-probability, rank), the token's own first, then the top k (vLLM's order). A
+    prompt's first token, which nothing scores, is [`first`]."""
+    if logprobs is None:
+        return None
+    return [[(i, p.decoded_token, p.logprob, p.rank) for i, p in token.items()]
+            if token is not None else [first] for token in logprobs]
+
+
+def take_commands(engine, inbox: queue.Queue, results, block: bool, echoes: set) -> bool:
+    """Add and abort what the server asked for since the last step; wait for work when idle.
+    echoes: the ids of requests whose first updates carry their prompt's text (`echo`)."""
     from engine.llm_engine import QueueFull
     from features.sampling import SamplingParams
     took = False
@@ -162,6 +190,8 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool) -> bool:
             waited = time.perf_counter() - received  # in the inbox, for the engine's turn
             arrived = engine.scheduler.now() - waited  # on the scheduler's clock
             engine.add_request(tokens, SamplingParams(**params), request_id, arrival_time=arrived)
+            if prompt.get("echo"):
+                echoes.add(request_id)
             results.send(("added", request_id, len(tokens), None, None))
         except QueueFull as e:
             results.send(("added", request_id, None, "full", str(e)))
@@ -186,11 +216,23 @@ def translated(engine, kind: str, what) -> tuple:
 
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
+    """prompt: {"ids"}, {"messages"} or {"text"}; a text's begin-of-text token is left out
+    where "plain" (vLLM's /tokenize with add_special_tokens false)."""
     if "ids" in prompt:
         return prompt["ids"]
     if "messages" in prompt:
         return tokenizer.chat(prompt["messages"])  # the model's chat template
+    if prompt.get("plain"):
+        return tokenizer.encode(prompt["text"])
     return tokenizer.encode_prompt(prompt["text"])
+
+
+def tokenizer_info(tokenizer, max_seq_len: int) -> dict:
+    """vLLM's /tokenizer_info: what a client that tokenizes through the server asks first
+    (lm-evaluation-harness's tokenizer_backend=remote)."""
+    return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_seq_len,
+            "bos_token": tokenizer.decode([tokenizer.bos_id]),
+            "eos_token": tokenizer.decode([max(tokenizer.stop_ids)]), "pad_token": None}
 
 
 def snapshot(engine) -> dict:

@@ -29,6 +29,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"; None while it runs
+    logprobs: list[dict] | None = None  # per token: id -> Logprob (features/logprobs/logprobs.py)
+    cumulative_logprob: float | None = None  # the sum of the chosen tokens' log-probabilities
 
 
 @dataclasses.dataclass
@@ -37,6 +39,7 @@ class RequestOutput:
     prompt: str | None  # the prompt's text: as given, or a chat's as its template made it
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput | None]  # a sample's, once it has ended
+    prompt_logprobs: list[dict | None] | None = None  # None first: nothing scores the first token
 
     @property
     def finished(self) -> bool:
@@ -141,11 +144,14 @@ class LLM:
             pending.popleft()
             outputs[request_id] = RequestOutput(request_id, texts[i], tokens, [None] * params[i].n)
 
-    @staticmethod
-    def _keep(sequence: Sequence, outputs: dict) -> bool:
+    def _keep(self, sequence: Sequence, outputs: dict) -> bool:
         """An ended sample's output, in its request's place; whether the request is done."""
-        output = outputs[sequence.request_id]
+        output, tokens = outputs[sequence.request_id], list(sequence.request.output_tokens)
+        logprobs = self.engine.logprobs_of(sequence)
+        cumulative = (None if logprobs is None else
+                      sum(chosen[t].logprob for chosen, t in zip(logprobs, tokens)))
         output.outputs[sequence.index] = CompletionOutput(
-            sequence.index, sequence.text, list(sequence.request.output_tokens),
-            sequence.finish_reason)
+            sequence.index, sequence.text, tokens, sequence.finish_reason, logprobs, cumulative)
+        if output.prompt_logprobs is None:
+            output.prompt_logprobs = self.engine.prompt_logprobs_of(sequence)
         return output.finished

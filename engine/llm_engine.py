@@ -139,7 +139,7 @@ def model_forward(run, progress: bool = False) -> ModelForward:
 
 def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_batch: int,
                 progress: bool = False, arrivals: bool = False, graph_sampler=None,
-                eager_when=lambda rows: False) -> ModelRunner:
+                eager_when=lambda rows: False, served: bool = False) -> ModelRunner:
     """The engine's loop, with the parts the flags choose: decode steps of up to `largest_batch`
     rows as CUDA graphs where they can run (CUDA, an attention that reads its lengths on the
     GPU; not --eager), a cascade with a cached system prompt (--cascade, the paged script's),
@@ -148,7 +148,8 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
     as CUDA graphs too: a static batch's prompts are packed into long passes, which a graph would
     not speed up. graph_sampler, eager_when: what the graphs record, if not `sampler`, and the
     rows they leave to the kernels launched from Python (LLMEngine's: the graphs decode
-    greedily, and a step with a row that samples runs eagerly)."""
+    greedily, and a step with a row that samples runs eagerly). served: rows may ask for
+    log-probabilities (up to --max-logprobs), as a script's every row does with --logprobs."""
     cascade = None
     if pools.caches_prefix(run) and run.args.cascade != "off":  # a system prompt, cached
         from features.cascade.attention import cascade_for
@@ -162,6 +163,10 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
         if progress:
             print(f"Captured {len(graphs.buckets)} CUDA graphs of a decode step, batch 1 to "
                   f"{graphs.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
+    logprobs = None
+    if run.args.logprobs is not None or served and run.args.max_logprobs:
+        logprobs = make_logprobs(run, forward, cache, manager, graph_sampler or sampler, sampler,
+                                 graphs, largest_batch, eager_when)
     overlap = run.args.overlap
     if overlap is None:
         overlap = run.device.type == "cuda"
@@ -169,7 +174,7 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
         overlap = run.args.why_not_overlapped() is None
     # The attention kernel's programs, longest first: its last wave short (longest_first.py).
     engine = ModelRunner(forward, cache, manager, sampler, graphs, cascade, overlap=overlap,
-                         longest_first=run.device.type == "cuda")
+                         longest_first=run.device.type == "cuda", logprobs=logprobs)
     if arrivals and decodes_with_graphs(run):
         from features.prefill_graphs import BUCKETS, supports_prefill_graphs
         if supports_prefill_graphs(cache):
@@ -179,6 +184,22 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
                 print(f"Captured {len(BUCKETS)} CUDA graphs of a prefill pass, {BUCKETS[0]} to "
                       f"{BUCKETS[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
     return engine
+
+
+def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, largest_batch,
+                  eager_when):
+    """The decode step that gives log-probabilities (features/logprobs/logprobs.py), eager and, where the
+    plain step has CUDA graphs, as graphs of its own in their memory pool."""
+    from features.logprobs.logprobs import LogprobDecoder, Logprobs
+    table, width = manager.block_table, run.args.max_logprobs
+    logprob_graphs = None
+    if graphs is not None:
+        from features.cuda_graphs import GraphDecoder
+        recorded = LogprobDecoder(forward, cache, table, graph_sampler, width)
+        logprob_graphs = GraphDecoder(recorded, largest_batch, eager_when, pool=graphs.pool)
+    every_row = -1 if run.args.logprobs is None else run.args.logprobs
+    return Logprobs(len(table), LogprobDecoder(forward, cache, table, sampler, width),
+                    logprob_graphs, every_row)
 
 
 def generate(run, cache, manager, progress: bool = True):
@@ -272,7 +293,8 @@ class LLMEngine:
         self.engine = make_engine(self.run, model_forward(self.run, progress), self.cache,
                                   self.manager, self.sampler, max_num_seqs, progress,
                                   arrivals=True,  # a client's, or the server's
-                                  graph_sampler=greedy, eager_when=self.sampler.any_samples)
+                                  graph_sampler=greedy, eager_when=self.sampler.any_samples,
+                                  served=True)
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [], served=True)
         self.engine.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
@@ -340,6 +362,10 @@ class LLMEngine:
                              f"1 to {self.max_seq_len - 1:,}: the context is {self._context()}")
         if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
+        asked = [k for k in (params.logprobs, params.prompt_logprobs) if k is not None]
+        if asked and max(asked) > self.run.args.max_logprobs or asked and not self.engine.logprobs:
+            raise ValueError(f"logprobs and prompt_logprobs may ask for at most "
+                             f"{self.run.args.max_logprobs} top tokens here (--max-logprobs)")
         if params.n > len(self.free_rows):
             if params.n > len(self.sampler.samples):
                 raise ValueError(f"n = {params.n} is more than the {len(self.sampler.samples)} "
@@ -356,20 +382,23 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         arrived = self.scheduler.now() if arrival_time is None else arrival_time
         rows = [self.free_rows.popleft() for _ in range(params.n)]
-        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived)
+        # A request that scores its prompt computes all of it (vLLM skips its prefix cache too)
+        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived,
+                                  reads_cached_prefix=params.prompt_logprobs is None)
                     for row in rows]
         try:
             self.scheduler.refuse_if_larger_than_the_pool(requests[0])  # its samples are alike
             last_token = to_device(np.array(prompt_token_ids[-1:]), self.run.device)  # [1]
             for index, request in enumerate(requests):
                 self.sampler.set_row(request.row, params, index, seed)
+                if self.engine.logprobs:
+                    self.engine.logprobs.set_row(request.row, params.logprobs,
+                                                 params.prompt_logprobs)
                 self.engine.set_last_token(request.row, last_token[0])
                 self.sequences[request.row] = Sequence(request, request_id, index, params)
         except BaseException as e:  # the request leaves no trace: its rows are free again
             for row in rows:
-                self.sequences.pop(row, None)
-                self.sampler.release(row)
-            self.free_rows.extend(rows)
+                self._release_row(row)
             if isinstance(e, RequestTooLarge):
                 raise ValueError(f"the prompt and max_tokens can grow to {e.largest_tokens:,} "
                                  f"tokens, {e.blocks:,} KV blocks of {e.block_size:,}: more than "
@@ -454,7 +483,33 @@ class LLMEngine:
         self._release(sequence)
 
     def _release(self, sequence: Sequence) -> None:
-        self.sequences.pop(sequence.request.row, None)
-        self.sampler.release(sequence.request.row)
-        self.free_rows.append(sequence.request.row)
+        self._release_row(sequence.request.row)
         self.num_finished += 1
+
+    def _release_row(self, row: int) -> None:
+        self.sequences.pop(row, None)
+        self.sampler.release(row)
+        if self.engine.logprobs:
+            self.engine.logprobs.release(row)
+        self.free_rows.append(row)
+
+    def logprobs_of(self, sequence: Sequence, start: int = 0) -> list[dict] | None:
+        """The sample's tokens' log-probabilities as vLLM gives them, from token `start` on: for
+        each token a dict of token id -> Logprob, the chosen token and the `logprobs`
+        likeliest; None if not asked."""
+        k, request = sequence.params.logprobs, sequence.request
+        if k is None:
+            return None
+        from features.logprobs.logprobs import as_vllm_logprobs
+        rows = request.logprobs[start:len(request.output_tokens)]  # a stop token's is dropped
+        return [as_vllm_logprobs(row, k, self.tokenizer) for row in rows]
+
+    def prompt_logprobs_of(self, sequence: Sequence) -> list[dict | None] | None:
+        """The prompt's as vLLM gives them: None for its first token (nothing before it), then a
+        dict as `logprobs_of`'s for each; None if not asked."""
+        k, request = sequence.params.prompt_logprobs, sequence.request
+        if k is None:
+            return None
+        from features.logprobs.logprobs import as_vllm_logprobs
+        return [None] + [as_vllm_logprobs(request.prompt_logprobs[i], k, self.tokenizer)
+                         for i in range(1, len(request.prompt_tokens))]

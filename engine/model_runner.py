@@ -141,6 +141,8 @@ class StepInFlight:
     requests: list  # the requests that take a new token: all but a mixed step's partial prompts
     tokens: torch.Tensor  # [len(requests)]
     done: object = None
+    logprobs: torch.Tensor | None = None  # [len(requests), 3 + 2k]: features/logprobs/logprobs.py's rows
+    prompt_logprobs: list = ()  # (request, its first prompt token scored, [n, 3 + 2k]) each
 
 
 @dataclass
@@ -177,7 +179,7 @@ def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
 class ModelRunner(Engine):
     def __init__(self, model, cache, manager, sampler=greedy, graphs=None, cascade=None,
                  overlap: bool = False, longest_first: bool = False,
-                 tokens_per_pass: int | None = None):
+                 tokens_per_pass: int | None = None, logprobs=None):
         """model: the lesson's Llama, or the ModelForward that calls it (compiled layers).
         sampler: how tokens are drawn (features/sampling.py, features/beam_search.py). graphs:
         decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder; short prefill passes as
@@ -185,7 +187,8 @@ class ModelRunner(Engine):
         system prompt (features/cascade/attention.py's CascadeAttention), already in the cache.
         longest_first: decode steps' rows longest first, so that the attention kernel's last wave is
         short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
-        the lesson's."""
+        the lesson's. logprobs: the rows that ask for log-probabilities, and the decode step that
+        gives them, eager and as graphs (features/logprobs/logprobs.py's Logprobs); None: no row can."""
         super().__init__(model, cache, manager)
         self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
         self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
@@ -194,6 +197,7 @@ class ModelRunner(Engine):
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
         self.in_flight: StepInFlight | None = None  # overlap: the step the GPU is computing
         self.stopped = set()  # requests let go of while in flight: their next token is dropped
+        self.logprobs, self.prompt_parts = logprobs, []  # this step's prompt log-probabilities
 
     def capture_prefill_graphs(self) -> None:
         """Short prefill passes replayed as CUDA graphs (features/prefill_graphs.py), for
@@ -201,20 +205,23 @@ class ModelRunner(Engine):
         from features.prefill_graphs import GraphPrefill
         self.prefill_graphs = GraphPrefill(self)
 
-    def decode(self, step: Step, last_tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, step: Step, last_tokens: torch.Tensor, logprobs: bool) -> torch.Tensor:
         slots = self.manager.slots(step.rows, step.positions)  # [B]: as prefill finds them
-        return self.decode_rows(last_tokens, step.positions, step.rows, slots)
+        return self.decode_rows(last_tokens, step.positions, step.rows, slots, logprobs)
 
-    def decode_rows(self, tokens, positions, rows, slots) -> torch.Tensor:
+    def decode_rows(self, tokens, positions, rows, slots, logprobs: bool = False) -> torch.Tensor:
         """The one place a decode step runs (tokens on the device; positions, rows, slots on the
         host): a CUDA graph where one replays the batch, else kernel by kernel; with a cascade,
-        kernel by kernel and without it when the rows do not all share its prefix."""
+        kernel by kernel and without it when the rows do not all share its prefix. [B] tokens,
+        or with `logprobs` [B, 3 + 2k] rows of features/logprobs/logprobs.py's, the token first."""
+        eager, graphs = ((self.logprobs.eager, self.logprobs.graphs) if logprobs
+                         else (self.eager, self.graphs))
         if self.cascade is not None and not self.cascade.shared_by(rows):
             with self.cascade.set_aside():
-                return self.eager.step(tokens, positions, rows, slots)
-        if self.graphs is not None and self.graphs.replays(rows):
-            return self.graphs.step(tokens, positions, rows, slots)
-        return self.eager.step(tokens, positions, rows, slots)
+                return eager.step(tokens, positions, rows, slots)
+        if graphs is not None and graphs.replays(rows):
+            return graphs.step(tokens, positions, rows, slots)
+        return eager.step(tokens, positions, rows, slots)
 
     def prefill_logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
         if self.prefill_graphs is not None and self.prefill_graphs.replays(prompts):
@@ -291,18 +298,26 @@ class ModelRunner(Engine):
             step = longest_first(step)
         self.timer.start(step.kind != "prefill")
         rows = to_device(step.rows, self.device)  # [B]
-        next_tokens = (self.decode(step, self.last_tokens[rows]) if step.kind == "decode"
-                       else self.prefill(step))  # a prefill, or a mixed step's pass
-        requests, rows, next_tokens = self._taking_tokens(step, rows, next_tokens)
+        logprobs = self.logprobs is not None and self.logprobs.any(step.rows)
+        chosen = (self.decode(step, self.last_tokens[rows], logprobs) if step.kind == "decode"
+                  else self.prefill(step, logprobs))  # a prefill, or a mixed step's pass
+        requests, rows, chosen = self._taking_tokens(step, rows, chosen)
+        next_tokens = chosen[:, 0].long() if logprobs else chosen  # [B]
         self.last_tokens[rows] = next_tokens  # where the next step reads them
-        on_gpu = self.device.type == "cuda"
-        tokens = torch.empty(len(requests), dtype=torch.long, pin_memory=on_gpu)
-        tokens.copy_(next_tokens, non_blocking=True)  # [B] to the host, queued with the rest
+        tokens = self._to_host(next_tokens)  # [B], queued with the rest
+        scored = self._to_host(chosen) if logprobs else None
+        prompt_parts = [(r, first, self._to_host(part)) for r, first, part in self.prompt_parts]
+        self.prompt_parts = []
         self.timer.stop()
-        done = torch.cuda.Event() if on_gpu else None
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
         if done:
             done.record()
-        return StepInFlight(step, requests, tokens, done)
+        return StepInFlight(step, requests, tokens, done, scored, prompt_parts)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy to pinned host memory, queued behind the step: there once its event passes."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
+        return host.copy_(tensor, non_blocking=True)
 
     def wait_for_tokens(self, in_flight: StepInFlight) -> np.ndarray:
         """The step's tokens on the host ([B]): the wait for the GPU, once per step."""
@@ -315,32 +330,37 @@ class ModelRunner(Engine):
             len(self.timeline), len(scheduler.running), self.manager.num_reserved_slots,
             self.manager.num_unfilled_slots, waiting_requests=len(scheduler.waiting)))
 
-    def prefill(self, step: CachedPrefillStep) -> torch.Tensor:
+    def prefill(self, step: CachedPrefillStep, logprobs: bool = False) -> torch.Tensor:
         """Each request's tokens from its first uncached one on, or in a mixed step up to its
         end there (a decode row is no prompt token)."""
         if step.kind != "mixed":
             return self.prefill_from(step, [r.tokens[int(start):]
-                                            for r, start in zip(step.requests, step.num_cached)])
+                                            for r, start in zip(step.requests, step.num_cached)],
+                                     logprobs)
         new = [tokens_between(r, int(start), int(end))
                for r, start, end in zip(step.requests, step.num_cached, step.ends)]
-        tokens = self.prefill_from(step, new)
+        tokens = self.prefill_from(step, new, logprobs)
         self.num_prefilled -= step.num_decoding
         return tokens
 
-    def prefill_from(self, step: CachedPrefillStep, new: list[list[int]]) -> torch.Tensor:
+    def prefill_from(self, step: CachedPrefillStep, new: list[list[int]],
+                     logprobs: bool = False) -> torch.Tensor:
         """new[i]: the tokens of request i computed here, from position step.num_cached[i]."""
         self.num_prefilled += sum(map(len, new))
-        return torch.cat([self._prefill_pass(step.rows[p], [new[i] for i in p], step.num_cached[p])
+        return torch.cat([self._prefill_pass([step.requests[i] for i in p], step.rows[p],
+                                             [new[i] for i in p], step.num_cached[p], logprobs)
                           for p in packed_passes(list(map(len, new)), self.tokens_per_pass)])
 
-    def _prefill_pass(self, rows: np.ndarray, new_tokens: list[list[int]], starts: np.ndarray):
-        """One forward pass over new_tokens[i], request rows[i]'s tokens from position starts[i]."""
+    def _prefill_pass(self, requests: list, rows: np.ndarray, new_tokens: list[list[int]],
+                      starts: np.ndarray, logprobs: bool):
+        """One forward pass over new_tokens[i], request rows[i]'s tokens from position starts[i]:
+        [B] tokens, or with `logprobs` [B, 3 + 2k] rows (features/logprobs/logprobs.py's)."""
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         new = np.array([len(t) for t in new_tokens])
         lengths = starts + new  # each one's tokens, cached and new
-        if not starts.any():  # the lesson's pass, with this run's sampler
-            return self.sampler(self.prefill_logits(rows, new_tokens), on_device(rows),
-                                on_device(lengths))
+        scores_prompts = self.logprobs is not None and self.logprobs.any_prompt(rows)
+        if not starts.any() and not scores_prompts:  # the lesson's pass, with this run's sampler
+            return self._choose(self.prefill_logits(rows, new_tokens), rows, lengths, logprobs)
         cu_seqlens, cu_seqlens_k = (np.concatenate([[0], np.cumsum(n)]) for n in (new, lengths))
         # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
@@ -349,9 +369,34 @@ class ModelRunner(Engine):
             on_device(slots), on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(),
             int(new.max()), self.manager.block_table[on_device(rows)],
             on_device(cu_seqlens_k, torch.int32), cu_seqlens_k.tolist(), int(lengths.max()))
+        last = cu_seqlens[1:] - 1  # [B]: each one's last token, whose logits choose the next
+        if not scores_prompts:
+            logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions),
+                                self.cache, batch, logits_at=on_device(last))
+            return self._choose(logits, rows, lengths, logprobs)
+        # The logits at every token of a request that scores its prompt, at the last of others
+        scored = self.logprobs.prompt_k[rows] >= 0  # [B]
+        at = [np.arange(a, b) if s else np.array([b - 1])
+              for a, b, s in zip(cu_seqlens[:-1], cu_seqlens[1:], scored)]
         logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions), self.cache,
-                            batch, logits_at=on_device(cu_seqlens[1:] - 1))
-        return self.sampler(logits, on_device(rows), on_device(lengths))  # [B]
+                            batch, logits_at=on_device(np.concatenate(at)))  # [sum of at, vocab]
+        offsets = np.concatenate([[0], np.cumsum([len(a) for a in at])])
+        for i in np.flatnonzero(scored):  # prompt token p + 1 scored by the logits at p
+            prompt = requests[i].prompt_tokens
+            count = max(min(new[i], len(prompt) - 1 - starts[i]), 0)
+            if count:
+                first = int(starts[i]) + 1
+                self.prompt_parts.append((requests[i], first, self.logprobs.of(
+                    logits[offsets[i]:offsets[i] + count],
+                    on_device(np.array(prompt[first:first + count])))))
+        return self._choose(logits[on_device(offsets[1:] - 1)], rows, lengths, logprobs)
+
+    def _choose(self, logits, rows: np.ndarray, lengths: np.ndarray, logprobs: bool):
+        """The sampler's tokens ([B]) from logits at each request's last token, or with
+        `logprobs` features/logprobs/logprobs.py's rows for them ([B, 3 + 2k], the token first)."""
+        on_device = lambda a: to_device(a, self.device, torch.long)
+        tokens = self.sampler(logits, on_device(rows), on_device(lengths))  # [B]
+        return self.logprobs.of(logits, tokens) if logprobs else tokens
 
     def _taking_tokens(self, step, rows, next_tokens):
         """The step's requests that take a new token, their rows and tokens: all but a mixed
@@ -372,11 +417,21 @@ class ModelRunner(Engine):
         """Append the step's tokens, but those drawn after the host let go of their request, and
         let go of the requests that are done."""
         tokens, drawing = self.wait_for_tokens(in_flight), in_flight.requests
+        scored = None if in_flight.logprobs is None else in_flight.logprobs.numpy()
+        for request, first, part in in_flight.prompt_logprobs:
+            request.prompt_logprobs.update(zip(range(first, first + len(part)), part.numpy()))
         if self.stopped:
             kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
             self.stopped.difference_update(drawing)  # stopped while this step ran: done with
             tokens, drawing = tokens[kept], [drawing[i] for i in kept]
-        for request in append_tokens_at(drawing, tokens, stop_ids, scheduler.now()):
+            scored = None if scored is None else scored[kept]
+        before = [len(r.output_tokens) for r in drawing]
+        finished = append_tokens_at(drawing, tokens, stop_ids, scheduler.now())
+        if scored is not None:  # a row for each token taken (a stop token is not)
+            for request, count, row in zip(drawing, before, scored):
+                if len(request.output_tokens) > count and self.logprobs.k[request.row] >= 0:
+                    request.logprobs.append(row)
+        for request in finished:
             if request.status is Status.FINISHED:
                 continue  # its last token: let go of already
             if request.status is Status.WAITING:  # preempted while its stop token was in flight

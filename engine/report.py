@@ -39,7 +39,7 @@ def report(run, cache, manager, generation) -> None:
             "script": args.script,
             "requests": [{"id": p.id, "sample": k, "prompt_tokens": p.prompt_tokens,
                           "output_tokens": r.output_tokens, "arrival_seconds": r.arrival_time,
-                          "token_seconds": r.token_times}
+                          "token_seconds": r.token_times} | logprobs_record(r, args.logprobs)
                          for (p, k), r in zip(samples, generation.requests)],
             "latency": latency,
             "preemptions": scheduling["preemptions"], "max_running": generation.most_running,
@@ -52,6 +52,17 @@ def report(run, cache, manager, generation) -> None:
                  lengths_note(run, generation.requests))
     if split:
         print(report_line(memory, run.model))
+
+
+def logprobs_record(request, k: int | None) -> dict:
+    """--logprobs K: each output token's log-probability, rank and the K likeliest as [id,
+    log-probability] (features/logprobs/logprobs.py's rows)."""
+    if k is None:
+        return {}
+    from features.logprobs.logprobs import top_of
+    return {"logprobs": [{"logprob": float(row[1]), "rank": int(row[2]),
+                          "top": [list(pair) for pair in top_of(row, k)]}
+                         for row in request.logprobs]}
 
 
 def kv_snapshot_bytes(snapshot, kv_bytes_per_token: int) -> dict:

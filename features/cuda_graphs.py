@@ -29,9 +29,11 @@ class GraphDecoder:
     """Records `eager.decode` (engine/model_runner.py's SamplingDecoder, over the engine's
     ModelForward) once per bucket. `eager_when(rows)`: the rows the graphs must not run, beside
     batches past the largest bucket (the API's: rows that sample, where the graphs record
-    greedy decoding; a graph would have recorded one path for every row forever)."""
+    greedy decoding; a graph would have recorded one path for every row forever). pool: another
+    decoder's memory pool, to share (features/logprobs/logprobs.py's graphs run one step at a time
+    beside the plain ones, never at once)."""
 
-    def __init__(self, eager, max_batch: int, eager_when=lambda rows: False):
+    def __init__(self, eager, max_batch: int, eager_when=lambda rows: False, pool=None):
         self.eager_when = eager_when
         self.buckets = BUCKETS[:bisect.bisect_left(BUCKETS, max_batch) + 1]
         largest, device = self.buckets[-1], eager.block_table.device
@@ -54,13 +56,14 @@ class GraphDecoder:
             # reuse its memory pool. (No new side stream for the warm-up: cuBLAS keeps a
             # workspace per stream for good, which would leak with every decoder made.)
             step(largest)
-            self.graphs, self.next_tokens, pool = {}, {}, None
+            self.graphs, self.next_tokens = {}, {}
             for batch_size in reversed(self.buckets):
                 step(batch_size)  # eagerly first: a compiled model (--compile) compiles here
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.next_tokens[batch_size] = step(batch_size)  # [batch_size], static
                 self.graphs[batch_size], pool = graph, graph.pool()
+        self.pool = pool
 
     def replays(self, rows: np.ndarray) -> bool:
         """Whether a graph runs this decode step."""

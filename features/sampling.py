@@ -107,6 +107,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # end there, as at EOS
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    logprobs: int | None = None  # the generated tokens' log-probabilities, with the top k
+    prompt_logprobs: int | None = None  # the prompt's, with the top k (features/logprobs/logprobs.py)
     # vLLM's fields this engine does not implement yet, at the defaults that ask for nothing:
     # any other value is refused by name (check), not taken and silently ignored
     presence_penalty: float = 0.0
@@ -114,8 +116,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
     logit_bias: dict | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -149,7 +149,10 @@ class SamplingParams:
                          ("stop_token_ids", isinstance(self.stop_token_ids, list) and all(
                              is_whole_number(t) and 0 <= t < 2**63 for t in self.stop_token_ids)),
                          ("include_stop_str_in_output",
-                          isinstance(self.include_stop_str_in_output, bool))]:
+                          isinstance(self.include_stop_str_in_output, bool)),
+                         *[(name, k is None or is_whole_number(k) and 0 <= k < 2**31) for name, k
+                           in (("logprobs", self.logprobs),
+                               ("prompt_logprobs", self.prompt_logprobs))]]:
             if not ok:
                 raise ValueError(f"SamplingParams {name} = {getattr(self, name)!r} is of the "
                                  f"wrong kind or out of range")
@@ -164,8 +167,7 @@ class SamplingParams:
 # as the class declares it (serve.py refuses the same fields of a request)
 NOT_IMPLEMENTED = {f.name: f.default for f in dataclasses.fields(SamplingParams)
                    if f.name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                                 "min_p", "min_tokens", "logprobs", "prompt_logprobs",
-                                 "logit_bias", "allowed_token_ids", "bad_words",
+                                 "min_p", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
                                  "truncate_prompt_tokens", "skip_special_tokens",
                                  "spaces_between_special_tokens")}
 

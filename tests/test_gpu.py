@@ -702,3 +702,55 @@ def test_adding_a_request_never_waits_for_the_gpu():
     row = 0  # the request's, now free again; its parameters are still in place
     assert engine.sampler.temperature[row].item() == pytest.approx(0.7)
     assert engine.sampler.top_k[row].item() == 5 and engine.sampler.seed[row].item() == 1
+
+
+def test_logprobs_from_cuda_graphs_are_the_eager_steps_and_change_no_token():
+    """features/logprobs/logprobs.py's decode step as CUDA graphs (a second set, beside the plain one)
+    against the same step kernel by kernel; both against a run that asks for none."""
+    from engine.llm import LLM, SamplingParams
+    options = dict(model="tiny", random_weights=True, compile=False, kv_budget_gb=1,
+                   max_num_seqs=8)
+    prompts = [list(range(100, 100 + n)) for n in (5, 40, 17)]
+    asked = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5,
+                           prompt_logprobs=2)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(**options, eager=eager)
+        assert (llm.engine.engine.logprobs.graphs is None) == eager
+        runs[eager] = llm.generate(prompts, asked, use_tqdm=False)
+        plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                     ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in runs[eager]] == [
+            o.outputs[0].token_ids for o in plain]
+        del llm
+        torch.cuda.empty_cache()
+    compared = 0
+    for graphed, eager in zip(runs[False], runs[True]):  # until bf16's rounding (the graphs'
+        for a, b in zip(graphed.outputs[0].logprobs, eager.outputs[0].logprobs):  # padded
+            if list(a)[0] != list(b)[0]:  # batches) picks another token at a near-tie
+                break
+            assert {i: p.rank for i, p in a.items() if p.rank <= 3} == {
+                i: p.rank for i, p in b.items() if p.rank <= 3}
+            assert [p.logprob for p in a.values()][:1] == pytest.approx(
+                [p.logprob for p in b.values()][:1], abs=2e-2)  # bf16 logits
+            compared += 1
+    assert compared >= 18, compared
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_logprobs_kernel_matches_float64(dtype):
+    """features/logprobs/kernel.py's one-read log-sum-exp, log-probability and rank against
+    PyTorch's in float64, over a vocabulary that is no multiple of its tile."""
+    from features.logprobs.kernel import row_stats
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(37, 128_256 + 5, device="cuda", generator=g) * 4).to(dtype)
+    tokens = torch.randint(0, logits.shape[1], (37,), device="cuda", generator=g)
+    tokens[0] = logits[0].argmax()  # rank 1
+    got = row_stats(logits, tokens)
+    exact = logits.double()
+    total = torch.logsumexp(exact, -1)
+    chosen = exact.gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(got[:, 0].double(), total, atol=1e-4, rtol=0)
+    assert torch.allclose(got[:, 1].double(), chosen - total, atol=1e-4, rtol=0)
+    assert got[:, 2].long().tolist() == ((exact > chosen[:, None]).sum(-1) + 1).tolist()
+    assert got[0, 2].item() == 1

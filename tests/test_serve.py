@@ -30,9 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags) -> tuple[subprocess.Popen, str]:
+def start_server(*flags, engine=ENGINE) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port", str(port),
+    server = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), *engine, "--port", str(port),
                                *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     url = f"http://127.0.0.1:{port}"
@@ -221,7 +221,7 @@ BAD = [
     (json.dumps({"prompt": "word " * 9000}), "--max-seq-len"),
     ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # nested past Python's recursion limit
     (json.dumps({"prompt": "x" * 1_200_000}), "larger than"),
-    (json.dumps({"prompt": "hi", "logprobs": 5}), "'logprobs' is not implemented"),
+    (json.dumps({"prompt": "hi", "logprobs": 21}), "'logprobs' must be a whole number from 0 to 20"),
     (json.dumps({"prompt": "hi", "max_tokens": 2, "top_k": 10**20}), "'top_k'"),  # past a long
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
     (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
@@ -478,7 +478,8 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     engine, inbox, answers = offline.engine, queue.Queue(), []
     command = ("add", "waited", {"ids": [1, 2, 3]}, {"max_tokens": 2, "temperature": 0})
     inbox.put((command, time.perf_counter() - 0.5))
-    assert take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False)
+    assert take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False,
+                         echoes=set())
     assert answers == [("added", "waited", 3, None, None)]
     request = next(s.request for s in engine.sequences.values() if s.request_id == "waited")
     assert 0.5 <= engine.scheduler.now() - request.arrival_time < 5
@@ -499,7 +500,7 @@ def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
 
 @pytest.mark.parametrize("fields", [
     {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
-    {"min_p": 0.1}, {"min_tokens": 3}, {"logprobs": 1}, {"prompt_logprobs": 0},
+    {"min_p": 0.1}, {"min_tokens": 3},
     {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]},
     {"truncate_prompt_tokens": 3}, {"skip_special_tokens": False},
     {"spaces_between_special_tokens": False}], ids=lambda fields: next(iter(fields)))
@@ -567,7 +568,8 @@ def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, 
     for name, seed in [("failing", 13), ("next", 14)]:
         command = ("add", name, {"ids": [1, 2, 3]}, {"max_tokens": 2, "n": 2, "seed": seed})
         inbox.put((command, time.perf_counter()))
-    take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False)
+    take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False,
+                  echoes=set())
     assert answers[0][:4] == ("added", "failing", None, "failed") and "a bug" in answers[0][4]
     assert answers[1] == ("added", "next", 3, None, None)
     assert len(engine.free_rows) == free_rows - 2, "the failing request's rows came back"
@@ -945,12 +947,11 @@ def test_stop_token_ids_end_an_answer_and_a_stop_string_may_stay_in_it(server, o
 # Every field of vLLM's request models (vllm/entrypoints/openai/protocol.py, CompletionRequest
 # and ChatCompletionRequest), each with a value that asks for something. The server either does
 # it (the fields it reads, each tested for its effect above) or answers 400 naming the field.
-ASKS = {"best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0},
-        "logprobs": 1, "presence_penalty": 0.5, "suffix": "!", "use_beam_search": True,
+ASKS = {"best_of": 2, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0}, "presence_penalty": 0.5, "suffix": "!", "use_beam_search": True,
         "min_p": 0.5, "repetition_penalty": 1.2, "length_penalty": 0.5, "min_tokens": 3,
         "skip_special_tokens": False,
         "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
-        "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "prompt_embeds": "AAAA",
+        "allowed_token_ids": [1, 2], "prompt_embeds": "AAAA",
         "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
         "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
         "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ", "priority": 1,
@@ -962,7 +963,7 @@ ASKS = {"best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5"
         "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
         "structural_tag": "{}", "add_generation_prompt": False, "continue_final_message": True,
         "bad_words": ["x"], "structured_outputs": {"choice": ["a"]}, "no_such_field": 1}
-COMPLETION_ONLY = {"echo", "suffix", "prompt_embeds", "add_special_tokens"}
+COMPLETION_ONLY = {"suffix", "prompt_embeds", "add_special_tokens"}
 CHAT_ONLY = {"tools", "tool_choice", "reasoning_effort", "include_reasoning", "documents",
              "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
              "add_generation_prompt", "continue_final_message"}
@@ -992,3 +993,61 @@ def test_every_vllm_field_works_or_is_refused_by_name(server, path, base, skip, 
                 "continue_final_message": False, "user": "me"}
     served = post({name: value for name, value in defaults.items() if name not in skip})
     assert served.status_code == 200, served.text
+
+
+# Log-probabilities (features/logprobs/logprobs.py), as lm-evaluation-harness asks for them: token-id
+# prompts in a list, echo, logprobs 1, max_tokens 1, temperature 0. Held to the offline LLM's.
+def test_a_batch_of_token_prompts_with_echo_gives_the_offline_prompt_logprobs(server, offline):
+    prompts = [offline.get_tokenizer().encode_prompt(p)[:20] for p in PROMPTS[:3]]
+    served = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1,
+                              "max_tokens": 1, "temperature": 0}, timeout=60).json()
+    truth = offline.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=1,
+                                                     prompt_logprobs=1), use_tqdm=False)
+    assert [c["index"] for c in served["choices"]] == [0, 1, 2]
+    for choice, want, prompt in zip(served["choices"], truth, prompts):
+        scored = choice["logprobs"]
+        assert len(scored["token_logprobs"]) == len(prompt) + 1 and scored["token_logprobs"][0] is None
+        expected = [d[t].logprob for d, t in zip(want.prompt_logprobs[1:], prompt[1:])]
+        expected.append(want.outputs[0].logprobs[0][want.outputs[0].token_ids[0]].logprob)
+        assert scored["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+        for logprob, top in zip(scored["token_logprobs"][1:], scored["top_logprobs"][1:]):
+            assert logprob <= max(top.values()) + 1e-6 and 1 <= len(top) <= 2  # its own and top 1
+        assert choice["text"].endswith(want.outputs[0].text)
+    assert served["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+
+def test_chat_logprobs_and_a_streamed_completions_logprobs_are_the_offline_ones(server, client,
+                                                                               offline):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+    want = offline.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [d[t].logprob for d, t in zip(want.logprobs, want.token_ids)], abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    want = offline.generate(PROMPTS[2:3], params, use_tqdm=False)[0].outputs[0]
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=6,
+                                       temperature=0, logprobs=3, stream=True)
+    streamed = [lp for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for lp in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([d[t].logprob for d, t in zip(want.logprobs, want.token_ids)],
+                                     abs=1e-5)
+    assert want.cumulative_logprob == pytest.approx(sum(streamed), abs=1e-4)
+
+
+def test_what_logprobs_do_not_combine_with_is_a_400_naming_the_field(server):
+    post = lambda path, body: httpx.post(server + path, json={"max_tokens": 2} | body, timeout=30,
+                                         headers={"Authorization": f"Bearer {KEY}"})
+    for path, body, name in [
+            ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "prompt"),
+            ("/v1/completions", {"prompt": "a", "echo": True, "stream": True}, "echo"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                      "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                      "echo": True}, "echo"),
+            ("/v1/completions", {"prompt": ["a"] * 41}, "prompt")]:  # past --max-num-seqs 40
+        refused = post(path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text

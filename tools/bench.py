@@ -63,7 +63,7 @@ from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
 from engine.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES
-from engine.config import CACHES, Config, add_fast_path_arguments
+from engine.config import CACHES, Config, add_fast_path_arguments, logprobs_count
 from engine.loader import load
 from engine.llm_engine import (allocate_kv_cache, arrival_times, make_engine,
                                make_scheduler, model_forward, warm_up)
@@ -261,6 +261,8 @@ def parse_arguments(argv=None):
                    help="of the weights and the K/V")
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
                    help="fp8 (fp8_e4m3): K/V in float8, decoded by the Triton kernel")
+    p.add_argument("--logprobs", type=logprobs_count, metavar="K",
+                   help="every request asks for its tokens' log-probabilities and the top K")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     p.add_argument("--profile", type=writable_file, metavar="PATH",
                    help="kernel time by class, to PATH (tools/kernel_profile.py)")
@@ -280,7 +282,7 @@ def script_arguments(bench_args):
                    kv_cache_dtype=a.kv_cache_dtype, eager=a.eager, compile=a.compile,
                    overlap=a.overlap, continuous=a.continuous, max_running=a.max_running,
                    max_batched_tokens=a.max_batched_tokens, request_rate=a.request_rate,
-                   system_prompt_file=a.system_prompt_file)
+                   system_prompt_file=a.system_prompt_file, logprobs=a.logprobs)
     if a.script == "paged":
         options |= dict(block_size=a.block_size, no_prefix_cache=a.no_prefix_cache,
                         cascade=a.cascade, decode_kernel=a.decode_kernel)

@@ -57,8 +57,9 @@ class SharingBlockManager(BlockManager):
         self.unshared_slots_at_step: list[int] = []
 
     def _fork_parent(self, request) -> int | None:
-        """The row of a request holding this one's prompt, if this one has generated nothing."""
-        if request.output_tokens:
+        """The row of a request holding this one's prompt, if this one has generated nothing
+        and may read cached tokens."""
+        if request.output_tokens or not request.reads_cached_prefix:
             return None
         return self.prompt_holders.get(tuple(request.prompt_tokens))
 
@@ -67,7 +68,7 @@ class SharingBlockManager(BlockManager):
         prefill that computes it needs a slot of the request's own to write. The scheduler asks
         twice per request (how many tokens, how many blocks) and allocate twice more: the last
         answer is kept while the cache and the request are unchanged."""
-        if not self.prefix_cache:
+        if not self.prefix_cache or not request.reads_cached_prefix:
             return []
         question = (request.row, request.num_tokens, self.prefix_cache.version)
         if self.last_lookup[0] != question:

@@ -1,0 +1,126 @@
+"""lm-evaluation-harness, the installed package, against serve.py: a multiple-choice task
+(loglikelihood, `local-completions`, tokenizing through the server's /tokenize) and a generation
+task (`local-chat-completions`), each written here, each held to an independent run: the offline
+LLM on the tiny random model, and transformers on SmolLM2's GGUF (slow)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from engine.llm import LLM, SamplingParams
+from test_serve import KEY, start_server
+from test_smollm2 import transformers_smollm2  # noqa: F401, F811 (a fixture)
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file
+QUESTIONS = [
+    {"question": "The capital of France is", "choices": ["Paris", "Rome", "Berlin"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "five", "22"], "answer": 0},
+    {"question": "Water freezes at 0 degrees", "choices": ["Celsius", "Fahrenheit"], "answer": 0}]
+PROMPTS = ["Name a colour.", "Count to three."]
+
+
+def write_tasks(folder) -> None:
+    """A multiple-choice task and a generation task, as lm-eval's YAML and a JSON-lines file."""
+    (folder / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"q": p}) + "\n" for p in PROMPTS))
+    common = "dataset_path: json\ntest_split: train\n"
+    (folder / "choice.yaml").write_text(
+        f"task: served_choice\n{common}dataset_kwargs:\n  data_files: {folder}/questions.jsonl\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    (folder / "generate.yaml").write_text(
+        f"task: served_generate\n{common}dataset_kwargs:\n  data_files: {folder}/prompts.jsonl\n"
+        "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: ''\n"
+        "generation_kwargs:\n  until: []\n  max_gen_toks: 8\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+
+def evaluate(url: str, folder, model: str, task: str, chat: bool) -> list[dict]:
+    """lm-eval's samples of `task` against the server, with their responses."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    write_tasks(folder)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    args = {"base_url": url + path, "model": model, "max_length": 1024, "num_concurrent": 1,
+            "tokenizer_backend": "none" if chat else "remote", "auth_token": KEY}
+    os.environ["OPENAI_API_KEY"] = KEY
+    results = lm_eval.simple_evaluate(
+        model="local-chat-completions" if chat else "local-completions", model_args=args,
+        tasks=[task], log_samples=True, apply_chat_template=chat,
+        # these tasks alone: indexing lm-eval's thousands of its own took 15 s a call
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+    return sorted(results["samples"][task], key=lambda s: s["doc_id"])
+
+
+def continuation_tokens(tokenizer, context: str, continuation: str):
+    """lm-eval's split of a (context, continuation) pair into token ids (its _encode_pair)."""
+    whole, first = tokenizer.encode(context + continuation), tokenizer.encode(context)
+    return first, whole[len(first):]
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    process, url = start_server("--api-key", KEY, "--max-num-seqs", "8", "--dtype", "fp32")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_lm_evals_multiple_choice_and_generation_get_the_offline_engines_answers(tiny_server,
+                                                                                 tmp_path):
+    offline = LLM(model="tiny", random_weights=True, device="cpu", dtype="fp32", block_size=16)
+    tokenizer = offline.get_tokenizer()
+    samples = evaluate(tiny_server, tmp_path, "tiny", "served_choice", chat=False)
+    assert len(samples) == len(QUESTIONS)
+    # each choice: (context, continuation) as lm-eval asked, and its answer
+    asked = [(pair, got) for s in samples for (got, _), pair in zip(
+        [r[0] for r in s["resps"]], s["arguments"])]
+    pairs = [continuation_tokens(tokenizer, *pair) for pair, _ in asked]
+    truths = offline.generate([c + t for c, t in pairs], SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+    for (_, got), (context, continuation), truth in zip(asked, pairs, truths):
+        expected = sum(truth.prompt_logprobs[len(context) + i][t].logprob
+                       for i, t in enumerate(continuation))
+        assert got == pytest.approx(expected, abs=2e-3)
+    generated = evaluate(tiny_server, tmp_path, "tiny", "served_generate", chat=True)
+    answers = offline.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                           SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert [s["resps"][0][0] for s in generated] == [a.outputs[0].text for a in answers]
+
+
+# slow: transformers' SmolLM2, read from the GGUF, loads in about 35 s on 2 cores
+@pytest.mark.slow
+def test_lm_evals_tasks_on_smollm2_get_transformers_answers(tmp_path, transformers_smollm2):
+    model, theirs = transformers_smollm2
+    process, url = start_server("--api-key", KEY, "--max-num-seqs", "8", "--dtype", "fp32",
+                                engine=["--model", "smollm2", "--device", "cpu"])
+    try:
+        samples = evaluate(url, tmp_path, "smollm2", "served_choice", chat=False)
+        generated = evaluate(url, tmp_path, "smollm2", "served_generate", chat=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    ours = LLM(model="smollm2", device="cpu").get_tokenizer()  # the file's, digits split
+    assert len(samples) == len(QUESTIONS)
+    for sample in samples:
+        for (got, _), pair in zip([r[0] for r in sample["resps"]], sample["arguments"]):
+            context, continuation = continuation_tokens(ours, *pair)
+            with torch.no_grad():
+                logits = model(torch.tensor([context + continuation])).logits[0]
+            logprobs = torch.log_softmax(logits.double(), -1)
+            expected = sum(logprobs[len(context) - 1 + i, t].item()
+                           for i, t in enumerate(continuation))
+            assert got == pytest.approx(expected, abs=2e-3)
+    for sample, prompt in zip(generated, PROMPTS):
+        ids = theirs.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=8,
+                                 eos_token_id=ours.im_end, pad_token_id=ours.im_end)
+        answer = out[0, ids.shape[1]:].tolist()
+        answer = answer[:-1] if answer[-1] == ours.im_end else answer
+        assert sample["resps"][0][0] == ours.decode(answer)
