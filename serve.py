@@ -6,7 +6,9 @@
 
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
 /v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
-filled and unfilled bytes, live; histograms of the time to first and to last token). The engine
+filled and unfilled bytes, live; histograms of the time to first token, between tokens and to
+the last; vLLM's names too where it has an equal), and vLLM's /tokenize, /detokenize,
+/tokenizer_info and /version. The engine
 runs continuous batching in a process of its own (engine/engine_process.py: engine/llm_engine.py's
 LLMEngine, stepped without waiting for HTTP); the handlers only send it requests and read their
 tokens. A client that goes away before its answer ends, streamed or not, has its request
@@ -40,6 +42,7 @@ from plumbing.cli import (CHAT_ROLES, HelpFormatter, UserError, chat_messages, f
 
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
+VERSION = "0.70.0"  # /version: this server's protocol, as of issue 70 (vLLM's fields and shapes)
 # An idle connection is closed by the client first: the openai package's pool (httpx) drops one
 # after 5 s, uvicorn's default, so a request sent at 5 s could meet the server's close
 # ("Server disconnected without sending a response", seen once in CI). nginx's default.
@@ -79,6 +82,7 @@ METRICS_HELP = {
     "generation_tokens_total": ("counter", "tokens generated"),
     "request_success_total": ("counter", "sequences finished or aborted"),
     "time_to_first_token_seconds": ("histogram", "from arrival at the engine to the first token"),
+    "inter_token_latency_seconds": ("histogram", "from a request's token to its next"),
     "e2e_request_latency_seconds": ("histogram", "from arrival at the engine to the last token"),
 }
 
@@ -87,7 +91,7 @@ METRICS_HELP = {
 VLLM_EQUALS = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                "request_success_total", "time_to_first_token_seconds",
-               "e2e_request_latency_seconds"}
+               "inter_token_latency_seconds", "e2e_request_latency_seconds"}
 
 
 def prometheus_text(metrics: dict, model: str) -> str:
@@ -155,6 +159,9 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int, max_logprob
                              f"a list of at most {MAX_STOP_IDS:,} token ids"),
         include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False, None,
                                          "true or false"),
+        truncate_prompt_tokens=field(body, "truncate_prompt_tokens", int, None,
+                                     lambda k: k == -1 or 1 <= k < 2**63,
+                                     "-1 or a whole number of at least 1"),
         **logprobs_params(body, max_logprobs, chat))
 
 
@@ -180,10 +187,11 @@ def logprobs_params(body: dict, max_logprobs: int, chat: bool) -> dict:
 # names the client for its own records, and changes no answer
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
         "stop", "seed", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "stream",
-        "stream_options", "user"}
+        "stream_options", "user", "truncate_prompt_tokens", "request_id", "return_token_ids"}
 MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
 READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs"},
-           "chat": READ | {"messages", "logprobs", "top_logprobs", "prompt_logprobs"}}
+           "chat": READ | {"messages", "logprobs", "top_logprobs", "prompt_logprobs",
+                           "add_generation_prompt", "continue_final_message"}}
 
 # OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
 # (their defaults): any other value gets a 400, rather than an answer that silently lacks what
@@ -195,14 +203,13 @@ NOT_IMPLEMENTED = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0)
                    "response_format": (None, {"type": "text"}),
                    # vLLM's own
                    "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
-                   "length_penalty": (None, 1), "truncate_prompt_tokens": (None,),
+                   "length_penalty": (None, 1),
                    "allowed_token_ids": (None,),
                    "bad_words": (None, []), "structured_outputs": (None,),
                    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-                   "guided_grammar": (None,), "request_id": (None,),
-                   "return_token_ids": (None, False), "chat_template": (None,),
-                   "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
-                   "continue_final_message": (None, False), "skip_special_tokens": (None, True),
+                   "guided_grammar": (None,),
+                   "chat_template": (None,),
+                   "chat_template_kwargs": (None, {}), "skip_special_tokens": (None, True),
                    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
                    "logits_processors": (None,), "prompt_embeds": (None,),
                    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
@@ -252,10 +259,19 @@ def completion_prompts(body: dict, max_prompts: int) -> list[dict]:
 
 
 def chat_prompt(body: dict) -> list[dict]:
+    """The messages, with vLLM's add_generation_prompt (open the assistant's turn: true by
+    default) and continue_final_message (leave the last turn open for the model to go on)."""
     try:
-        return [{"messages": chat_messages(body.get("messages"))}]
+        messages = chat_messages(body.get("messages"))
     except ValueError as e:
         raise BadRequest(str(e), "messages") from e
+    opens = field(body, "add_generation_prompt", bool, True, None, "true or false")
+    goes_on = field(body, "continue_final_message", bool, False, None, "true or false")
+    if opens and goes_on:
+        raise BadRequest("'continue_final_message' goes on with the last message: send "
+                         "\"add_generation_prompt\": false with it", "continue_final_message")
+    return [{"messages": messages, "add_generation_prompt": opens,
+             "continue_final_message": goes_on}]
 
 
 def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: int) -> dict:
@@ -267,7 +283,9 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: 
     asks_nothing = {name: {"enum": list(values)}
                     for name, values in NOT_IMPLEMENTED_BY[endpoint].items()}
     k = whole(0, max_logprobs) | {"type": ["integer", "null"]}
-    logprobs = ({"logprobs": {"type": "boolean"}, "top_logprobs": k} if endpoint == "chat" else
+    logprobs = ({"logprobs": {"type": "boolean"}, "top_logprobs": k,
+                 "add_generation_prompt": {"type": "boolean"},
+                 "continue_final_message": {"type": "boolean"}} if endpoint == "chat" else
                 {"logprobs": k, "echo": {"type": "boolean"}})
     return {"type": "object", "additionalProperties": False, "properties": asks_nothing | {
         **prompt_field,
@@ -285,6 +303,9 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: 
                            "items": whole(0, 2**63 - 1)},
         "include_stop_str_in_output": {"type": "boolean"},
         **logprobs, "prompt_logprobs": k,
+        "truncate_prompt_tokens": {"oneOf": [{"enum": [-1]}, whole(1, 2**63 - 1)]},
+        "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "return_token_ids": {"type": "boolean"},
         "stream": {"type": "boolean"},
         "user": {"type": "string"},
         "stream_options": {"type": "object",
@@ -316,11 +337,12 @@ class Answer:
     tokens, finish reason, tokens' log-probabilities and, where asked, the prompt's."""
 
     def __init__(self):
-        self.text, self.num_tokens, self.reason, self.logprobs, self.prompt = "", 0, None, None, None
+        self.text, self.num_tokens, self.reason, self.token_ids = "", 0, None, []
+        self.logprobs = self.prompt = None
 
     def take(self, update: tuple) -> None:
-        _, delta, self.num_tokens, reason, logprobs, prompt = update
-        self.text += delta
+        _, delta, self.num_tokens, reason, logprobs, prompt, token_ids = update
+        self.text, self.token_ids = self.text + delta, self.token_ids + token_ids
         self.reason = reason or self.reason
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
@@ -428,10 +450,13 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise UnknownModel(body.get("model"))
         return body
 
-    async def submit(prompt: dict, params: dict, chat: bool) -> tuple[str, int, asyncio.Queue]:
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"  # OpenAI's
+    async def submit(prompt: dict, params: dict, answer_id: str) -> tuple[str, list, asyncio.Queue]:
+        """One prompt to the engine, as a request of its own: (its id there, its prompt's
+        token ids, the queue its updates come on). Its id there is the answer's and a random part
+        (a client's request_id may come twice)."""
+        request_id = f"{answer_id}-{secrets.token_hex(6)}"
         try:
-            num_prompt_tokens, updates = await engine.add(request_id, prompt, params)
+            prompt_token_ids, updates = await engine.add(request_id, prompt, params)
         except OverflowError as e:
             raise BadRequest(f"The server is full ({e}); retry shortly.", status=503) from e
         except ValueError as e:
@@ -441,7 +466,7 @@ def build_app(engine, model_name: str, api_key: str | None):
                              status=500) from e
         except RuntimeError as e:
             raise BadRequest(f"The engine stopped: {e}", status=500) from e
-        return request_id, num_prompt_tokens, updates
+        return request_id, prompt_token_ids, updates
 
     async def whole_answers(updates: asyncio.Queue, n: int) -> list[Answer] | None:
         """Each sample's answer once all n have ended; None if the engine stopped first."""
@@ -472,6 +497,10 @@ def build_app(engine, model_name: str, api_key: str | None):
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")
             echo = not chat and field(body, "echo", bool, False, None, "true or false")
+            return_token_ids = field(body, "return_token_ids", bool, False, None, "true or false")
+            given = field(body, "request_id", str, None, lambda v: 0 < len(v) <= 128,
+                          "a string of 1 to 128 characters")  # vLLM's: the answer's id ends so
+            answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or secrets.token_hex(12)}"
             if body.get("stream_options") is not None and not stream:  # as vLLM: for a stream
                 raise BadRequest("'stream_options' is for a streamed answer: add \"stream\": "
                                  "true, or leave it out", "stream_options")
@@ -486,14 +515,15 @@ def build_app(engine, model_name: str, api_key: str | None):
                                      f"send {'one prompt' if name == 'prompt' else 'no ' + name}",
                                      name)
             for prompt in prompts:
-                submitted.append(await submit(prompt | {"echo": echo}, params, chat))
+                submitted.append(await submit(prompt | {"echo": echo}, params, answer_id))
         except BadRequest as e:
             for request_id, _, _ in submitted:  # the batch's earlier prompts end with it
                 engine.abort(request_id)
             return answer(e)
         kind = "chat.completion" if chat else "text_completion"
-        created, n, request_id = int(time.time()), params["n"], submitted[0][0]
-        num_prompt_tokens = sum(count for _, count, _ in submitted)
+        created, n, request_id = int(time.time()), params["n"], submitted[0][0]  # a stream's
+        num_prompt_tokens = sum(len(ids) for _, ids, _ in submitted)
+        ids = lambda **named: named if return_token_ids else {}  # vLLM's return_token_ids
         usage = lambda tokens: {"prompt_tokens": num_prompt_tokens, "completion_tokens": sum(tokens),
                                 "total_tokens": num_prompt_tokens + sum(tokens)}
         k = params["logprobs"]
@@ -519,22 +549,25 @@ def build_app(engine, model_name: str, api_key: str | None):
             choices, prompt_logprobs = [], None
             for p, (prompt, samples) in enumerate(zip(prompts, answers.result())):
                 for i, a in enumerate(samples):
-                    choice = {"index": p * n + i, "finish_reason": a.reason}
+                    choice = {"index": p * n + i, "finish_reason": a.reason} | ids(
+                        token_ids=a.token_ids, **({} if chat else {
+                            "prompt_token_ids": submitted[p][1]}))
                     if chat:
                         choice |= {"message": {"role": "assistant", "content": a.text},
                                    "logprobs": chat_logprobs(a.logprobs, k)}
                         prompt_logprobs = vllm_prompt_logprobs(a.prompt)
                     else:
                         echoed = prompt.get("text", a.prompt and a.prompt["text"]) if echo else ""
-                        scored = (a.prompt["logprobs"] if echo else []) + (a.logprobs or [])
-                        choice |= {"text": echoed + a.text,
-                                   "logprobs": None if k is None else completion_logprobs(scored, k),
+                        scored = None if k is None else completion_logprobs(  # echo: k scores
+                            (a.prompt["logprobs"] if echo else []) + a.logprobs, k)  # the prompt
+                        choice |= {"text": echoed + a.text, "logprobs": scored,
                                    "prompt_logprobs": vllm_prompt_logprobs(a.prompt)}
                     choices.append(choice)
-            return {"id": request_id, "object": kind, "created": created, "model": model_name,
+            return {"id": answer_id, "object": kind, "created": created, "model": model_name,
                     "choices": choices,
                     "usage": usage([a.num_tokens for samples in answers.result() for a in samples]),
-                    **({"prompt_logprobs": prompt_logprobs} if chat else {})}
+                    **({"prompt_logprobs": prompt_logprobs} if chat else {}),
+                    **(ids(prompt_token_ids=submitted[0][1]) if chat else {})}
 
         updates = submitted[0][2]
 
@@ -542,13 +575,14 @@ def build_app(engine, model_name: str, api_key: str | None):
             tokens, finished, offsets = [0] * n, 0, [0] * n
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             def chunk(choices, **extra):
-                return "data: " + json.dumps({"id": request_id, "object": chunk_kind,
+                return "data: " + json.dumps({"id": answer_id, "object": chunk_kind,
                                               "created": created, "model": model_name,
                                               "choices": choices, **extra}) + "\n\n"
             try:
                 if chat:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "finish_reason": None} for i in range(n)])
+                                  "finish_reason": None} for i in range(n)],
+                                **ids(prompt_token_ids=submitted[0][1]))
                 while finished < n:
                     waiting = [await updates.get()]
                     while not updates.empty():  # all that wait: when the loop falls behind the
@@ -572,7 +606,8 @@ def build_app(engine, model_name: str, api_key: str | None):
                             body = {"text": a.text, "logprobs": scored}
                             offsets[index] += sum(len(t[0][1]) for t in a.logprobs or [])
                         events_now.append(chunk([{"index": index, **body,
-                                                  "finish_reason": a.reason}]))
+                                                  "finish_reason": a.reason,
+                                                  **ids(token_ids=a.token_ids)}]))
                     yield "".join(events_now)
                 if options.get("include_usage"):
                     yield chunk([], usage=usage(tokens))
@@ -650,6 +685,11 @@ def build_app(engine, model_name: str, api_key: str | None):
                 raise BadRequest("'tokens' must be a list of token ids", "tokens")
             return tokens
         return await tokenizer_call(request, "detokenize", ids, lambda text: {"prompt": text})
+
+    @app.get("/version")
+    async def version():
+        """vLLM's: the server's version, which clients log beside their results."""
+        return {"version": VERSION}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):

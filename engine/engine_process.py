@@ -14,14 +14,15 @@ Two pipes carry pickled messages, small and few:
                        ("abort", request_id)
     engine -> server   ("ready", info)                       once, after the model and the pool
                        ("exit", code)                        the engine could not start (said why)
-                       ("added", request_id, num_prompt_tokens, error_kind, message)
+                       ("added", request_id, prompt_token_ids, error_kind, message)
                                                              error_kind: None, "full" (no free
                                                              row), "bad" (the input's fault) or
                                                              "failed" (ours: this request only)
                        ("step", updates, metrics)            one message a step: each sample's
                                                              new text, tokens so far, finish,
                                                              new tokens' log-probabilities and,
-                                                             in its first, the prompt's (if asked)
+                                                             in its first, the prompt's (if
+                                                             asked), new token ids
                        ("failed", message)                   the engine stopped
 
 The engine side tokenizes (the server never loads the model's files) and detokenizes, as
@@ -45,6 +46,8 @@ from plumbing.cli import UserError
 
 START_TIMEOUT_S = 1800  # loading 8B from a slow disk and compiling: minutes, not hours
 LATENCY_BOUNDS_S = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_BOUNDS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                        5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's buckets for this histogram
 
 
 class Histogram:
@@ -114,15 +117,17 @@ def drain(commands, inbox: queue.Queue) -> None:
 
 def serve(engine, inbox: queue.Queue, results) -> None:
     sent_chars = {}  # (request id, sample) -> characters of its text sent: only new text travels
-    sent_logprobs = {}  # (request id, sample) -> tokens whose log-probabilities were sent
+    sent_tokens = {}  # (request id, sample) -> tokens whose ids and log-probabilities were sent
     echoes = set()  # request ids whose first updates carry the prompt's text
     # From a request's arrival at the engine's process to its first and last token on the host:
     # what tools/latency_sweep.py measures in one process, so that a client's time less these is
     # HTTP's own (tools/serve_bench.py prints both)
     first_token, end_to_end = Histogram(), Histogram()
+    inter_token, timed = Histogram(INTER_TOKEN_BOUNDS_S), {}  # (request id, sample) -> times seen
 
     def metrics() -> dict:
         return snapshot(engine) | {"time_to_first_token_seconds": first_token.export(),
+                                   "inter_token_latency_seconds": inter_token.export(),
                                    "e2e_request_latency_seconds": end_to_end.export()}
     results.send(("step", [], metrics()))  # /metrics serves every figure from the start
     while True:
@@ -132,22 +137,28 @@ def serve(engine, inbox: queue.Queue, results) -> None:
         for s in engine.step():
             key, request = (s.request_id, s.index), s.request
             text = s.sendable_text
-            logprobs = engine.logprobs_of(s, sent_logprobs.get(key, 0))
-            sent_logprobs[key] = len(request.output_tokens)
+            sent = sent_tokens.get(key, 0)
+            logprobs = engine.logprobs_of(s, sent)
+            sent_tokens[key] = len(request.output_tokens)
             prompt = None
             if key not in sent_chars and (s.request_id in echoes
                                           or s.params.prompt_logprobs is not None):
-                first = (request.prompt_tokens[0], engine.tokenizer.decode(request.prompt_tokens[:1]),
-                         None, None)  # nothing scores the first token
+                first = (request.prompt_tokens[0],  # nothing scores the first token
+                         engine.tokenizer.decode(request.prompt_tokens[:1]), None, None)
                 prompt = {"text": engine.tokenizer.decode(request.prompt_tokens),
                           "logprobs": on_the_wire(engine.prompt_logprobs_of(s), first)}
             updates.append((*key, text[sent_chars.get(key, 0):], len(request.output_tokens),
-                            s.finish_reason, on_the_wire(logprobs), prompt))
+                            s.finish_reason, on_the_wire(logprobs), prompt,
+                            request.output_tokens[sent:]))
             if key not in sent_chars and request.token_times:
                 first_token.observe(request.token_times[0] - request.arrival_time)
+            times = request.token_times  # each token's wait after the one before
+            for i in range(max(timed.get(key, 0), 1), len(times)):
+                inter_token.observe(times[i] - times[i - 1])
+            timed[key] = len(times)
             sent_chars[key] = len(text)
             if s.finish_reason is not None:
-                del sent_chars[key], sent_logprobs[key]
+                del sent_chars[key], sent_tokens[key], timed[key]
                 echoes.discard(s.request_id)
                 if request.token_times:
                     end_to_end.observe(request.token_times[-1] - request.arrival_time)
@@ -186,13 +197,14 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool, echoes: set)
             continue
         _, request_id, prompt, params = command
         try:
-            tokens = prompt_tokens(engine.tokenizer, prompt)
+            sampling = SamplingParams(**params)
+            tokens = engine.truncated(prompt_tokens(engine.tokenizer, prompt), sampling)
             waited = time.perf_counter() - received  # in the inbox, for the engine's turn
             arrived = engine.scheduler.now() - waited  # on the scheduler's clock
-            engine.add_request(tokens, SamplingParams(**params), request_id, arrival_time=arrived)
+            engine.add_request(tokens, sampling, request_id, arrival_time=arrived)
             if prompt.get("echo"):
                 echoes.add(request_id)
-            results.send(("added", request_id, len(tokens), None, None))
+            results.send(("added", request_id, tokens, None, None))
         except QueueFull as e:
             results.send(("added", request_id, None, "full", str(e)))
         except ValueError as e:
@@ -221,7 +233,9 @@ def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
     if "ids" in prompt:
         return prompt["ids"]
     if "messages" in prompt:
-        return tokenizer.chat(prompt["messages"])  # the model's chat template
+        return tokenizer.chat(prompt["messages"],  # the model's chat template
+                              prompt.get("add_generation_prompt", True),
+                              prompt.get("continue_final_message", False))
     if prompt.get("plain"):
         return tokenizer.encode(prompt["text"])
     return tokenizer.encode_prompt(prompt["text"])
@@ -309,8 +323,8 @@ class EngineClient:
         # message that has only begun to arrive must be waited for, not taken as the pipe's end
         os.set_blocking(fd, True)
 
-    async def add(self, request_id: str, prompt: dict, params: dict) -> tuple[int, asyncio.Queue]:
-        """Returns the prompt's length in tokens and the queue its updates arrive on. Raises
+    async def add(self, request_id: str, prompt: dict, params: dict) -> tuple[list, asyncio.Queue]:
+        """Returns the prompt's token ids and the queue its updates arrive on. Raises
         ValueError (a request the engine cannot run), OverflowError (no free row now) or
         RequestFailed (the engine failed at this request, and serves on)."""
         if self.failed:
@@ -318,12 +332,12 @@ class EngineClient:
         answer = self.added[request_id] = self.loop.create_future()
         self.listeners[request_id] = asyncio.Queue()
         self._send(("add", request_id, prompt, params))
-        num_prompt_tokens, error_kind, message = await answer
+        prompt_token_ids, error_kind, message = await answer
         if error_kind is not None:
             self.listeners.pop(request_id)
             kinds = {"full": OverflowError, "bad": ValueError, "failed": RequestFailed}
             raise kinds[error_kind](message)
-        return num_prompt_tokens, self.listeners[request_id]
+        return prompt_token_ids, self.listeners[request_id]
 
     async def ask(self, kind: str, what) -> object:
         """The engine's tokenizer, through its process: "tokenize" a prompt dict (as `add` takes

@@ -91,14 +91,21 @@ class LLM:
         raise ValueError(f"a prompt is a text, a list of token ids, {{'prompt': text}} or "
                          f"{{'prompt_token_ids': ids}}, not {str(prompt)[:80]}")
 
-    def chat(self, conversations, sampling_params=None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(self, conversations, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """conversations: one conversation, a list of {"role", "content"} messages, or a list of
         them (as vLLM takes them), each formatted by the model's chat template (Llama 3's, or
-        SmolLM2's ChatML); sampling_params and use_tqdm as generate's."""
+        SmolLM2's ChatML); sampling_params and use_tqdm as generate's; add_generation_prompt,
+        continue_final_message: vLLM's (the assistant's turn opened, or the last turn left open
+        for the model to go on with)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message goes on with the last message: pass "
+                             "add_generation_prompt=False with it")
         if conversations and isinstance(conversations[0], dict):  # one conversation
             conversations = [conversations]
-        token_lists = [self.tokenizer.chat(chat_messages(c)) for c in conversations]
+        token_lists = [self.tokenizer.chat(chat_messages(c), add_generation_prompt,
+                                           continue_final_message) for c in conversations]
         texts = [self.tokenizer.decode(tokens) for tokens in token_lists]  # the templated prompt
         return self._run(token_lists, sampling_params, use_tqdm, texts)
 
@@ -142,7 +149,9 @@ class LLM:
             except QueueFull:
                 return
             pending.popleft()
-            outputs[request_id] = RequestOutput(request_id, texts[i], tokens, [None] * params[i].n)
+            outputs[request_id] = RequestOutput(request_id, texts[i],
+                                                self.engine.truncated(tokens, params[i]),
+                                                [None] * params[i].n)
 
     def _keep(self, sequence: Sequence, outputs: dict) -> bool:
         """An ended sample's output, in its request's place; whether the request is done."""

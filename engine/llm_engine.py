@@ -356,6 +356,7 @@ class LLMEngine:
         when there are not n free rows. arrival_time: when it arrived on the scheduler's clock
         (a replayed trace's time; by default now), from which its latencies count."""
         params.check()
+        prompt_token_ids = self.truncated(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if not prompt_token_ids or len(prompt_token_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; it must have "
@@ -408,6 +409,14 @@ class LLMEngine:
             self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
         return request_id
+
+    def truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as the context takes
+        with one to generate), as vLLM cuts it: from the left."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        return prompt_token_ids[-(self.max_seq_len - 1 if k == -1 else k):]
 
     def abort(self, request_id: str) -> None:
         """End a request's samples now: their blocks and rows are free at once."""

@@ -109,6 +109,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     logprobs: int | None = None  # the generated tokens' log-probabilities, with the top k
     prompt_logprobs: int | None = None  # the prompt's, with the top k (features/logprobs/logprobs.py)
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens only; -1: the context's
     # vLLM's fields this engine does not implement yet, at the defaults that ask for nothing:
     # any other value is refused by name (check), not taken and silently ignored
     presence_penalty: float = 0.0
@@ -119,7 +120,6 @@ class SamplingParams:
     logit_bias: dict | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -152,7 +152,10 @@ class SamplingParams:
                           isinstance(self.include_stop_str_in_output, bool)),
                          *[(name, k is None or is_whole_number(k) and 0 <= k < 2**31) for name, k
                            in (("logprobs", self.logprobs),
-                               ("prompt_logprobs", self.prompt_logprobs))]]:
+                               ("prompt_logprobs", self.prompt_logprobs))],
+                         ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or
+                          is_whole_number(self.truncate_prompt_tokens)
+                          and 1 <= self.truncate_prompt_tokens < 2**63)]:
             if not ok:
                 raise ValueError(f"SamplingParams {name} = {getattr(self, name)!r} is of the "
                                  f"wrong kind or out of range")
@@ -168,7 +171,7 @@ class SamplingParams:
 NOT_IMPLEMENTED = {f.name: f.default for f in dataclasses.fields(SamplingParams)
                    if f.name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                                  "min_p", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
-                                 "truncate_prompt_tokens", "skip_special_tokens",
+                                 "skip_special_tokens",
                                  "spaces_between_special_tokens")}
 
 

@@ -169,12 +169,17 @@ class ChatMLTokenizer:
         return (self.shared_prefix(system_prompt) + self.turn("user", user_message)
                 + [self.im_start] + self.encode("assistant\n"))
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[int]:
         """Any turns ({"role", "content"}), after the template's system turn unless the first is
-        one (engine/llm.py)."""
+        one (engine/llm.py); then the assistant's turn opened (add_generation_prompt), or the
+        last turn left open for the model to go on with (continue_final_message: vLLM's)."""
         system = [] if messages and messages[0]["role"] == "system" else self.shared_prefix(None)
         turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
-        return system + turns + [self.im_start] + self.encode("assistant\n")
+        if continue_final_message:  # the last turn without <|im_end|> and its newline
+            turns = turns[:len(turns) - 1 - len(self.encode("\n"))]
+        return system + turns + ([self.im_start] + self.encode("assistant\n")
+                                 if add_generation_prompt else [])
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion's prompt: the text alone (SmolLM2 adds no begin-of-text token)."""

@@ -533,10 +533,15 @@ class Tokenizer:
         return (self.shared_prefix(system_prompt) + self.turn("user", user_message)
                 + self.header("assistant"))
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """Any turns ({"role", "content"}), then the assistant's header (engine/llm.py)."""
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[int]:
+        """Any turns ({"role", "content"}), then the assistant's header (add_generation_prompt),
+        or the last turn left open for the model to go on with (continue_final_message: vLLM's;
+        engine/llm.py)."""
         turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
-        return [self.bos_id] + turns + self.header("assistant")
+        if continue_final_message:  # the last turn without its <|eot_id|>
+            turns = turns[:-1]
+        return [self.bos_id] + turns + (self.header("assistant") if add_generation_prompt else [])
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion's prompt: <|begin_of_text|>, then the text."""

@@ -282,6 +282,11 @@ def test_vllms_shape_chat_ids_an_unknown_model_and_its_metric_names(server, clie
                              if line.startswith(f"{prefix}:{name}{{")) for prefix in ("llama3", "vllm"))
         assert ours == theirs, name
     assert "vllm:kv_reserved_bytes" not in text  # a lesson figure vLLM has no equal of
+    gaps = lambda: metrics(server)["inter_token_latency_seconds_count"]
+    before = gaps()
+    client.completions.create(model="tiny", prompt="hi", max_tokens=5, extra_body={"ignore_eos": True})
+    assert gaps() == before + 4, "five tokens, four waits between them"
+    assert httpx.get(server + "/version").json() == {"version": "0.70.0"}
 
 
 def test_a_wrong_api_key_gets_401(server):
@@ -480,7 +485,7 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     inbox.put((command, time.perf_counter() - 0.5))
     assert take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False,
                          echoes=set())
-    assert answers == [("added", "waited", 3, None, None)]
+    assert answers == [("added", "waited", [1, 2, 3], None, None)]
     request = next(s.request for s in engine.sequences.values() if s.request_id == "waited")
     assert 0.5 <= engine.scheduler.now() - request.arrival_time < 5
     engine.abort("waited")
@@ -502,7 +507,7 @@ def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
     {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
     {"min_p": 0.1}, {"min_tokens": 3},
     {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]},
-    {"truncate_prompt_tokens": 3}, {"skip_special_tokens": False},
+    {"skip_special_tokens": False},
     {"spaces_between_special_tokens": False}], ids=lambda fields: next(iter(fields)))
 def test_vllms_sampling_fields_not_implemented_are_refused_by_name(fields):
     # vLLM's SamplingParams takes them; here they were a TypeError. At their defaults they ask
@@ -571,7 +576,7 @@ def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, 
     take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False,
                   echoes=set())
     assert answers[0][:4] == ("added", "failing", None, "failed") and "a bug" in answers[0][4]
-    assert answers[1] == ("added", "next", 3, None, None)
+    assert answers[1] == ("added", "next", [1, 2, 3], None, None)
     assert len(engine.free_rows) == free_rows - 2, "the failing request's rows came back"
     while engine.has_unfinished():
         engine.step()
@@ -950,18 +955,18 @@ def test_stop_token_ids_end_an_answer_and_a_stop_string_may_stay_in_it(server, o
 ASKS = {"best_of": 2, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0}, "presence_penalty": 0.5, "suffix": "!", "use_beam_search": True,
         "min_p": 0.5, "repetition_penalty": 1.2, "length_penalty": 0.5, "min_tokens": 3,
         "skip_special_tokens": False,
-        "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
+        "spaces_between_special_tokens": False,
         "allowed_token_ids": [1, 2], "prompt_embeds": "AAAA",
         "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
         "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
         "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ", "priority": 1,
-        "request_id": "mine", "logits_processors": ["x.Y"], "return_tokens_as_token_ids": True,
+        "logits_processors": ["x.Y"], "return_tokens_as_token_ids": True,
         "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
         "top_logprobs": 2, "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required", "reasoning_effort": "low", "include_reasoning": False,
         "documents": [{"title": "a", "text": "b"}], "chat_template": "{{ messages }}",
         "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
-        "structural_tag": "{}", "add_generation_prompt": False, "continue_final_message": True,
+        "structural_tag": "{}",
         "bad_words": ["x"], "structured_outputs": {"choice": ["a"]}, "no_such_field": 1}
 COMPLETION_ONLY = {"suffix", "prompt_embeds", "add_special_tokens"}
 CHAT_ONLY = {"tools", "tool_choice", "reasoning_effort", "include_reasoning", "documents",
@@ -1015,6 +1020,12 @@ def test_a_batch_of_token_prompts_with_echo_gives_the_offline_prompt_logprobs(se
             assert logprob <= max(top.values()) + 1e-6 and 1 <= len(top) <= 2  # its own and top 1
         assert choice["text"].endswith(want.outputs[0].text)
     assert served["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    echoed = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"prompt": PROMPTS[0], "echo": True, "max_tokens": 3,
+                              "temperature": 0}, timeout=60).json()["choices"][0]
+    alone = offline.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0),
+                             use_tqdm=False)[0].outputs[0]
+    assert echoed["text"] == PROMPTS[0] + alone.text and echoed["logprobs"] is None
 
 
 def test_chat_logprobs_and_a_streamed_completions_logprobs_are_the_offline_ones(server, client,
@@ -1051,3 +1062,65 @@ def test_what_logprobs_do_not_combine_with_is_a_400_naming_the_field(server):
             ("/v1/completions", {"prompt": ["a"] * 41}, "prompt")]:  # past --max-num-seqs 40
         refused = post(path, body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm(server, client, offline):
+    ids = offline.get_tokenizer().encode_prompt(PROMPTS[3])
+    served = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    alone = offline.generate([ids[-5:]], SamplingParams(max_tokens=6, temperature=0),
+                             use_tqdm=False)[0].outputs[0]
+    assert served.usage.prompt_tokens == 5 and served.choices[0].text == alone.text
+    cut = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0,
+                                                 truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].text == alone.text
+    whole = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0,
+                                                   truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids  # -1: as much as the context takes, all of these
+
+
+def test_a_clients_request_id_names_the_answer_as_vllms_and_may_come_twice(server, client):
+    answers = [client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}], extra_body={"request_id": "mine"}) for _ in range(2)]
+    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=2,
+                                           extra_body={"request_id": "mine"})
+    assert [a.id for a in answers] == ["chatcmpl-mine"] * 2 and completion.id == "cmpl-mine"
+
+
+def test_a_chat_goes_on_with_its_last_message_as_the_offline_chat(server, client, offline):
+    chat = [{"role": "user", "content": PROMPTS[4]}, {"role": "assistant", "content": "Well,"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    served = client.chat.completions.create(model="tiny", messages=chat, max_tokens=5,
+                                            temperature=0, extra_body=flags)
+    alone = offline.chat(chat, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False,
+                         **flags)[0]
+    assert served.choices[0].message.content == alone.outputs[0].text
+    post = lambda path, body: httpx.post(server + path, json=body,
+                                         headers={"Authorization": f"Bearer {KEY}"})
+    closed = post("/tokenize", {"messages": chat, "add_generation_prompt": False}).json()["tokens"]
+    opened = offline.get_tokenizer().chat(chat)  # Llama 3's template: ... <|eot_id|>, a header
+    assert opened[:len(closed)] == closed and closed[-1] == offline.get_tokenizer().special[
+        "<|eot_id|>"]
+    assert alone.prompt_token_ids == closed[:-1]  # the last turn open: no <|eot_id|>
+    both = post("/v1/chat/completions", {"messages": chat, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_return_token_ids_gives_the_offline_ids_whole_or_streamed(server, client, offline):
+    ids = offline.get_tokenizer().encode_prompt(PROMPTS[5])
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = offline.generate([ids], greedy, use_tqdm=False)[0].outputs[0]
+    served = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True}).model_dump()
+    choice = served["choices"][0]
+    assert choice["token_ids"] == alone.token_ids and choice["prompt_token_ids"] == ids
+    messages = [{"role": "user", "content": PROMPTS[5]}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                          temperature=0, stream=True,
+                                          extra_body={"return_token_ids": True})
+    chunks = [c.model_dump() for c in chat]
+    assert chunks[0]["prompt_token_ids"] == offline.get_tokenizer().chat(messages)
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    assert streamed == offline.chat(messages, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2).model_dump()
+    assert "token_ids" not in plain["choices"][0] or plain["choices"][0]["token_ids"] is None

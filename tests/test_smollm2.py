@@ -94,6 +94,11 @@ def test_chat_prompts_match_transformers_chat_template(ours, transformers_smollm
         text = theirs.apply_chat_template([{"role": "user", "content": prompt.prompt}],
                                           add_generation_prompt=True, tokenize=False)
         assert prompt.prompt_tokens == theirs(text, add_special_tokens=False).input_ids, prompt.id
+    chat = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2"}]
+    for flags in [{"add_generation_prompt": False},
+                  {"add_generation_prompt": False, "continue_final_message": True}]:
+        text = theirs.apply_chat_template(chat, tokenize=False, **flags)
+        assert ours.chat(chat, **flags) == theirs(text, add_special_tokens=False).input_ids, flags
 
 
 def test_text_that_spells_a_control_token_stays_text(ours):
