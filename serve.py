@@ -524,7 +524,8 @@ def build_app(engine, model_name: str, api_key: str | None):
         created, n, request_id = int(time.time()), params["n"], submitted[0][0]  # a stream's
         num_prompt_tokens = sum(len(ids) for _, ids, _ in submitted)
         ids = lambda **named: named if return_token_ids else {}  # vLLM's return_token_ids
-        usage = lambda tokens: {"prompt_tokens": num_prompt_tokens, "completion_tokens": sum(tokens),
+        usage = lambda tokens: {"prompt_tokens": num_prompt_tokens,
+                                "completion_tokens": sum(tokens),
                                 "total_tokens": num_prompt_tokens + sum(tokens)}
         k = params["logprobs"]
         if not stream:

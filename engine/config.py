@@ -317,7 +317,7 @@ def add_paged_feature_arguments(parser) -> None:
                         help="every sequence holds its own blocks (the comparison run)")
 
 
-MAX_LOGPROBS = 1024  # top tokens per token: far more than any evaluation asks, far below a vocabulary
+MAX_LOGPROBS = 1024  # top tokens per token: far more than evaluations ask, far below a vocabulary
 
 
 def logprobs_count(text: str) -> int:

@@ -188,7 +188,7 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
 
 def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, largest_batch,
                   eager_when):
-    """The decode step that gives log-probabilities (features/logprobs/logprobs.py), eager and, where the
+    """The decode step that gives log-probabilities (features/logprobs/), eager and, where the
     plain step has CUDA graphs, as graphs of its own in their memory pool."""
     from features.logprobs.logprobs import LogprobDecoder, Logprobs
     table, width = manager.block_table, run.args.max_logprobs
@@ -364,7 +364,7 @@ class LLMEngine:
         if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
         asked = [k for k in (params.logprobs, params.prompt_logprobs) if k is not None]
-        if asked and max(asked) > self.run.args.max_logprobs or asked and not self.engine.logprobs:
+        if asked and (not self.engine.logprobs or max(asked) > self.run.args.max_logprobs):
             raise ValueError(f"logprobs and prompt_logprobs may ask for at most "
                              f"{self.run.args.max_logprobs} top tokens here (--max-logprobs)")
         if params.n > len(self.free_rows):

@@ -141,7 +141,7 @@ class StepInFlight:
     requests: list  # the requests that take a new token: all but a mixed step's partial prompts
     tokens: torch.Tensor  # [len(requests)]
     done: object = None
-    logprobs: torch.Tensor | None = None  # [len(requests), 3 + 2k]: features/logprobs/logprobs.py's rows
+    logprobs: torch.Tensor | None = None  # [len(requests), 3 + 2k]: features/logprobs/'s rows
     prompt_logprobs: list = ()  # (request, its first prompt token scored, [n, 3 + 2k]) each
 
 
@@ -188,7 +188,7 @@ class ModelRunner(Engine):
         longest_first: decode steps' rows longest first, so that the attention kernel's last wave is
         short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
         the lesson's. logprobs: the rows that ask for log-probabilities, and the decode step that
-        gives them, eager and as graphs (features/logprobs/logprobs.py's Logprobs); None: no row can."""
+        gives them, eager and as graphs (features/logprobs/'s Logprobs); None: no row can."""
         super().__init__(model, cache, manager)
         self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
         self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
@@ -213,7 +213,7 @@ class ModelRunner(Engine):
         """The one place a decode step runs (tokens on the device; positions, rows, slots on the
         host): a CUDA graph where one replays the batch, else kernel by kernel; with a cascade,
         kernel by kernel and without it when the rows do not all share its prefix. [B] tokens,
-        or with `logprobs` [B, 3 + 2k] rows of features/logprobs/logprobs.py's, the token first."""
+        or with `logprobs` [B, 3 + 2k] rows of features/logprobs/'s, the token first."""
         eager, graphs = ((self.logprobs.eager, self.logprobs.graphs) if logprobs
                          else (self.eager, self.graphs))
         if self.cascade is not None and not self.cascade.shared_by(rows):
@@ -354,7 +354,7 @@ class ModelRunner(Engine):
     def _prefill_pass(self, requests: list, rows: np.ndarray, new_tokens: list[list[int]],
                       starts: np.ndarray, logprobs: bool):
         """One forward pass over new_tokens[i], request rows[i]'s tokens from position starts[i]:
-        [B] tokens, or with `logprobs` [B, 3 + 2k] rows (features/logprobs/logprobs.py's)."""
+        [B] tokens, or with `logprobs` [B, 3 + 2k] rows (features/logprobs/'s)."""
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         new = np.array([len(t) for t in new_tokens])
         lengths = starts + new  # each one's tokens, cached and new
@@ -393,7 +393,7 @@ class ModelRunner(Engine):
 
     def _choose(self, logits, rows: np.ndarray, lengths: np.ndarray, logprobs: bool):
         """The sampler's tokens ([B]) from logits at each request's last token, or with
-        `logprobs` features/logprobs/logprobs.py's rows for them ([B, 3 + 2k], the token first)."""
+        `logprobs` features/logprobs/'s rows for them ([B, 3 + 2k], the token first)."""
         on_device = lambda a: to_device(a, self.device, torch.long)
         tokens = self.sampler(logits, on_device(rows), on_device(lengths))  # [B]
         return self.logprobs.of(logits, tokens) if logprobs else tokens
@@ -425,7 +425,7 @@ class ModelRunner(Engine):
             self.stopped.difference_update(drawing)  # stopped while this step ran: done with
             tokens, drawing = tokens[kept], [drawing[i] for i in kept]
             scored = None if scored is None else scored[kept]
-        before = [len(r.output_tokens) for r in drawing]
+        before = None if scored is None else [len(r.output_tokens) for r in drawing]
         finished = append_tokens_at(drawing, tokens, stop_ids, scheduler.now())
         if scored is not None:  # a row for each token taken (a stop token is not)
             for request, count, row in zip(drawing, before, scored):

@@ -56,7 +56,7 @@ def report(run, cache, manager, generation) -> None:
 
 def logprobs_record(request, k: int | None) -> dict:
     """--logprobs K: each output token's log-probability, rank and the K likeliest as [id,
-    log-probability] (features/logprobs/logprobs.py's rows)."""
+    log-probability] (features/logprobs/'s rows)."""
     if k is None:
         return {}
     from features.logprobs.logprobs import top_of

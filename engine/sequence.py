@@ -25,7 +25,7 @@ class ServedRequest(Request):
     arrival_time: float = 0.0  # seconds from the start: when it asked to run
     admitted_at: float | None = None  # when it first got blocks
     token_times: list[float] = field(default_factory=list)  # when each new token reached the host
-    # Log-probabilities, where asked (features/logprobs/logprobs.py): a row for each output token, and
+    # Log-probabilities, where asked (features/logprobs/): a row for each output token, and
     # for each prompt token but the first, by its index. A request that scores its prompt
     # computes all of it: it reads no cached prefix and forks from no other request.
     logprobs: list = field(default_factory=list)

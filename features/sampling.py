@@ -108,7 +108,7 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # end there, as at EOS
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     logprobs: int | None = None  # the generated tokens' log-probabilities, with the top k
-    prompt_logprobs: int | None = None  # the prompt's, with the top k (features/logprobs/logprobs.py)
+    prompt_logprobs: int | None = None  # the prompt's, with the top k (features/logprobs/)
     truncate_prompt_tokens: int | None = None  # the prompt's last k tokens only; -1: the context's
     # vLLM's fields this engine does not implement yet, at the defaults that ask for nothing:
     # any other value is refused by name (check), not taken and silently ignored

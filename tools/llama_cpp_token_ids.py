@@ -6,9 +6,9 @@
 The texts: the first two turns of ShareGPT's first 150 records (the prompts the scripts run;
 their first 1,000 characters), and edge cases around what SmolLM2's pre-tokenizer ("smollm" in
 the file's tokenizer.ggml.pre) does differently from GPT-2's byte-level pattern alone:
-whitespace before a digit, runs of digits, digits inside words. llama.cpp reads only the file's vocabulary here (vocab_only), with
-no beginning-of-text token and control tokens spelled in the text left as text, as our
-tokenizer encodes a prompt's text.
+whitespace before a digit, runs of digits, digits inside words. llama.cpp reads only the
+file's vocabulary here (vocab_only), with no beginning-of-text token and control tokens spelled
+in the text left as text, as our tokenizer encodes a prompt's text.
 """
 
 import argparse

@@ -26,7 +26,6 @@ import torch
 
 from engine.model_runner import SamplingDecoder
 
-MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (vLLM's --max-logprobs)
 ROWS_AT_ONCE = 512  # rows whose float32 logits are held at once: 4 bytes per vocabulary entry
 
 
