@@ -164,6 +164,8 @@ def test_a_damaged_gguf_ends_in_one_paragraph(tmp_path, damage):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+# slow: two engines over the 30-layer model, 27 s on 2 cores (the suite's largest case)
+@pytest.mark.slow
 def test_the_api_takes_the_checkpoint_path_and_answers_as_the_preset_that_names_it():
     # vLLM's LLM(model=PATH): the .gguf the smollm2 preset reads, given by its path, gives the
     # preset's tokens; RequestOutput.prompt is the prompt's text (a chat's, as templated).
