@@ -162,7 +162,30 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int, max_logprob
         truncate_prompt_tokens=field(body, "truncate_prompt_tokens", int, None,
                                      lambda k: k == -1 or 1 <= k < 2**63,
                                      "-1 or a whole number of at least 1"),
-        **logprobs_params(body, max_logprobs, chat))
+        **penalties(body), **logprobs_params(body, max_logprobs, chat))
+
+
+def penalties(body: dict) -> dict:
+    """vLLM's logits processors' fields (features/sampling.py's RowProcessing), with OpenAI's
+    ranges; logit_bias's token ids come as JSON's string keys."""
+    number = lambda name, default, low, high: float(field(
+        body, name, (int, float), default, lambda v: low <= v <= high,
+        f"a number from {low} to {high}"))
+    bias = field(body, "logit_bias", dict, {}, lambda b: len(b) <= MAX_LOGIT_BIAS and all(
+        isinstance(k, str) and k.isdigit() and isinstance(v, (int, float))
+        and not isinstance(v, bool) and -100 <= v <= 100 for k, v in b.items()),
+        f"at most {MAX_LOGIT_BIAS} token ids (as strings) each to a number from -100 to 100")
+    return dict(presence_penalty=number("presence_penalty", 0.0, -2, 2),
+                frequency_penalty=number("frequency_penalty", 0.0, -2, 2),
+                repetition_penalty=float(field(body, "repetition_penalty", (int, float), 1.0,
+                                               lambda v: 0 < v <= 100,
+                                               "a number above 0, at most 100")),
+                min_p=number("min_p", 0.0, 0, 1),
+                min_tokens=field(body, "min_tokens", int, 0, lambda v: 0 <= v < 2**63,
+                                 "a whole number, 0 or more"),
+                logit_bias={int(k): float(v) for k, v in bias.items()},
+                skip_special_tokens=field(body, "skip_special_tokens", bool, True, None,
+                                          "true or false"))
 
 
 def logprobs_params(body: dict, max_logprobs: int, chat: bool) -> dict:
@@ -187,8 +210,11 @@ def logprobs_params(body: dict, max_logprobs: int, chat: bool) -> dict:
 # names the client for its own records, and changes no answer
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
         "stop", "seed", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "stream",
-        "stream_options", "user", "truncate_prompt_tokens", "request_id", "return_token_ids"}
+        "stream_options", "user", "truncate_prompt_tokens", "request_id", "return_token_ids",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+        "logit_bias", "skip_special_tokens"}
 MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
+MAX_LOGIT_BIAS = 1024  # a request's biased tokens (OpenAI allows 300)
 READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs"},
            "chat": READ | {"messages", "logprobs", "top_logprobs", "prompt_logprobs",
                            "add_generation_prompt", "continue_final_message"}}
@@ -197,19 +223,18 @@ READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs
 # (their defaults): any other value gets a 400, rather than an answer that silently lacks what
 # was asked for (docs/errors.md's table). The sampling ones are SamplingParams' (features/
 # sampling.py's NOT_IMPLEMENTED), named again here: the server's process never imports PyTorch.
-NOT_IMPLEMENTED = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-                   "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1),
+NOT_IMPLEMENTED = {"best_of": (None, 1),
                    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
                    "response_format": (None, {"type": "text"}),
                    # vLLM's own
-                   "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
+                   "use_beam_search": (None, False),
                    "length_penalty": (None, 1),
                    "allowed_token_ids": (None,),
                    "bad_words": (None, []), "structured_outputs": (None,),
                    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
                    "guided_grammar": (None,),
                    "chat_template": (None,),
-                   "chat_template_kwargs": (None, {}), "skip_special_tokens": (None, True),
+                   "chat_template_kwargs": (None, {}),
                    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
                    "logits_processors": (None,), "prompt_embeds": (None,),
                    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
@@ -306,6 +331,16 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: 
         "truncate_prompt_tokens": {"oneOf": [{"enum": [-1]}, whole(1, 2**63 - 1)]},
         "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
         "return_token_ids": {"type": "boolean"},
+        **{name: {"type": "number", "minimum": -2, "maximum": 2}
+           for name in ("presence_penalty", "frequency_penalty")},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "min_tokens": whole(0, 2**63 - 1),
+        "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": "^[0-9]+$"},
+                       "additionalProperties": {"type": "number", "minimum": -100,
+                                                "maximum": 100}},
+        "skip_special_tokens": {"type": "boolean"},
         "stream": {"type": "boolean"},
         "user": {"type": "string"},
         "stream_options": {"type": "object",

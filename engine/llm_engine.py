@@ -285,7 +285,8 @@ class LLMEngine:
                                                                     max_running=max_num_seqs))
         self.run = dataclasses.replace(run, num_sequences=max_num_seqs)
         self.cache, self.manager = allocate_kv_cache(self.run, served=True)
-        self.sampler = RowSampler(max_num_seqs, self.run.device)
+        self.sampler = RowSampler(max_num_seqs, self.run.device, run.model.args.vocab_size,
+                                  run.args.max_seq_len)
         # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
         # the per-row sampler (a graph would have recorded one path for every row forever).
         # Chosen as each step is launched, which with overlapped steps is a step ahead of the
@@ -293,7 +294,7 @@ class LLMEngine:
         self.engine = make_engine(self.run, model_forward(self.run, progress), self.cache,
                                   self.manager, self.sampler, max_num_seqs, progress,
                                   arrivals=True,  # a client's, or the server's
-                                  graph_sampler=greedy, eager_when=self.sampler.any_samples,
+                                  graph_sampler=greedy, eager_when=self.sampler.runs_eagerly,
                                   served=True)
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [], served=True)
         self.engine.serve(max_num_seqs)
@@ -363,6 +364,9 @@ class LLMEngine:
                              f"1 to {self.max_seq_len - 1:,}: the context is {self._context()}")
         if max(prompt_token_ids) >= self.run.model.args.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
+        vocab_size = self.run.model.args.vocab_size
+        if any(t >= vocab_size for t in params.logit_bias or {}):
+            raise ValueError(f"a logit_bias token id is outside the vocabulary of {vocab_size:,}")
         asked = [k for k in (params.logprobs, params.prompt_logprobs) if k is not None]
         if asked and (not self.engine.logprobs or max(asked) > self.run.args.max_logprobs):
             raise ValueError(f"logprobs and prompt_logprobs may ask for at most "
@@ -391,7 +395,8 @@ class LLMEngine:
             self.scheduler.refuse_if_larger_than_the_pool(requests[0])  # its samples are alike
             last_token = to_device(np.array(prompt_token_ids[-1:]), self.run.device)  # [1]
             for index, request in enumerate(requests):
-                self.sampler.set_row(request.row, params, index, seed)
+                self.sampler.set_row(request.row, params, index, seed, prompt_token_ids,
+                                     self.held_back_by_min_tokens(params))
                 if self.engine.logprobs:
                     self.engine.logprobs.set_row(request.row, params.logprobs,
                                                  params.prompt_logprobs)
@@ -409,6 +414,12 @@ class LLMEngine:
             self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)  # once: its samples share it
         return request_id
+
+    def held_back_by_min_tokens(self, params: SamplingParams) -> set[int]:
+        """The tokens that would end the answer (vLLM's min-tokens processor holds back the
+        same): end of text, unless ignore_eos, and the request's stop tokens in the vocabulary."""
+        ends = set() if params.ignore_eos else set(self.stop_ids)
+        return ends | {t for t in params.stop_token_ids if t < self.run.model.args.vocab_size}
 
     def truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as the context takes
@@ -464,13 +475,15 @@ class LLMEngine:
                 self._end(sequence, "stop")
             # Only the new tokens are decoded: from the last whole character on, the bytes start
             # a character afresh. One cut between tokens ends in U+FFFD: it waits for the rest.
-            tail = self.tokenizer.decode(request.output_tokens[sequence.num_text_tokens:])
+            tail = self.tokenizer.decode(request.output_tokens[sequence.num_text_tokens:],
+                                         skip_special_tokens=params.skip_special_tokens)
             text = sequence.text
             if not tail.endswith("\ufffd") or request.status == Status.FINISHED:
                 text, sequence.num_text_tokens = text + tail, len(request.output_tokens)
             look_from = max(len(sequence.text) - max(map(len, params.stop), default=0), 0)
-            found = [(i, len(s)) for s in params.stop
-                     if (i := text.find(s, look_from)) >= 0]
+            found = [(i, len(s)) for s in params.stop  # after min_tokens, as vLLM looks
+                     if len(request.output_tokens) > params.min_tokens
+                     and (i := text.find(s, look_from)) >= 0]
             if found:  # the first stop string in the text ends it, kept if the request asks
                 stop_at, length = min(found)
                 text = text[:stop_at + (length if params.include_stop_str_in_output else 0)]

@@ -110,17 +110,18 @@ class SamplingParams:
     logprobs: int | None = None  # the generated tokens' log-probabilities, with the top k
     prompt_logprobs: int | None = None  # the prompt's, with the top k (features/logprobs/)
     truncate_prompt_tokens: int | None = None  # the prompt's last k tokens only; -1: the context's
-    # vLLM's fields this engine does not implement yet, at the defaults that ask for nothing:
-    # any other value is refused by name (check), not taken and silently ignored
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict | None = None
+    # vLLM's logits processors (RowProcessing), applied before temperature, greedy rows too
+    presence_penalty: float = 0.0  # subtracted once from a token generated before
+    frequency_penalty: float = 0.0  # subtracted for each time a token was generated before
+    repetition_penalty: float = 1.0  # a token of the prompt or the answer: logit / p if > 0, else * p
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (sampling only)
+    min_tokens: int = 0  # no end of text or stop token before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 to 100)
+    skip_special_tokens: bool = True  # the text leaves out control tokens (the token ids keep them)
+    # vLLM's fields this engine does not implement, at the defaults that ask for nothing: any
+    # other value is refused by name (check), not taken and silently ignored
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
@@ -155,7 +156,19 @@ class SamplingParams:
                                ("prompt_logprobs", self.prompt_logprobs))],
                          ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or
                           is_whole_number(self.truncate_prompt_tokens)
-                          and 1 <= self.truncate_prompt_tokens < 2**63)]:
+                          and 1 <= self.truncate_prompt_tokens < 2**63),
+                         *[(name, is_real_number(v) and -2 <= v <= 2) for name, v in
+                           (("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty))],
+                         ("repetition_penalty", is_real_number(self.repetition_penalty)
+                          and 0 < self.repetition_penalty <= 100),
+                         ("min_p", is_real_number(self.min_p) and 0 <= self.min_p <= 1),
+                         ("min_tokens", is_whole_number(self.min_tokens) and 0 <= self.min_tokens
+                          and (self.max_tokens is None or self.min_tokens <= self.max_tokens)),
+                         ("logit_bias", self.logit_bias is None or isinstance(self.logit_bias, dict)
+                          and all(is_whole_number(t) and 0 <= t < 2**63 and is_real_number(b)
+                                  and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+                         ("skip_special_tokens", isinstance(self.skip_special_tokens, bool))]:
             if not ok:
                 raise ValueError(f"SamplingParams {name} = {getattr(self, name)!r} is of the "
                                  f"wrong kind or out of range")
@@ -169,10 +182,121 @@ class SamplingParams:
 # SamplingParams' fields this engine does not implement yet -> the default that asks for nothing,
 # as the class declares it (serve.py refuses the same fields of a request)
 NOT_IMPLEMENTED = {f.name: f.default for f in dataclasses.fields(SamplingParams)
-                   if f.name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                                 "min_p", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
-                                 "skip_special_tokens",
-                                 "spaces_between_special_tokens")}
+                   if f.name in ("allowed_token_ids", "bad_words", "spaces_between_special_tokens")}
+
+
+def processes_logits(params: SamplingParams) -> bool:
+    """Whether a request asks for any of vLLM's logits processors (RowProcessing's)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.min_p
+                or params.repetition_penalty != 1 or params.min_tokens or params.logit_bias)
+
+
+class TokenValues:
+    """Each row's few (token id, value) pairs, on the device, added to its logits in one
+    scatter: [rows, width], the unused ones pointing at a column past the vocabulary. The width
+    grows to the most pairs one row has had."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device):
+        self.vocab_size = vocab_size
+        self.ids = torch.full((num_rows, 0), vocab_size, dtype=torch.long, device=device)
+        self.values = torch.zeros(num_rows, 0, device=device)
+
+    def set_row(self, row: int, pairs: dict) -> None:
+        if len(pairs) > self.ids.shape[1]:
+            grow = len(pairs) - self.ids.shape[1]
+            self.ids = torch.nn.functional.pad(self.ids, (0, grow), value=self.vocab_size)
+            self.values = torch.nn.functional.pad(self.values, (0, grow))
+        ids = np.full(self.ids.shape[1], self.vocab_size)
+        values = np.zeros(self.ids.shape[1])
+        ids[:len(pairs)], values[:len(pairs)] = list(pairs), list(pairs.values())
+        self.ids[row] = to_device(ids, self.ids.device, torch.long)
+        self.values[row] = to_device(values, self.ids.device, torch.float32)
+
+    def add_to(self, logits: torch.Tensor, rows, when: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, vocab] float32 plus the rows' values ([B] `when`: only in those rows)."""
+        values = self.values[rows] if when is None else torch.where(
+            when[:, None], self.values[rows], 0.0)
+        padded = torch.nn.functional.pad(logits, (0, 1))  # [B, vocab + 1]: the unused pairs' column
+        return padded.scatter_add(1, self.ids[rows], values)[:, :-1]
+
+
+class RowProcessing:
+    """vLLM's logits processors, each row its own request's, in vLLM's sampler's order:
+    logit_bias and min_tokens (no stop token yet), the repetition, frequency and presence
+    penalties (greedy rows too), then min_p (sampling rows only). A row that asks for none is
+    left as it was: its penalties are 0 and 1, exactly.
+
+    The penalties count the tokens of each row so far. They live on the device, written as each
+    token is drawn (`record`), since with overlapped steps the host learns a token only after the
+    next step has been launched: `history[row, p]` is token p, `known[row]` how many are there.
+    A mixed step's prompt computed only in part draws a token it throws away, and so does a
+    recomputed request's (after preemption); a token is kept only where its position is the next
+    unknown one."""
+
+    def __init__(self, num_rows: int, vocab_size: int, context: int, device):
+        self.asks = np.zeros(num_rows, dtype=bool)  # on the host: the rows in use that ask
+        row_of = lambda value: torch.full((num_rows,), value, dtype=torch.float32, device=device)
+        self.presence, self.frequency, self.repetition = row_of(0.0), row_of(0.0), row_of(1.0)
+        self.min_p_below = row_of(-float("inf"))  # T ln(min_p): see __call__
+        self.min_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.prompt_length = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.known = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.shape = (num_rows, context)
+        self.history = None  # [rows, context] int32, made for the first row that asks
+        self.bias = TokenValues(num_rows, vocab_size, device)
+        self.early_stops = TokenValues(num_rows, vocab_size, device)  # -inf until min_tokens
+
+    def set_row(self, row: int, params: SamplingParams, prompt: list[int], stop_ids) -> None:
+        """stop_ids: the tokens min_tokens holds back (end of text, unless ignore_eos, and the
+        request's stop_token_ids), as vLLM's min-tokens processor does. A row that asks for
+        nothing is set too, to values that change nothing, once any row has asked: it may sit
+        in a step beside one that does, where the row's last request's values would apply."""
+        self.asks[row] = processes_logits(params)
+        if not self.asks[row] and self.history is None:
+            return  # no row has asked yet: every row's values change nothing
+        device = self.known.device
+        if self.history is None:
+            self.history = torch.zeros(self.shape, dtype=torch.int32, device=device)
+        samples_min_p = params.min_p > 0 and params.temperature > 0
+        min_p_below = params.temperature * np.log(params.min_p) if samples_min_p else -np.inf
+        self.presence[row], self.frequency[row], self.repetition[row], self.min_p_below[row] = (
+            to_device(np.array([params.presence_penalty, params.frequency_penalty,
+                                params.repetition_penalty, min_p_below]), device, torch.float32))
+        self.min_tokens[row], self.prompt_length[row], self.known[row] = to_device(
+            np.array([params.min_tokens, len(prompt), len(prompt)]), device, torch.long)
+        self.history[row, :len(prompt)] = to_device(np.array(prompt), device, torch.int32)
+        self.bias.set_row(row, params.logit_bias or {})
+        self.early_stops.set_row(row, dict.fromkeys(stop_ids, -float("inf")))
+
+    def __call__(self, logits, rows, positions) -> torch.Tensor:
+        """logits [B, vocab] -> float32 [B, vocab], processed; positions [B]: the next token's."""
+        logits = self.bias.add_to(logits.float(), rows)
+        generated = positions - self.prompt_length[rows]  # [B]: tokens of the answer so far
+        logits = self.early_stops.add_to(logits, rows, when=generated < self.min_tokens[rows])
+        history = self.history[rows].long()  # [B, context]
+        at = torch.arange(history.shape[1], device=history.device)
+        so_far = at < positions[:, None]  # [B, context]
+        in_answer = so_far & (at >= self.prompt_length[rows][:, None])
+        vocab = logits.shape[-1]
+        counts = torch.zeros(len(logits), vocab + 1, device=logits.device).scatter_add_(
+            1, torch.where(in_answer, history, vocab), in_answer.float())[:, :-1]  # [B, vocab]
+        seen = torch.zeros(len(logits), vocab + 1, dtype=torch.bool, device=logits.device)
+        seen = seen.scatter_(1, torch.where(so_far, history, vocab), True)[:, :-1]
+        penalty = torch.where(seen, self.repetition[rows][:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = (logits - self.frequency[rows][:, None] * counts
+                  - self.presence[rows][:, None] * (counts > 0))
+        # min_p after temperature T keeps p >= min_p p_max, that is exp((l - l_max) / T) >=
+        # min_p: the logits l >= l_max + T ln(min_p), a bound in the logits themselves
+        below = logits.max(-1, keepdim=True).values + self.min_p_below[rows][:, None]
+        return logits.masked_fill(logits < below, -float("inf"))
+
+    def record(self, rows, positions, tokens) -> None:
+        """Keep each row's drawn token where it is the next unknown one (see the class)."""
+        at = positions.clamp(max=self.history.shape[1] - 1)
+        keeps = positions == self.known[rows]
+        self.history[rows, at] = torch.where(keeps, tokens.int(), self.history[rows, at])
+        self.known[rows] += keeps
 
 
 class RowSampler:
@@ -180,15 +304,17 @@ class RowSampler:
     (seed, sample index, position) only, never on the row or the batch: a request gives the
     same tokens whoever runs beside it."""
 
-    def __init__(self, num_rows: int, device):
+    def __init__(self, num_rows: int, device, vocab_size: int, context: int):
         self.temperature = torch.zeros(num_rows, device=device)
         self.top_p = torch.ones(num_rows, device=device)
         self.top_k = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.seed = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.sample = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.samples = np.zeros(num_rows, dtype=bool)  # on the host: which rows in use sample
+        self.processing = RowProcessing(num_rows, vocab_size, context, device)
 
-    def set_row(self, row: int, params: SamplingParams, sample: int, seed: int) -> None:
+    def set_row(self, row: int, params: SamplingParams, sample: int, seed: int,
+                prompt: list[int], stop_ids) -> None:
         # From pinned memory (to_device), queued behind the step in flight: a Python number
         # written into a GPU tensor is a copy the host waits for, and it waits for that step to
         # end first (2 ms an added request on an H200, each stalling the overlapped steps).
@@ -198,20 +324,28 @@ class RowSampler:
         self.top_k[row], self.seed[row], self.sample[row] = to_device(
             np.array([max(params.top_k, 0), seed, sample]), device, torch.long)
         self.samples[row] = params.temperature > 0
+        self.processing.set_row(row, params, prompt, stop_ids)
 
     def release(self, row: int) -> None:
-        self.samples[row] = False
+        self.samples[row] = self.processing.asks[row] = False
 
-    def any_samples(self, rows) -> bool:
-        return bool(self.samples[rows].any())
+    def runs_eagerly(self, rows) -> bool:
+        """Whether the step's rows need more than the argmax a greedy CUDA graph records."""
+        return bool(self.samples[rows].any() or self.processing.asks[rows].any())
 
     def __call__(self, logits, rows, positions) -> torch.Tensor:
         """logits: [B, vocab]; rows, positions: [B] -> [B] token ids. Asked on the host, of every
         row in use, not of these rows (on the device: a sync): all greedy, or greedy rows kept
-        by torch.where below."""
-        argmax = logits.argmax(-1)
-        if not self.samples.any():
-            return argmax
+        by torch.where below; none processed, or unasking rows left as they were."""
+        processes = self.processing.asks.any()
+        if processes:
+            logits = self.processing(logits, rows, positions)
+        tokens = self._draw(logits, rows, positions) if self.samples.any() else logits.argmax(-1)
+        if processes:
+            self.processing.record(rows, positions, tokens)
+        return tokens
+
+    def _draw(self, logits, rows, positions) -> torch.Tensor:
         temperature = self.temperature[rows]
         probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
         probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
@@ -223,4 +357,4 @@ class RowSampler:
         cumulative = probs.cumsum(-1)
         target = uniform(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
         picked = torch.searchsorted(cumulative, target[:, None], right=True).clamp(max=probs.shape[-1] - 1)
-        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], argmax)
+        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], logits.argmax(-1))

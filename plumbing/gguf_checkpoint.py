@@ -153,8 +153,8 @@ class ChatMLTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def turn(self, role: str, text: str) -> list[int]:
         return [self.im_start] + self.encode(f"{role}\n{text}") + [self.im_end] + self.encode("\n")

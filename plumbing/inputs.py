@@ -512,8 +512,10 @@ class Tokenizer:
         # so a prompt can never inject a control token.
         return self.encoding.encode(text, disallowed_special=())
 
-    def decode(self, ids) -> str:
-        return self.encoding.decode(list(ids))
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """skip_special_tokens: leave out the control tokens, all numbered after the text's."""
+        return self.encoding.decode([i for i in ids if not skip_special_tokens
+                                     or i < NUM_BASE_TOKENS])
 
     def header(self, role: str) -> list[int]:
         return ([self.special["<|start_header_id|>"]] + self.encode(role)

@@ -223,8 +223,10 @@ BAD = [
     (json.dumps({"prompt": "x" * 1_200_000}), "larger than"),
     (json.dumps({"prompt": "hi", "logprobs": 21}), "'logprobs' must be a whole number from 0 to 20"),
     (json.dumps({"prompt": "hi", "max_tokens": 2, "top_k": 10**20}), "'top_k'"),  # past a long
-    (json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "'presence_penalty' is not"),
-    (json.dumps({"prompt": "hi", "logit_bias": {"50256": -100}}), "'logit_bias' is not"),
+    (json.dumps({"prompt": "hi", "presence_penalty": 2.5}), "'presence_penalty' must be"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"x": -100}}), "'logit_bias' must be"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"999999999": 1}}), "logit_bias token id"),
+    (json.dumps({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}), "min_tokens"),
     (json.dumps({"prompt": "hi", "stop": ""}), "'stop'"),
     (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}), "'stream_options'"),
     (json.dumps({"prompt": "hi", "max_tokens": 10**30}), "max_tokens is too large: 1,000,"),
@@ -504,10 +506,7 @@ def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
 
 
 @pytest.mark.parametrize("fields", [
-    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
-    {"min_p": 0.1}, {"min_tokens": 3},
-    {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]},
-    {"skip_special_tokens": False},
+    {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]},
     {"spaces_between_special_tokens": False}], ids=lambda fields: next(iter(fields)))
 def test_vllms_sampling_fields_not_implemented_are_refused_by_name(fields):
     # vLLM's SamplingParams takes them; here they were a TypeError. At their defaults they ask
@@ -565,10 +564,10 @@ def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, 
     engine, inbox, answers = offline.engine, queue.Queue(), []
     free_rows, set_row = len(engine.free_rows), engine.sampler.set_row
 
-    def fails_at_seed_13(row, params, sample, seed):
+    def fails_at_seed_13(row, params, sample, *rest):
         if params.seed == 13 and sample == 1:
             raise RuntimeError("a bug that this request's content reaches")
-        set_row(row, params, sample, seed)
+        set_row(row, params, sample, *rest)
     monkeypatch.setattr(engine.sampler, "set_row", fails_at_seed_13)
     for name, seed in [("failing", 13), ("next", 14)]:
         command = ("add", name, {"ids": [1, 2, 3]}, {"max_tokens": 2, "n": 2, "seed": seed})
@@ -949,12 +948,25 @@ def test_stop_token_ids_end_an_answer_and_a_stop_string_may_stay_in_it(server, o
         len(cut.token_ids))
 
 
+def test_penalties_bias_min_tokens_and_special_tokens_are_the_offline_engines(server, offline):
+    # The logits processors' fields (tests/test_logits_processors.py holds them to a reference)
+    asked = dict(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                 frequency_penalty=0.7, presence_penalty=0.4, min_tokens=2,
+                 logit_bias={128010: 4.0, 1000: 3.0}, skip_special_tokens=False)
+    for skip in (False, True):
+        truth = offline.generate(PROMPTS[:1], SamplingParams(**asked | {
+            "skip_special_tokens": skip}), use_tqdm=False)[0].outputs[0]
+        served = httpx.post(server + "/v1/completions", timeout=30, headers={
+            "Authorization": f"Bearer {KEY}"}, json={"prompt": PROMPTS[0], **asked, "logit_bias": {
+                "128010": 4.0, "1000": 3.0}, "skip_special_tokens": skip}).json()
+        assert served["choices"][0]["text"] == truth.text
+    assert 128010 in truth.token_ids and "<|reserved" not in truth.text  # the bias showed one
+
+
 # Every field of vLLM's request models (vllm/entrypoints/openai/protocol.py, CompletionRequest
 # and ChatCompletionRequest), each with a value that asks for something. The server either does
 # it (the fields it reads, each tested for its effect above) or answers 400 naming the field.
-ASKS = {"best_of": 2, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0}, "presence_penalty": 0.5, "suffix": "!", "use_beam_search": True,
-        "min_p": 0.5, "repetition_penalty": 1.2, "length_penalty": 0.5, "min_tokens": 3,
-        "skip_special_tokens": False,
+ASKS = {"best_of": 2, "suffix": "!", "use_beam_search": True, "length_penalty": 0.5,
         "spaces_between_special_tokens": False,
         "allowed_token_ids": [1, 2], "prompt_embeds": "AAAA",
         "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
