@@ -474,9 +474,9 @@ def choose_attention(args):
 
 
 def main(argv=None, script="llama3_paged.py", doc=__doc__, add_arguments=cli.add_pool_arguments,
-         allocate=allocate_kv_cache) -> None:
+         allocate=allocate_kv_cache, report=report) -> None:
     """Arguments -> model and prompts -> the KV cache (where the scripts differ) -> generate ->
-    report. llama3_naive.py runs it with its own cache."""
+    report. llama3_naive.py runs it with its own cache, llama3_virtual.py with its own report."""
     with cli.one_paragraph_errors(script):
         args = cli.argument_parser(script, doc, add_arguments).parse_args(argv)
         run = inputs.load_run(args, Llama, choose_attention(args))

@@ -3,113 +3,149 @@ memory, with physical pages mapped in as it grows (vAttention's idea).
 
     python llama3_virtual.py 49 --random-weights
 
-As in the naive script, every request gets a row of max_seq_len tokens up front, but as address
-space only, which costs nothing. Physical 2 MB pages, as many as the KV budget holds, are created
-once; a page is mapped under a row before the request's next token crosses into it. The
-attention kernel is the ordinary non-paged one: the rows are contiguous, so it needs no block
-table. Needs CUDA, flash-attn and the cuda-python package.
-
-By default a background thread maps the pages a few steps ahead, a finished request's pages
-stay mapped for the next request in its row, and half the pool is mapped under the empty rows at
-start-up (features/virtual/mapping_ahead.py, vAttention's way).
---sync-mapping maps in the loop when a page is needed and unmaps when a request finishes
-(features/virtual/page_manager.py): simpler to read, and the driver calls are then on the
-critical path.
---kv-cache-dtype fp8 stores K and V in 8 bits and decodes with the Triton kernel
-(features/fp8/virtual.py).
-
-Its run is engine/run.py's `main` and `run_virtual`: the flags, the model, this file's
-`allocate_kv_cache` (where the three scripts differ), generate, the report, `mapping_report`.
+Read it after llama3_paged.py: the model, the loop and the report are the lesson's, imported.
+As in the naive script, each request gets a row of max_seq_len tokens up front, but as address
+space only, which costs nothing; the loop maps 2 MB pages, created once, under a row as its
+request grows, and unmaps them when it ends (virtual_pages.py). flash-attn's non-paged kernel
+reads the contiguous rows. --layout per-token: a page holds 16 tokens of every layer of Llama 3
+8B, as a paged block; per-layer (vAttention's): 1,024 tokens of one layer's K or V. The engine
+(any feature's flag) maps pages ahead on a thread. Needs CUDA, flash-attn and cuda-python.
 """
-
-SCRIPT = "llama3_virtual.py"
 
 if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
     from plumbing.interrupt import exit_quietly_on_ctrl_c
-    exit_quietly_on_ctrl_c(SCRIPT)
+    exit_quietly_on_ctrl_c("llama3_virtual.py")
 
 import sys
 
-from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
-from features.virtual.page_manager import PageManager
-from features.virtual.kv_cache import LAYOUTS, VirtualKVCache
-from features.virtual.memory import DriverOutOfMemory
-from engine.pools import kv_budget_bytes
-from plumbing.cli import OUT_OF_MEMORY, UserError, format_bytes, hand_to_the_engine, importable
+import llama3_paged as lesson
+from plumbing import cli
+from plumbing.inputs import kv_budget_bytes
+from virtual_pages import PageManager, VirtualMemory
+
+SCRIPT, LAYOUTS = "llama3_virtual.py", ["per-token", "per-layer"]
+
+
+class VirtualKVCache:
+    """Row 0 is no request's (request r's is row r + 1): its first page stays mapped, for the
+    table's rows no request holds and for torch (a tensor over a range needs its first page)."""
+
+    def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
+                 layout: str):
+        from flash_attn import flash_attn_with_kvcache
+        self.decode_kernel, self.attention_backend = flash_attn_with_kvcache, attention
+        self.memory = VirtualMemory(device)
+        n_layers, shape, per_token = args.n_layers, (args.n_kv_heads, args.head_dim), layout == LAYOUTS[0]
+        self.token_bytes = (2 * n_layers if per_token else 1) * args.n_kv_heads * args.head_dim * dtype.itemsize
+        self.tokens_per_page = self.block_size = self.memory.page_bytes // self.token_bytes
+        self.pages_per_row = -(-max_seq_len // self.tokens_per_page)
+        self.row_tokens, rows = self.pages_per_row * self.tokens_per_page, max_requests + 1
+        range_bytes = rows * self.row_tokens * self.token_bytes
+        self.ranges = [self.memory.reserve(range_bytes) for _ in range(1 if per_token else 2 * n_layers)]
+        self._map([self._new_pages()], row=0, first_page=0)  # the spare row's, for good
+        self.spare_slot, self.page_sets = 0, []  # the page manager's page i is page_sets[i]
+        tensors = [self.memory.tensor(r, range_bytes, dtype) for r in self.ranges]
+        if per_token:
+            kv = tensors[0].view(rows, self.row_tokens, n_layers, 2, *shape)
+            self.k = [kv[:, :, layer, 0] for layer in range(n_layers)]  # [rows, row_tokens, H, D]
+            self.v = [kv[:, :, layer, 1] for layer in range(n_layers)]
+        else:  # K of layer 0, V of layer 0, K of layer 1, ...: each [rows, row_tokens, H, D]
+            views = [t.view(rows, self.row_tokens, *shape) for t in tensors]
+            self.k, self.v = views[0::2], views[1::2]
+
+    def _new_pages(self) -> list:  # a page in each range: what a row grows by tokens_per_page
+        return [self.memory.create_page() for _ in self.ranges]
+
+    def create_pages(self, num_pages: int) -> None:
+        """The physical pool, created up front: running out is then a count, not a CUDA error."""
+        self.page_sets = [self._new_pages() for _ in range(num_pages)]
+
+    def map(self, page_sets: list[int], row: int, first_page: int) -> None:
+        """Pool pages page_sets[0], [1], ... under pages first_page, first_page + 1, ... of row."""
+        self._map([self.page_sets[s] for s in page_sets], row, first_page)
+
+    def _map(self, page_sets: list[list], row: int, first_page: int) -> None:
+        offset = (row * self.row_tokens + first_page * self.tokens_per_page) * self.token_bytes
+        for i, start in enumerate(self.ranges):  # one run of pages in each range
+            self.memory.map(start + offset, [pages[i] for pages in page_sets])
+
+    def unmap(self, row: int, first_page: int, num_pages: int) -> None:
+        offset = (row * self.row_tokens + first_page * self.tokens_per_page) * self.token_bytes
+        for start in self.ranges:
+            self.memory.unmap(start + offset, num_pages)
+
+    @property
+    def nbytes(self) -> int:
+        """Physical memory: every page created, the spare row's included."""
+        return (len(self.page_sets) + 1) * len(self.ranges) * self.memory.page_bytes
+
+    def attention(self, layer: int, q, k, v, batch):
+        """Store this batch's k, v ([T, n_kv_heads, head_dim]) in their slots, then attend."""
+        self.k[layer].flatten(0, 1).index_copy_(0, batch.slot_mapping, k)  # row * row_tokens + p
+        self.v[layer].flatten(0, 1).index_copy_(0, batch.slot_mapping, v)
+        if isinstance(batch, lesson.PrefillBatch):
+            return self.attention_backend.prefill(q, k, v, batch)
+        return self.decode_kernel(q[:, None], self.k[layer], self.v[layer],  # q: [B, 1, H, D]
+                                  cache_seqlens=batch.cache_seqlens,
+                                  cache_batch_idx=self.rows_of(batch), causal=True)[:, 0]
+
+    def rows_of(self, batch):
+        """[B] int32: each request's row, read off its first page in the block table."""
+        return (batch.block_table[:, 0] // self.pages_per_row).int()
+
+    def __del__(self):  # at exit the driver goes with the process, and frees everything itself
+        if getattr(self, "memory", None) is not None and not sys.is_finalizing():
+            self.memory.close()
 
 
 def add_layout_arguments(parser):
     parser.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
                         help="per-token: layers side by side; per-layer: vAttention's")
-    parser.add_argument("--sync-mapping", action="store_true",
-                        help="map pages in the loop and unmap them at the end, not ahead on a thread")
-    return parser
 
 
 def require_cuda_and_flash_attn(args) -> None:
     """Checked from the flags, before minutes of loading the model."""
     if (args.device.type != "cuda" or args.attn not in ("auto", "flash")
-            or not importable("flash_attn")):
-        raise UserError("llama3_virtual.py maps GPU memory and attends with flash-attn (its "
-                        "non-paged kernel, or with --kv-cache-dtype fp8 its prefill beside the "
-                        "Triton decode): it needs --device cuda and flash-attn (--attn flash or "
-                        "auto).")
-    if not importable("cuda.bindings"):
-        raise UserError("llama3_virtual.py maps GPU memory with CUDA's virtual memory API, which "
-                        "Python reaches through the cuda-python package: `pip install cuda-python`.")
+            or not all(map(cli.importable, ["flash_attn", "cuda.bindings"]))):
+        raise cli.UserError(f"{SCRIPT} maps GPU memory with CUDA's virtual memory API and attends "
+                            f"with flash-attn: it needs --device cuda, flash-attn (--attn flash or "
+                            f"auto) and cuda-python (`pip install flash-attn cuda-python`).")
 
 
-def allocate_kv_cache(run):
+def allocate_kv_cache(run, cache_class=VirtualKVCache, manager_class=PageManager, **options):
     """A row of address space for every request, reserved up front at no cost, and physical pages,
-    as many as memory holds, to be mapped under the rows as requests grow."""
-    args = run.args
-    cache_class = VirtualKVCache
-    if run.kv_cache_dtype is not None:  # --kv-cache-dtype fp8
-        from features.fp8.virtual import FP8VirtualKVCache as cache_class
-    try:
-        cache = cache_class(run.model.args, run.num_sequences, args.max_seq_len,
-                            run.dtype, run.device, run.attention, args.layout,
-                            compiled=bool(args.compile))
-        page_bytes = cache.tokens_per_page * run.kv_bytes_per_token  # a page in every tensor
-        num_pages = int(kv_budget_bytes(run) // page_bytes)
-        if num_pages == 0:
-            raise UserError(f"Not one page of {format_bytes(page_bytes)} fits in the KV budget. "
-                            f"Raise --kv-budget-gb or --gpu-memory-utilization.", OUT_OF_MEMORY)
-        cache.create_pages(num_pages)
-    except DriverOutOfMemory as e:
-        raise UserError(f"Out of GPU memory in {e.call}: the KV pages did not fit beside the "
-                        f"weights. Lower --kv-budget-gb or --gpu-memory-utilization.",
-                        OUT_OF_MEMORY) from e
+    as many as memory holds, to be mapped under the rows as requests grow. The engine passes its
+    own classes (features/virtual/kv_cache.py)."""
+    cache = cache_class(run.model.args, run.num_sequences, run.args.max_seq_len, run.dtype,
+                        run.device, run.attention, run.args.layout, **options)
+    page_bytes = cache.tokens_per_page * run.kv_bytes_per_token  # a page in every tensor
+    num_pages = int(kv_budget_bytes(run) // page_bytes)
+    if num_pages == 0:
+        raise cli.UserError(f"Not one page of {cli.format_bytes(page_bytes)} fits in the KV "
+                            f"budget. Raise --kv-budget-gb or --gpu-memory-utilization.",
+                            cli.OUT_OF_MEMORY)
+    cache.create_pages(num_pages)
     # The block table lists the virtual pages of each request's row; the MMU does the rest.
-    sizes = (num_pages, cache.tokens_per_page, run.num_sequences, cache.pages_per_row)
-    # --find-max-batch makes a cache per attempt; it counts requests, not time: map in the loop.
-    if args.sync_mapping or args.find_max_batch:
-        return cache, PageManager(*sizes, mapper=cache, device=run.device)
-    mapper = BackgroundMapper(cache, on_start=cache.memory.make_current)
-    manager = MappingAheadManager(*sizes, mapper=mapper, device=run.device)
-    seconds = manager.map_empty_rows()
-    print(f"Start-up: {manager.num_idle_pages:,} pages mapped under {len(manager.idle_rows):,} empty "
-          f"rows in {seconds:.2f} s, before the first request; {len(manager.free_blocks):,} left "
-          f"mapped nowhere.")
-    cache.memory.count_from_here()  # the report counts the run's driver calls, not these
-    return cache, manager
+    return cache, manager_class(num_pages, cache.tokens_per_page, run.num_sequences,
+                                cache.pages_per_row, mapper=cache, device=run.device)
 
 
-def mapping_report(cache, manager, decode_steps: int) -> str:
-    """The work the page table costs: driver calls on the host, in the loop or beside it."""
-    memory, steps, seconds = cache.memory, max(decode_steps, 1), mapping_seconds(cache, manager)
-    line = (f"Page mapping: {memory.num_maps:,} pages mapped and {memory.num_unmaps:,} unmapped "
-            f"in {memory.seconds_mapping:.2f} s of driver calls, ")
-    if isinstance(manager, PageManager):
-        return line + (f"in the loop (--sync-mapping): {seconds['in_the_loop'] / steps * 1e3:.3f} "
-                       f"ms per decode step on the critical path")
-    return line + (f"ahead, on a background thread ({seconds['off_critical_path'] / steps * 1e3:.3f} "
-                   f"ms per decode step). The loop waited for it {seconds['growth'] / steps * 1e3:.3f} "
-                   f"ms per decode step for growing requests' pages, and "
-                   f"{seconds['admission'] * 1e3:,.1f} ms in all for admitted prompts'; the "
-                   f"look-ahead ran dry for {manager.lookahead_ran_dry:,} pages; "
-                   f"{manager.num_idle_pages:,} pages were left mapped under idle rows at the end.")
+def report(run, cache: VirtualKVCache, manager: PageManager, generation) -> None:
+    """The lesson's report, and what the page table cost: driver calls in the loop."""
+    lesson.report(run, cache, manager, generation)
+    print(f"Page mapping: {cache.memory.num_maps:,} pages mapped and {cache.memory.num_unmaps:,} "
+          f"unmapped in {cache.memory.seconds_mapping:.2f} s of driver calls, in the loop")
 
 
-if __name__ == "__main__":  # its runs are all the engine's (python -m engine.run)
-    hand_to_the_engine(SCRIPT, sys.argv[1:])
+def main(argv=None) -> None:
+    with cli.one_paragraph_errors(SCRIPT):  # from the flags, before minutes of loading
+        require_cuda_and_flash_attn(cli.argument_parser(SCRIPT, __doc__, add_layout_arguments)
+                                    .parse_args(argv))
+    lesson.main(argv, SCRIPT, __doc__, add_layout_arguments, allocate_kv_cache, report)
+
+
+if __name__ == "__main__":  # a feature's flag: the engine's program (python -m engine.run)
+    if cli.needs_features(SCRIPT, sys.argv[1:], add_layout_arguments):
+        cli.hand_to_the_engine(SCRIPT, sys.argv[1:])
+    else:
+        main()

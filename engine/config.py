@@ -346,7 +346,7 @@ def parser_with_features(cache: str, served: bool = False) -> argparse.ArgumentP
     the others never touch CUDA's virtual memory."""
     if cache == "virtual":
         import llama3_virtual as script
-        add_pool_flags = script.add_layout_arguments
+        from features.virtual.kv_cache import add_layout_arguments as add_pool_flags
     else:
         import llama3_naive
         script, add_pool_flags = ((lesson, add_paged_feature_arguments) if cache == "paged"

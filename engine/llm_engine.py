@@ -56,8 +56,11 @@ def allocate_kv_cache(run: Run, served: bool = False):
     differ. The virtual script is imported for its own runs only: the others never touch CUDA's
     virtual memory. served: a served engine's, whose requests may ask for n samples."""
     if run.args.cache == "virtual":
-        import llama3_virtual
-        return llama3_virtual.allocate_kv_cache(run)
+        from features.virtual import kv_cache as virtual
+        if run.kv_cache_dtype is None:
+            return virtual.allocate_kv_cache(run)
+        from features.fp8.virtual import FP8VirtualKVCache  # where the two features combine
+        return virtual.allocate_kv_cache(run, FP8VirtualKVCache)
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 

@@ -6,8 +6,7 @@ A script hands its command line here when it names a flag the lesson does not de
 built here runs three features by default on CUDA: decode steps replayed as CUDA graphs
 (features/cuda_graphs.py; --eager turns them off), compiled layers (engine/compiled_layers.py;
 --no-compile) and steps scheduled while the GPU computes the one before (engine/model_runner.py;
---no-overlap). llama3_virtual.py's runs all come here: its pages are a feature
-(features/virtual/memory.py).
+--no-overlap); llama3_virtual.py's pages are mapped ahead on a thread (features/virtual/).
 """
 
 import sys
@@ -30,7 +29,7 @@ def main(script: str, argv=None) -> None:
     with one_paragraph_errors(script):
         config = Config.from_args(parser_with_features(kind).parse_args(argv))
         if kind == "virtual":  # from the flags, before minutes of loading the model
-            import llama3_virtual
+            import llama3_virtual  # only here: the other runs never touch CUDA's virtual memory
             llama3_virtual.require_cuda_and_flash_attn(config)
         run = load(config)
         if run.args.beam_width > 1:
@@ -44,31 +43,26 @@ def main(script: str, argv=None) -> None:
 
 
 def run_virtual(run: Run) -> None:
-    """llama3_virtual.py's run: a driver call that fails, in the loop or on the mapping thread,
-    ends it in one paragraph; the thread stops with the run."""
-    import llama3_virtual
+    """llama3_virtual.py's run: a driver call that fails on the mapping thread ends it in one
+    paragraph, as one in the loop does (virtual_pages.py's DriverError); the thread stops with
+    the run."""
+    from features.virtual.kv_cache import mapping_report
     from features.virtual.mapping_ahead import MappingFailed
-    from features.virtual.memory import DriverError
     manager = None  # a driver call may fail at start-up, while the rows are mapped
     try:
-        cache, manager = llama3_virtual.allocate_kv_cache(run)  # where the three scripts differ
+        cache, manager = allocate_kv_cache(run)  # where the three scripts differ
         generation = generate(run, cache, manager)
         report(run, cache, manager, generation)
-        print(llama3_virtual.mapping_report(cache, manager, len(generation.timeline)))
+        print(mapping_report(cache, manager, len(generation.timeline)))
     except MappingFailed as e:
-        raise mapping_failed("on the background thread", e) from e
-    except DriverError as e:
-        raise mapping_failed("in the loop", e) from e
+        raise UserError(f"A driver call mapping a KV page on the background thread failed ({e}), "
+                        f"so the run cannot go on: its next tokens would be written to unmapped "
+                        f"memory. Check the GPU (nvidia-smi); --sync-mapping makes every driver "
+                        f"call in the loop, where the failing one is easier to follow.",
+                        DRIVER_ERROR) from e
     finally:
         if manager is not None:
             manager.close()  # the mapping thread, if one runs
-
-
-def mapping_failed(where: str, error: Exception) -> UserError:
-    return UserError(f"A driver call mapping a KV page {where} failed ({error}), so the run "
-                     f"cannot go on: its next tokens would be written to unmapped memory. Check "
-                     f"the GPU (nvidia-smi); --sync-mapping makes every driver call in the loop, "
-                     f"where the failing one is easier to follow.", DRIVER_ERROR)
 
 
 def run_beam_search(run, cache, manager) -> None:
@@ -87,12 +81,17 @@ def find_max_batch(run: Run) -> None:
 
 def command_line(script: str, argv: list[str]) -> None:
     """What `python <script> argv` runs (the scripts' `__main__` blocks decide the same way): the
-    lesson's main, or with features this file's. llama3_virtual.py's runs are all features'."""
+    lesson's main (or a contrast's), or with features this file's."""
     kind = cache_of(script)
-    pool_arguments = add_pool_arguments if kind == "paged" else None
-    if kind == "virtual" or needs_features(script, argv, pool_arguments):
+    if kind == "virtual":  # imported for its own runs only
+        import llama3_virtual as script_file
+        pool_arguments = script_file.add_layout_arguments
+    else:
+        script_file = lesson if kind == "paged" else llama3_naive
+        pool_arguments = add_pool_arguments if kind == "paged" else None
+    if needs_features(script, argv, pool_arguments):
         return main(script, argv)
-    return (lesson if kind == "paged" else llama3_naive).main(argv)
+    return script_file.main(argv)
 
 
 if __name__ == "__main__":  # python -m engine.run llama3_paged.py 49 --continuous ...

@@ -16,7 +16,7 @@ import torch
 
 def consecutive_runs(rows: np.ndarray, columns: np.ndarray):
     """(start, end) of each run of entries on one row in consecutive columns: blocks that one
-    copy moves at once (and pages that one driver call maps, features/virtual/page_manager.py)."""
+    copy moves at once (and pages that one driver call maps, features/virtual/mapping_ahead.py)."""
     if len(rows) == 0:
         return []
     breaks = np.flatnonzero((np.diff(rows) != 0) | (np.diff(columns) != 1)) + 1

@@ -22,7 +22,7 @@ from block_manager import BlockManager
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from llama3_paged import DecodeBatch, PrefillBatch
-from features.virtual.page_manager import PageManager
+from virtual_pages import PageManager
 from features.sampling import Sampler
 
 if importable("triton"):
@@ -415,8 +415,8 @@ def test_compiled_layers_give_the_eager_tokens_in_float32():
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
 def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, ahead, start_mapped,
                                                                         overlap):
-    from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager
-    from features.virtual.kv_cache import VirtualKVCache
+    from features.virtual.kv_cache import EngineVirtualKVCache as VirtualKVCache
+    from features.virtual.kv_cache import mapping_ahead_manager
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=0)
     prompts = random_prompts(8, torch.Generator().manual_seed(0))
     budgets = [32, 5, 17, 32, 1, 9, 32, 25]  # the batch shrinks: CUDA graphs pad with the spare row
@@ -429,7 +429,7 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
     num_pages = (3 if ahead else 8) * cache.pages_per_row
     cache.create_pages(num_pages)
     sizes = (num_pages, cache.tokens_per_page, 8, cache.pages_per_row)
-    manager = (MappingAheadManager(*sizes, BackgroundMapper(cache, cache.memory.make_current), "cuda")
+    manager = (mapping_ahead_manager(*sizes, mapper=cache, device="cuda")
                if ahead else PageManager(*sizes, cache, "cuda"))
     if start_mapped:  # half the pool under the 8 empty rows: per-token 6 of a row's 32 pages
         manager.map_empty_rows()  # each; per-layer (3 pages of 2,048 tokens in all) none
@@ -481,24 +481,26 @@ def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
     ("0.5", []),  # call 5 of the 8 that map a page under each empty row at start-up
     ("0.03", []),  # 14 pages, too few to map any at start-up: call 5 admits the fifth request
     ("0.5", ["--sync-mapping"]),  # call 5 admits the fifth request, in the loop
-], ids=["ahead-at-start-up", "ahead-in-the-run", "sync"])
+    ("0.5", None),  # the lesson's loop (no engine flag): the same, kernel by kernel
+], ids=["ahead-at-start-up", "ahead-in-the-run", "sync", "lesson"])
 def test_a_failing_driver_call_ends_the_virtual_script_in_one_paragraph(budget_gb, flags,
                                                                         monkeypatch, capsys):
-    from engine.run import main
-    from features.virtual.kv_cache import VirtualKVCache
-    from features.virtual.memory import DriverError
+    from engine.run import command_line
+    from llama3_virtual import VirtualKVCache
+    from virtual_pages import check, driver
     real_map, calls = VirtualKVCache.map, []
 
     def failing_map(self, *args):
         calls.append(args)
         if len(calls) == 5:
-            raise DriverError("cuMemMap failed: CUDA_ERROR_INVALID_VALUE")
+            check((driver.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuMemMap")  # as a failed call
         real_map(self, *args)
     monkeypatch.setattr(VirtualKVCache, "map", failing_map)
     with pytest.raises(SystemExit) as exit:
         # A small pool: a cache the failed run leaves behind holds its pages until collected.
-        main("llama3_virtual.py", ["8", "--random-weights", "--model", "tiny", "--eager",
-                                    "--kv-budget-gb", budget_gb, *flags])
+        command_line("llama3_virtual.py", ["8", "--random-weights", "--model", "tiny",
+                                            "--kv-budget-gb", budget_gb,
+                                            *(["--eager", *flags] if flags is not None else [])])
     err = capsys.readouterr().err
     assert exit.value.code == 3 and "CUDA_ERROR_INVALID_VALUE" in err and "Traceback" not in err
     assert len(calls) == 5  # nothing mapped after the failure

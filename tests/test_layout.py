@@ -63,6 +63,18 @@ def test_the_lesson_imports_the_block_manager_and_three_support_modules_only():
     assert imports_of(modules["llama3_paged"], modules) == LESSON_IMPORTS
     naive = imports_of(modules["llama3_naive"], modules)
     assert naive - LESSON_IMPORTS == {"llama3_paged"}, "the naive script builds on the lesson alone"
+    # The virtual script: the lesson, and its page mapping in one file beside it
+    virtual = imports_of(modules["llama3_virtual"], modules) - {"virtual_pages.PageManager",
+                                                                "virtual_pages.VirtualMemory"}
+    assert virtual - LESSON_IMPORTS == {"llama3_paged", "virtual_pages"}
+    pages = imports_of(modules["virtual_pages"], modules)
+    assert {m.split(".")[0] for m in pages} <= {"block_manager", "plumbing"}, pages
+
+
+def test_the_lesson_files_stay_short():
+    lines = lambda name: len((ROOT / name).read_text().splitlines())
+    assert lines("llama3_paged.py") <= 500 and lines("block_manager.py") <= 150
+    assert lines("llama3_virtual.py") + lines("virtual_pages.py") <= 300
 
 
 WALK = """

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import request
 from block_manager import OutOfBlocks
-from features.virtual.page_manager import PageManager
+from virtual_pages import PageManager
 
 
 class FakeMapper:

@@ -15,16 +15,17 @@ length). Prefill attends over the fresh 16-bit K/V, as in the paged FP8 cache.
 import torch
 
 from features.fp8.cache import FP8, Float8Writes
-from features.virtual.kv_cache import VirtualKVCache
+from features.virtual.kv_cache import EngineVirtualKVCache
 from llama3_paged import PrefillBatch
 
 
-class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
+class FP8VirtualKVCache(Float8Writes, EngineVirtualKVCache):
     """Rows of float8 K and V, with a scale for each per layer."""
 
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
                  layout: str, compiled: bool = False):
-        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout, compiled)
+        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout,
+                         compiled=compiled)
         self.init_scales(args.n_layers, device)
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
@@ -33,7 +34,7 @@ class FP8VirtualKVCache(Float8Writes, VirtualKVCache):
         self.write_float8(layer, k, v, batch, *slots)
         if isinstance(batch, PrefillBatch):
             return self.attention_backend.prefill(q, k, v, batch)
-        rows = self._rows_of(batch)[:, None]  # [B, 1]: each request's whole row, one block
+        rows = self.rows_of(batch)[:, None]  # [B, 1]: each request's whole row, one block
         return self.attention_backend.paged_decode(  # TritonDecode's (engine/loader.py)
             q, self.k[layer], self.v[layer], rows, batch.cache_seqlens,
             kv_scales=self.scales[layer])

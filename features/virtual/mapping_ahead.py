@@ -1,6 +1,6 @@
 """Mapping ahead: vAttention's way of taking the page table's driver calls off the critical path.
 
-features/virtual/page_manager.py maps a page when a request's next token crosses into it, and unmaps
+virtual_pages.py's page manager (llama3_virtual.py's) maps a page when a request's next token crosses into it, and unmaps
 a request's pages when it finishes, in the loop, between two steps: every driver call (cuMemMap and
 cuMemSetAccess, tens of microseconds each) is time the GPU waits. vAttention (Prabhu et al., 2024)
 hides them in two ways, and this manager does both:
@@ -42,7 +42,7 @@ import torch
 from block_manager import BlockManager
 from engine.swap import consecutive_runs
 from plumbing.inputs import TOKENS_PER_PASS
-from features.virtual.page_manager import PageManager
+from virtual_pages import PageManager
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
 MAP_RUN_TOKENS = 64  # a row found short gets pages for this many tokens more, in one call: 4 pages

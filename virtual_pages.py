@@ -1,19 +1,22 @@
-"""CUDA's virtual memory API: the few driver calls vAttention's cache needs, every result checked.
+"""The page mapping of llama3_virtual.py: CUDA's virtual memory API, and a page manager that
+maps pages under each request's row in the loop, as the request grows.
 
-Ordinary allocation hands out memory and its address together. The virtual memory API separates
-them: reserve a range of addresses with nothing behind it (cuMemAddressReserve), create physical
-pages (cuMemCreate; 2 MB each on the H100, its minimum granularity), then map a page at any
-address of the range (cuMemMap) and allow the GPU to read and write it there (cuMemSetAccess).
-Unmapping (cuMemUnmap) keeps the page, ready to be mapped somewhere else. A kernel sees only
-addresses: a tensor over the range reads its mapped pages as ordinary memory.
-
-This needs the cuda-python package (`cuda.bindings`), on CUDA machines only.
+The API separates memory from its addresses: reserve a range of addresses with nothing behind it
+(cuMemAddressReserve), create physical pages (cuMemCreate; 2 MB on the H100), map a page at any
+address of the range (cuMemMap) and let the GPU read and write it there (cuMemSetAccess);
+unmapping (cuMemUnmap) keeps the page for another address. The page manager is block_manager.py's,
+but request r's page j is always page (r + 1) * pages_per_row + j of the rows, so that its tokens
+are contiguous: the pool's page is *mapped* there, and the GPU's MMU finds it, as an operating
+system's page table does. Needs the cuda-python package (`cuda.bindings`).
 """
 
 import time
 
+import numpy as np
 import torch
 
+from block_manager import BlockManager, OutOfBlocks
+from plumbing.cli import DRIVER_ERROR, OUT_OF_MEMORY, UserError
 
 try:
     from cuda.bindings import driver
@@ -21,32 +24,26 @@ except ImportError:
     driver = None
 
 
-class DriverOutOfMemory(Exception):
-    """A driver call found too little GPU memory (creating the KV pages)."""
-
-    def __init__(self, call: str):
-        self.call = call
-        super().__init__(f"{call}: out of GPU memory")
-
-
-class DriverError(RuntimeError):
-    """A driver call failed for another reason than memory."""
+class DriverError(UserError):
+    """A driver call failed: the run ends in one paragraph (its tokens would go to no memory)."""
 
 
 def check(result, call: str):
     """cuda-python returns (error, *values): raise unless the call succeeded, else the values."""
     error, *values = result
-    if error == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-        raise DriverOutOfMemory(call)
+    if error == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:  # creating the pool's pages
+        raise DriverError(f"Out of GPU memory in {call}: the KV pages did not fit beside the "
+                          f"weights. Lower --kv-budget-gb or --gpu-memory-utilization.",
+                          OUT_OF_MEMORY)
     if error != driver.CUresult.CUDA_SUCCESS:
-        raise DriverError(f"{call} failed: {driver.cuGetErrorName(error)[1].decode()}")
+        raise DriverError(f"{call} failed: {driver.cuGetErrorName(error)[1].decode()}. A driver "
+                          f"call mapping a KV page failed, so the run cannot go on. Check the "
+                          f"GPU (nvidia-smi).", DRIVER_ERROR)
     return values[0] if len(values) == 1 else values
 
 
 class VirtualMemory:
     def __init__(self, device: torch.device):
-        if driver is None:
-            raise ModuleNotFoundError("cuda-python (cuda.bindings) is not installed")
         self.device = device = torch.device(device)
         torch.zeros(1, device=device)  # the CUDA context the driver calls work in
         self.context = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
@@ -64,24 +61,16 @@ class VirtualMemory:
         self.ranges, self.pages, self.mapped = [], [], set()  # to give back in close()
         self.count_from_here()
 
-    def count_from_here(self) -> None:
-        """Zero the counts of maps, unmaps and their seconds: what follows is counted alone."""
+    def count_from_here(self) -> None:  # the maps, unmaps and seconds that follow, alone
         self.seconds_mapping, self.num_maps, self.num_unmaps = 0.0, 0, 0
 
-    def make_current(self) -> None:
-        """Another thread's driver calls work in the same context
-        (features/virtual/mapping_ahead.py)."""
-        check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-
-    def reserve(self, num_bytes: int) -> int:
-        """Addresses only: costs no memory. Returns the first."""
+    def reserve(self, num_bytes: int) -> int:  # addresses only, costing no memory: the first
         num_bytes = -(-num_bytes // self.page_bytes) * self.page_bytes
         address = int(check(driver.cuMemAddressReserve(num_bytes, 0, 0, 0), "cuMemAddressReserve"))
         self.ranges.append((address, num_bytes))
         return address
 
-    def create_page(self):
-        """One physical page of page_bytes, mapped nowhere yet."""
+    def create_page(self):  # one physical page of page_bytes, mapped nowhere yet
         page = check(driver.cuMemCreate(self.page_bytes, self.page_properties, 0), "cuMemCreate")
         self.pages.append(page)
         return page
@@ -99,8 +88,7 @@ class VirtualMemory:
         self.seconds_mapping += time.perf_counter() - start
         self.num_maps += len(pages)
 
-    def unmap(self, address: int, num_pages: int) -> None:
-        """The pages mapped at `address` and after it; they stay, to be mapped again."""
+    def unmap(self, address: int, num_pages: int) -> None:  # the pages stay, to be mapped again
         start = time.perf_counter()
         check(driver.cuMemUnmap(address, num_pages * self.page_bytes), "cuMemUnmap")
         self.mapped -= {address + i * self.page_bytes for i in range(num_pages)}
@@ -125,3 +113,37 @@ class VirtualMemory:
         for address, num_bytes in self.ranges:
             check(driver.cuMemAddressFree(address, num_bytes), "cuMemAddressFree")
         self.mapped, self.pages, self.ranges = set(), [], []
+
+
+class OutOfPages(OutOfBlocks):
+    unit = "pages"
+
+
+class PageManager(BlockManager):
+    """Pages mapped as requests need them, in the loop; `mapper`: the cache. The table says which
+    row each request is: a row no request holds lists zeros, the cache's spare row."""
+
+    def __init__(self, num_pages: int, tokens_per_page: int, max_requests: int,
+                 pages_per_row: int, mapper, device="cpu"):
+        super().__init__(num_pages, tokens_per_page, max_requests, pages_per_row, device)
+        self.mapper, self.pages_per_row = mapper, pages_per_row
+
+    def _place(self, rows: np.ndarray, columns: np.ndarray, pages: list[int]) -> None:
+        # A request's new pages are consecutive columns of its row (a prompt's, or one more), one
+        # driver call's. Request r lives in virtual row r + 1 (row 0 is the cache's spare row).
+        for row in np.unique(rows):
+            on_row = np.flatnonzero(rows == row)
+            self.mapper.map([pages[i] for i in on_row], int(row) + 1, int(columns[on_row[0]]))
+        super()._place(rows, columns, ((rows + 1) * self.pages_per_row + columns).tolist())
+
+    def free(self, request) -> None:
+        self.mapper.unmap(request.row + 1, 0, len(self.owned_blocks[request.row]))
+        super().free(request)  # its row of the table back to the spare row
+
+    def _check_free(self, needed: int) -> None:
+        if needed > self.num_free_blocks:
+            raise OutOfPages(needed, self.num_free_blocks, self.num_blocks, self.block_size)
+
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Position p of request r is slot p of its row: contiguous, whatever pages are under it."""
+        return (rows + 1) * self.pages_per_row * self.block_size + positions
