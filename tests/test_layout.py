@@ -13,7 +13,7 @@ LESSON_IMPORTS = {"block_manager", "plumbing.cli", "plumbing.inputs", "plumbing.
 
 
 def project_modules() -> dict:
-    files = [*ROOT.glob("*.py"), *ROOT.glob("engine/*.py"), *ROOT.glob("features/*.py"),
+    files = [*ROOT.glob("*.py"), *ROOT.glob("engine/*.py"), *ROOT.glob("features/**/*.py"),
              *ROOT.glob("plumbing/*.py"), *ROOT.glob("tools/*.py")]
     return {".".join(f.relative_to(ROOT).with_suffix("").parts): f for f in files}
 
