@@ -6,6 +6,7 @@ LLM on the tiny random model, and transformers on SmolLM2's GGUF (slow)."""
 import json
 import os
 
+import httpx2 as httpx  # the HTTP client the openai package brings
 import pytest
 import torch
 
@@ -95,15 +96,27 @@ def test_lm_evals_multiple_choice_and_generation_get_the_offline_engines_answers
 @pytest.mark.slow
 def test_lm_evals_tasks_on_smollm2_get_transformers_answers(tmp_path, transformers_smollm2):
     model, theirs = transformers_smollm2
+    ours = LLM(model="smollm2", device="cpu").get_tokenizer()  # the file's, digits split
+    # lm-eval's request, sent as it sends it: token-id prompts, echo, logprobs 1, max_tokens 1
+    id_lists = [ours.encode(q["question"] + " " + q["choices"][0]) for q in QUESTIONS]
     process, url = start_server("--api-key", KEY, "--max-num-seqs", "8", "--dtype", "fp32",
                                 engine=["--model", "smollm2", "--device", "cpu"])
     try:
         samples = evaluate(url, tmp_path, "smollm2", "served_choice", chat=False)
         generated = evaluate(url, tmp_path, "smollm2", "served_generate", chat=True)
+        scored = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                            json={"model": "smollm2", "prompt": id_lists, "echo": True,
+                                  "logprobs": 1, "max_tokens": 1, "temperature": 0},
+                            timeout=120).json()
     finally:
         process.terminate()
         process.wait(timeout=30)
-    ours = LLM(model="smollm2", device="cpu").get_tokenizer()  # the file's, digits split
+    for ids, choice in zip(id_lists, scored["choices"], strict=True):  # every prompt token
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        expected = [logprobs[i - 1, t].item() for i, t in enumerate(ids) if i]
+        assert choice["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(expected,
+                                                                                  abs=2e-3)
     assert len(samples) == len(QUESTIONS)
     for sample in samples:
         for (got, _), pair in zip([r[0] for r in sample["resps"]], sample["arguments"]):
