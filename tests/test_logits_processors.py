@@ -80,7 +80,7 @@ def test_penalties_count_the_tokens_of_recomputed_and_chunked_requests():
     # recomputed in 16-token mixed steps, drawing tokens that are thrown away on the way.
     llm = LLM(**MODEL | {"num_blocks": 5}, max_num_seqs=3, no_sharing=True,
               max_batched_tokens=16)
-    params = SamplingParams(**vars(PENALIZED) | {"max_tokens": 24})
+    params = SamplingParams(**vars(PENALIZED) | {"max_tokens": 16})
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, output in zip(PROMPTS, outputs):
