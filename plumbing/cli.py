@@ -149,16 +149,6 @@ def writable_file(text: str) -> Path:
 OUTPUTS_AT_START: dict = {}  # resolved path -> the file as this run first saw it (file_identity)
 
 
-def finite_number(value) -> bool:
-    """A JSON number a tool can draw or divide by: not a bool, not NaN or infinite."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int of hundreds of digits: no float holds it
-        return False
-
-
 CHAT_ROLES = ("system", "user", "assistant")
 A_MESSAGE = ("each message needs a 'role' (system, user or assistant) and a 'content': a string, "
              "or a list of text parts")
@@ -199,35 +189,6 @@ def claim_output(path: Path) -> Path:
     wrote it in the meantime (two runs given the same --json)."""
     OUTPUTS_AT_START.setdefault(path.resolve(), file_identity(path))
     return path
-
-
-IMAGE_FORMATS = [".png", ".pdf", ".svg"]  # matplotlib draws these itself, with no optional library
-
-
-def image_file(text: str) -> Path:
-    """A writable path whose suffix names a format matplotlib can draw."""
-    path = writable_file(text)
-    if path.suffix.lower() not in IMAGE_FORMATS:
-        raise argparse.ArgumentTypeError(f"{text}: name the picture's format with its suffix, one "
-                                         f"of {', '.join(IMAGE_FORMATS)}")
-    return path
-
-
-def json_file(text: str):
-    """A JSON file's contents, for an argparse type: a missing or unreadable file is refused
-    before anything runs (exit 2)."""
-    import json
-    try:
-        return json.loads(read_text_input(Path(text), "the JSON file"))
-    except FileNotFoundError:
-        raise argparse.ArgumentTypeError(f"{text}: no such file") from None
-    except UserError as e:  # a pipe, a device, too large
-        raise argparse.ArgumentTypeError(str(e)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"{text} is not a JSON file: {e}") from None
-    except RecursionError:  # json's decoder recurses once per level of nesting
-        raise argparse.ArgumentTypeError(f"{text} is nested too deeply to be a JSON file this "
-                                         f"program wrote") from None
 
 
 def refuse_output_over_input(output: Path | None, inputs: list, flag: str) -> None:
@@ -375,15 +336,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_int_list(text: str) -> list[int]:
-    """Comma-separated positive whole numbers, e.g. 16,256."""
-    try:
-        return [positive_int(v) for v in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive whole numbers, "
-                                         f"e.g. 16,256; got {text!r}") from None
-
-
 def sequence_length(text: str) -> int:
     value = positive_int(text)
     if value > MAX_POSITIONS:
@@ -392,7 +344,7 @@ def sequence_length(text: str) -> int:
     return value
 
 
-def _finite_float(text: str) -> float:
+def finite_float(text: str) -> float:
     value = _parsed(text, float, math.nan)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
@@ -400,7 +352,7 @@ def _finite_float(text: str) -> float:
 
 
 def fraction(text: str) -> float:
-    value = _finite_float(text)
+    value = finite_float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction above 0 and at most 1, got {text}")
     return value
@@ -420,7 +372,7 @@ MAX_GB = 1e6  # a petabyte: far beyond any machine, small enough to count in blo
 
 
 def gigabytes(text: str) -> float:
-    value = _finite_float(text)
+    value = finite_float(text)
     if not 0 < value <= MAX_GB:
         raise argparse.ArgumentTypeError(f"expected a positive number of GB, at most "
                                          f"{MAX_GB:,.0f}, got {text}")
@@ -428,18 +380,10 @@ def gigabytes(text: str) -> float:
 
 
 def temperature(text: str) -> float:
-    value = _finite_float(text)
+    value = finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 (greedy) or a positive number, got {text}")
     return value
-
-
-def milliseconds_list(text: str) -> list[float]:
-    """Comma-separated waits of 0 to a second each, e.g. 0,2.5."""
-    values = [_finite_float(t) for t in text.split(",")]
-    if not all(0 <= v <= 1000 for v in values):
-        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to 1,000, got {text}")
-    return values
 
 
 MIN_REQUEST_RATE = 1e-5  # about one request a day
@@ -449,7 +393,7 @@ def request_rate(text: str) -> float:
     """Requests per second: a positive number, or inf (all at the start)."""
     if text.strip().lower() in ("inf", "infinity"):
         return math.inf
-    value = _finite_float(text)
+    value = finite_float(text)
     if not value >= MIN_REQUEST_RATE:  # NaN too; slower arrivals overflow the clock's arithmetic
         raise argparse.ArgumentTypeError(f"expected at least {MIN_REQUEST_RATE:g} requests per "
                                          f"second (one a day), or inf, got {text}")

@@ -26,6 +26,7 @@ import plumbing.cli
 import plumbing.inputs
 from tools import (bench, build_prompts, decode_kernel_cost, graph_cost, latency_sweep,
                    plot_memory, power_cap, preemption_cost, serve_bench)
+from tools.arguments import json_file
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # the scripts' import replaced pytest's
 
@@ -747,5 +748,5 @@ def test_inputs_that_are_no_regular_file_and_outputs_that_are_pipes_are_refused(
     with pytest.raises(plumbing.cli.UserError, match="prompts file .* is not a regular file"):
         plumbing.inputs.read_records(fifo)  # sharegpt_filtered.json replaced by a pipe
     with pytest.raises(argparse.ArgumentTypeError, match="is not a regular file"):
-        plumbing.cli.json_file(str(fifo))  # the tools' run files
+        json_file(str(fifo))  # the tools' run files
     assert plumbing.cli.writable_file("/dev/stdout") == Path("/dev/stdout")

@@ -30,7 +30,8 @@ from llama3_paged import DecodeBatch
 from plumbing.inputs import PRESETS
 from features.cascade.attention import CascadeAttention
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
-                          positive_int_list, standard_json, writable_file, write_atomically)
+                          standard_json, writable_file, write_atomically)
+from tools.arguments import positive_int_list
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds
 
 BLOCK_SIZE = 256  # flash-attn's paged kernel

@@ -28,8 +28,8 @@ from plumbing.cli import UserError, importable
 
 import torch
 
-from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int_list,
-                          writable_file)
+from plumbing.cli import HelpFormatter, first_paragraph, one_paragraph_errors, writable_file
+from tools.arguments import positive_int_list
 from tools.shared import as_graph, copy_bandwidth, median_cuda_seconds, write_and_print
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B

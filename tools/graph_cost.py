@@ -38,7 +38,8 @@ from llama3_paged import Decoder
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
-                          positive_int_list, writable_file)
+                          writable_file)
+from tools.arguments import positive_int_list
 from tools.bench import decode_flops_per_token, step_floor_seconds, weight_bytes_read_per_step
 from tools.shared import (as_graph, copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
                           write_and_print)

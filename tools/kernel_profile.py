@@ -30,8 +30,9 @@ exit_quietly_on_ctrl_c("kernel_profile.py")  # before torch loads
 
 import argparse
 
-from plumbing.cli import (HelpFormatter, UserError, first_paragraph, json_file,
-                          one_paragraph_errors, positive_int)
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph, one_paragraph_errors,
+                          positive_int)
+from tools.arguments import json_file
 
 PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of W2 would not fit
 PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run

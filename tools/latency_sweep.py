@@ -56,9 +56,10 @@ import llama3_virtual
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
 from features.arrivals import latency_report
-from plumbing.cli import (HelpFormatter, device, finite_number, first_paragraph, fraction,
-                          gigabytes, image_file, json_file, one_paragraph_errors, positive_int,
-                          refuse_output_over_input, seed, writable_file, write_atomically)
+from plumbing.cli import (HelpFormatter, device, first_paragraph, fraction, gigabytes,
+                          one_paragraph_errors, positive_int, refuse_output_over_input, seed,
+                          writable_file, write_atomically)
+from tools.arguments import finite_number, image_file, json_file
 from plumbing.inputs import PROMPTS_FILE, read_records
 from plumbing.cli import standard_json
 from engine.report import format_seconds, scheduling_report

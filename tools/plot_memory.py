@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("plot_memory.py")  # before matplotlib loads
 
-from plumbing.cli import (GB, HelpFormatter, finite_number,
-                          first_paragraph, format_bytes, image_file, json_file,
-                          one_paragraph_errors, refuse_output_over_input, write_atomically)
+from plumbing.cli import (GB, HelpFormatter, first_paragraph, format_bytes, one_paragraph_errors,
+                          refuse_output_over_input, write_atomically)
+from tools.arguments import finite_number, image_file, json_file
 
 import matplotlib
 

@@ -30,8 +30,9 @@ exit_quietly_on_ctrl_c("power_cap.py")  # before torch loads
 import torch
 from tqdm import tqdm
 
-from plumbing.cli import (HelpFormatter, UserError, first_paragraph, milliseconds_list,
-                          one_paragraph_errors, positive_int, writable_file)
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph, one_paragraph_errors,
+                          positive_int, writable_file)
+from tools.arguments import milliseconds_list
 from llama3_paged import TransformerBlock
 from plumbing.inputs import PRESETS
 from tools.shared import write_and_print

@@ -50,8 +50,8 @@ from engine.swap import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, device, first_paragraph, format_bytes,
-                          host_available_bytes, one_paragraph_errors, positive_int,
-                          positive_int_list, writable_file)
+                          host_available_bytes, one_paragraph_errors, positive_int, writable_file)
+from tools.arguments import positive_int_list
 from engine.report import format_seconds
 from plumbing.inputs import DTYPES, PRESETS
 from engine.loader import choose_attention
