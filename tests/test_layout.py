@@ -137,3 +137,35 @@ def test_a_continuous_run_executes_no_file_of_a_feature_it_did_not_ask_for():
     executed = [line for line in walk(["--continuous"]) if line.endswith(".py")]
     assert "engine/scheduler.py" in executed, executed  # the engine's program ran it
     assert not [f for f in executed if any(name in f for name in FEATURES_NOT_ASKED_FOR)], executed
+
+
+LESSON_MODULES = {"llama3_paged", "block_manager", "llama3_naive", "llama3_virtual",
+                  "virtual_pages"}
+
+
+def test_no_class_is_more_than_two_levels_below_a_lesson_class():
+    """The engine and the features use the lesson's classes by composition or a level or two of
+    subclassing (vLLM's and nano-vllm's depth), not chains. Modules whose GPU-only packages are
+    missing here (triton) are left out, and named."""
+    import importlib
+    import inspect
+    is_lesson = lambda c: c.__module__ in LESSON_MODULES
+    def below(c) -> int | None:  # levels below the nearest lesson class, or None if none
+        if is_lesson(c):
+            return 0
+        levels = [below(b) for b in c.__bases__]
+        return 1 + max(d for d in levels if d is not None) if any(
+            d is not None for d in levels) else None
+    depths, missing = {}, []
+    for name in [n for n in project_modules() if n.split(".")[0] in ("engine", "features",
+                                                                     "plumbing", "serve")]:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            assert e.name == "triton", e  # only what the GPU machine has
+            missing.append(name)
+            continue
+        for cls in vars(module).values():
+            if inspect.isclass(cls) and cls.__module__ == name and below(cls):
+                depths[f"{name}.{cls.__name__}"] = below(cls)
+    assert depths and max(depths.values()) <= 2, sorted(depths.items(), key=lambda i: -i[1])
