@@ -35,23 +35,23 @@ class VirtualKVCache:
         from flash_attn import flash_attn_with_kvcache
         self.decode_kernel, self.attention_backend = flash_attn_with_kvcache, attention
         self.memory = VirtualMemory(device)
-        n_layers, shape, per_token = args.n_layers, (args.n_kv_heads, args.head_dim), layout == LAYOUTS[0]
-        self.token_bytes = (2 * n_layers if per_token else 1) * args.n_kv_heads * args.head_dim * dtype.itemsize
+        n_layers, H, D = args.n_layers, args.n_kv_heads, args.head_dim
+        num_ranges = 1 if layout == "per-token" else 2 * n_layers  # per-layer: each K, each V
+        self.token_bytes = 2 * n_layers // num_ranges * H * D * dtype.itemsize  # in one range
         self.tokens_per_page = self.block_size = self.memory.page_bytes // self.token_bytes
         self.pages_per_row = -(-max_seq_len // self.tokens_per_page)
         self.row_tokens, rows = self.pages_per_row * self.tokens_per_page, max_requests + 1
         range_bytes = rows * self.row_tokens * self.token_bytes
-        self.ranges = [self.memory.reserve(range_bytes) for _ in range(1 if per_token else 2 * n_layers)]
+        self.ranges = [self.memory.reserve(range_bytes) for _ in range(num_ranges)]
         self._map([self._new_pages()], row=0, first_page=0)  # the spare row's, for good
         self.spare_slot, self.page_sets = 0, []  # the page manager's page i is page_sets[i]
         tensors = [self.memory.tensor(r, range_bytes, dtype) for r in self.ranges]
-        if per_token:
-            kv = tensors[0].view(rows, self.row_tokens, n_layers, 2, *shape)
-            self.k = [kv[:, :, layer, 0] for layer in range(n_layers)]  # [rows, row_tokens, H, D]
-            self.v = [kv[:, :, layer, 1] for layer in range(n_layers)]
-        else:  # K of layer 0, V of layer 0, K of layer 1, ...: each [rows, row_tokens, H, D]
-            views = [t.view(rows, self.row_tokens, *shape) for t in tensors]
-            self.k, self.v = views[0::2], views[1::2]
+        if num_ranges == 1:  # per-token: [rows, row_tokens, n_layers, 2, H, D]
+            kv = tensors[0].view(rows, self.row_tokens, n_layers, 2, H, D)
+            self.k, self.v = ([kv[:, :, layer, i] for layer in range(n_layers)] for i in (0, 1))
+        else:  # K of layer 0, V of layer 0, K of layer 1, ...
+            views = [t.view(rows, self.row_tokens, H, D) for t in tensors]
+            self.k, self.v = views[0::2], views[1::2]  # each layer's [rows, row_tokens, H, D]
 
     def _new_pages(self) -> list:  # a page in each range: what a row grows by tokens_per_page
         return [self.memory.create_page() for _ in self.ranges]
