@@ -56,9 +56,9 @@ def allocate_kv_cache(run, cache_class=EngineVirtualKVCache):
     if sync:
         return cache, manager
     seconds = manager.map_empty_rows()
-    print(f"Start-up: {manager.num_idle_pages:,} pages mapped under {len(manager.idle_rows):,} empty "
-          f"rows in {seconds:.2f} s, before the first request; {len(manager.free_blocks):,} left "
-          f"mapped nowhere.")
+    print(f"Start-up: {manager.num_idle_pages:,} pages mapped under {len(manager.idle_rows):,} "
+          f"empty rows in {seconds:.2f} s, before the first request; "
+          f"{len(manager.free_blocks):,} left mapped nowhere.")
     cache.memory.count_from_here()  # the report counts the run's driver calls, not these
     return cache, manager
 
@@ -80,8 +80,9 @@ def mapping_report(cache, manager, decode_steps: int) -> str:
     if not isinstance(manager, MappingAheadManager):
         return line + (f"in the loop (--sync-mapping): {seconds['in_the_loop'] / steps * 1e3:.3f} "
                        f"ms per decode step on the critical path")
-    return line + (f"ahead, on a background thread ({seconds['off_critical_path'] / steps * 1e3:.3f} "
-                   f"ms per decode step). The loop waited for it {seconds['growth'] / steps * 1e3:.3f} "
+    per_step = {name: value / steps * 1e3 for name, value in seconds.items()}  # ms
+    return line + (f"ahead, on a background thread ({per_step['off_critical_path']:.3f} ms per "
+                   f"decode step). The loop waited for it {per_step['growth']:.3f} "
                    f"ms per decode step for growing requests' pages, and "
                    f"{seconds['admission'] * 1e3:,.1f} ms in all for admitted prompts'; the "
                    f"look-ahead ran dry for {manager.lookahead_ran_dry:,} pages; "
