@@ -268,6 +268,9 @@ class RowProcessing:
         self.bias.set_row(row, params.logit_bias or {})
         self.early_stops.set_row(row, dict.fromkeys(stop_ids, -float("inf")))
 
+    def release(self, row: int) -> None:
+        self.asks[row] = False  # its values stay until the row's next request sets its own
+
     def __call__(self, logits, rows, positions) -> torch.Tensor:
         """logits [B, vocab] -> float32 [B, vocab], processed; positions [B]: the next token's."""
         logits = self.bias.add_to(logits.float(), rows)
@@ -327,7 +330,8 @@ class RowSampler:
         self.processing.set_row(row, params, prompt, stop_ids)
 
     def release(self, row: int) -> None:
-        self.samples[row] = self.processing.asks[row] = False
+        self.samples[row] = False
+        self.processing.release(row)
 
     def runs_eagerly(self, rows) -> bool:
         """Whether the step's rows need more than the argmax a greedy CUDA graph records."""
