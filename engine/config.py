@@ -60,6 +60,7 @@ class Config:
     gpu_memory_utilization: float | None
     kv_budget_gb: float | None
     kv_cache_dtype: str  # auto or fp8
+    quantization: str | None  # fp8: the projections' weights in float8
     no_sharing: bool
     no_prefix_cache: bool
     # scheduling
@@ -282,6 +283,8 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     add_fast_path_arguments(p)
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
                    help="fp8 (or fp8_e4m3): K/V in float8, half the bytes")
+    p.add_argument("-q", "--quantization", choices=["fp8"],
+                   help="fp8: the projections' weights in float8, half their bytes (vLLM's)")
     p.add_argument("--logprobs", type=logprobs_count, metavar="K",
                    help="each generated token's log-probability and the K likeliest (in --json)")
     p.add_argument("--max-logprobs", type=logprobs_count, default=20, metavar="K",

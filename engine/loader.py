@@ -9,7 +9,8 @@ import llama3_paged as lesson
 from engine.config import Config
 from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
 from plumbing import inputs
-from plumbing.cli import UserError, importable, read_text_input, torchrun_process
+from plumbing.cli import (UserError, format_bytes, importable, read_text_input,
+                          torchrun_process)
 from plumbing.inputs import Run
 
 
@@ -30,10 +31,25 @@ def load(config: Config) -> Run:
         config = dataclasses.replace(config, compile=compiles_by_default(config, attention))
     sequences = config.samples * config.beam_width
     run = inputs.load_run(config, model_class, attention, system_prompt(config), sequences, split)
+    if config.quantization == "fp8":
+        use_fp8_weights(run)
     if config.kv_cache_dtype == "fp8":
         from features.fp8.cache import FP8
         run = dataclasses.replace(run, kv_cache_dtype=FP8)
     return run
+
+
+def use_fp8_weights(run: Run) -> None:
+    """--quantization fp8: the loaded model's projections in float8 (features/fp8/weights.py),
+    before the KV budget is taken from what the GPU has left: the pool gets what they free."""
+    from features.fp8.weights import quantize_weights
+    before, after = quantize_weights(run.model)
+    fixed = run.args.kv_budget_gb or run.device.type != "cuda"
+    print(f"FP8 weights (--quantization fp8): the projections in float8, weights "
+          f"{format_bytes(after)} where {str(run.dtype).removeprefix('torch.')} takes "
+          f"{format_bytes(before)}: " + ("the KV budget is fixed (--kv-budget-gb, or the "
+                                         "CPU's), so the pool stays as large." if fixed else
+                                         f"{format_bytes(before - after)} more for the KV pool."))
 
 
 def compiles_by_default(config: Config, attention) -> bool:

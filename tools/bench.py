@@ -51,7 +51,7 @@ from engine.sequence import ServedRequest
 from engine.model_runner import greedy
 from llama3_paged import append_tokens
 from plumbing.inputs import TOKENS_PER_PASS
-from llama3_paged import DecodeBatch
+from llama3_paged import DecodeBatch, Llama
 from features.arrivals import latency_report
 from engine.scheduler import Scheduler
 from features.virtual.mapping_ahead import MappingAheadManager, mapping_seconds
@@ -62,7 +62,7 @@ from plumbing.inputs import PROMPTS_FILE, REBUILD, read_records
 from plumbing.cli import GB, torchrun_process
 from plumbing.cli import standard_json
 from engine.report import scheduling_report, sharing_report
-from plumbing.inputs import DTYPES
+from plumbing.inputs import DTYPES, shapes_only
 from engine.config import CACHES, Config, add_fast_path_arguments, logprobs_count
 from engine.loader import load
 from engine.llm_engine import (allocate_kv_cache, arrival_times, make_engine,
@@ -261,6 +261,8 @@ def parse_arguments(argv=None):
                    help="of the weights and the K/V")
     p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto", metavar="{auto,fp8}",
                    help="fp8 (fp8_e4m3): K/V in float8, decoded by the Triton kernel")
+    p.add_argument("-q", "--quantization", choices=["fp8"],
+                   help="fp8: the projections' weights in float8 (features/fp8/weights.py)")
     p.add_argument("--logprobs", type=logprobs_count, metavar="K",
                    help="every request asks for its tokens' log-probabilities and the top K")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
@@ -282,7 +284,8 @@ def script_arguments(bench_args):
                    kv_cache_dtype=a.kv_cache_dtype, eager=a.eager, compile=a.compile,
                    overlap=a.overlap, continuous=a.continuous, max_running=a.max_running,
                    max_batched_tokens=a.max_batched_tokens, request_rate=a.request_rate,
-                   system_prompt_file=a.system_prompt_file, logprobs=a.logprobs)
+                   system_prompt_file=a.system_prompt_file, logprobs=a.logprobs,
+                   quantization=a.quantization)
     if a.script == "paged":
         options |= dict(block_size=a.block_size, no_prefix_cache=a.no_prefix_cache,
                         cascade=a.cascade, decode_kernel=a.decode_kernel)
@@ -347,6 +350,9 @@ def bench(a) -> dict:
     say("Measuring the copy bandwidth and the matmul rate; capturing CUDA graphs ...")
     bandwidth = copy_bandwidth(setup.device)
     matmul_rate = matmul_flops_per_second(setup.device, DTYPES[a.dtype])
+    sixteen_bit = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
+    if a.quantization:  # float8 weights: the floor of float8 matmuls, the 16-bit one beside it
+        matmul_rate = matmul_flops_per_second(setup.device, torch.float8_e4m3fn)
     hardware = {"matmul_flops_per_second": matmul_rate, "copy_bandwidth_bytes_per_second": bandwidth}
     weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
@@ -457,7 +463,13 @@ def bench(a) -> dict:
                         "weight_bytes": weights_read,
                         "kv_bytes": result.timeline[median_step].filled_slots * kv_bytes_per_token,
                         "floor_seconds": floors[median_step],
-                        "ratio_to_floor": step_seconds / floors[median_step]},
+                        "ratio_to_floor": step_seconds / floors[median_step],
+                        "floor_16_bit_seconds": step_floor_seconds(
+                            result.timeline[median_step].running_requests,
+                            result.timeline[median_step].filled_slots * kv_bytes_per_token,
+                            weight_bytes_read_per_step(shapes_only(Llama, setup.model.args,
+                                                                   setup.dtype)),
+                            per_token, sixteen_bit) if a.quantization else None},
         "floor": floor | {"wall_seconds": floor["prefill_seconds"] + floor["decode_seconds"]},
         "attention_seconds_per_layer_halfway": attention_seconds,
         "attention_requests": attention_requests,
@@ -492,7 +504,8 @@ def print_table(r: dict) -> None:
           f"--attn {w['attn']}{decode}, {graphs}{block}, --max-seq-len {w['max_seq_len']}, {batching} "
           f"batching; {r['device']}")
     print(f"  measured: copy bandwidth {r['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s, "
-          f"{w['dtype']} matmul {r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
+          f"{'float8' if w['quantization'] else w['dtype']} matmul "
+          f"{r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
     print(f"  wall                {r['wall_seconds']:.2f} s, {r['output_tokens_per_second']:,.0f} output tokens/s")
     share = r["prefill_share_of_matmul_rate"]
     print(f"  prefill             {r['prefill_seconds']:.2f} s ({r['prefill_gpu_seconds']:.2f} s on the GPU)"
@@ -518,6 +531,10 @@ def print_table(r: dict) -> None:
     print(f"  median decode step  {m['seconds'] * 1e3:.2f} ms at batch {m['running_requests']}; floor "
           f"{m['floor_seconds'] * 1e3:.2f} ms ({m['weight_bytes'] / GB:.2f} GB weights + "
           f"{m['kv_bytes'] / GB:.2f} GB K/V); {m['ratio_to_floor']:.2f}x the floor")
+    if m["floor_16_bit_seconds"]:
+        print(f"  16-bit floor        {m['floor_16_bit_seconds'] * 1e3:.2f} ms: the same step with "
+              f"{w['dtype']} weights and matmuls (the floor above: float8's, "
+              f"{r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s)")
     f = r["floor"]
     parts = ("prefill and decode share steps" if mixed_steps(w) else
              f"prefill {100 * f['prefill_seconds'] / r['prefill_seconds']:.0f}%, decode "

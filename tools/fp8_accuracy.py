@@ -1,17 +1,21 @@
-"""What an FP8 KV cache costs in accuracy: its logits against the model-dtype cache's, step by step.
+"""What float8 costs in accuracy: the logits of an FP8 KV cache (--kv-cache-dtype fp8) or of FP8
+weights (--quantization fp8) against the model dtype's, step by step.
 
     python tools/fp8_accuracy.py --model smollm2 --device cpu     # the real SmolLM2, float32
     python tools/fp8_accuracy.py                                  # random 8B weights, bf16, a GPU
+    python tools/fp8_accuracy.py --what weights                   # FP8 weights, not K/V
 
-Both caches run the same prompts, greedy, teacher-forced: each step of both feeds the token the
-reference cache's run chose, so one flipped token does not change every later step. Reported per
-step and over all: the largest and the mean |logit difference|, the spread of the logits (their
-standard deviation, for scale), and top-1 agreement: how often the two caches' likeliest next
-tokens are the same. The attention kernels are the same in both runs (flash-attn's prefill; the
-Triton decode kernel on a GPU, the PyTorch reference on the CPU): only the K/V storage differs.
+Both runs take the same prompts, greedy, teacher-forced: each step of both feeds the token the
+reference run chose, so one flipped token does not change every later step. Reported per step and
+over all: the largest and the mean |logit difference|, the spread of the logits (their standard
+deviation, for scale), and top-1 agreement: how often the two runs' likeliest next tokens are the
+same. The attention kernels are the same in both runs (flash-attn's prefill; the Triton decode
+kernel on a GPU, the PyTorch reference on the CPU): only the K/V storage, or the projections'
+weights (on a GPU multiplied by torch._scaled_mm, on the CPU by the reference), differ.
 """
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import sys
@@ -32,6 +36,8 @@ def parse_arguments(argv=None):
     p.add_argument("--model", choices=MODELS, default="8b",
                    help="smollm2: the real weights; the others: random weights of their shapes")
     p.add_argument("--device", help="cpu or cuda (default: cuda if there is one)")
+    p.add_argument("--what", choices=["kv-cache", "weights"], default="kv-cache",
+                   help="what is in float8: the K/V cache, or the projections' weights")
     p.add_argument("--num-prompts", type=positive_int, default=16, help="ShareGPT prompts")
     p.add_argument("--steps", type=positive_int, default=64, help="decode steps per prompt")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
@@ -55,7 +61,7 @@ class ForcedSampler:
         return torch.stack([self.forced[row][step] for row, step in zip(rows.tolist(), steps.tolist())])
 
 
-def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
+def run_cache(run, model, cache_class, prompts, steps, forced=None) -> ForcedSampler:
     import torch
     from block_manager import BlockManager
     from engine.model_runner import ModelRunner
@@ -64,12 +70,12 @@ def run_cache(run, cache_class, prompts, steps, forced=None) -> ForcedSampler:
     block_size = 16
     blocks_each = max(len(p) for p in prompts) // block_size + steps // block_size + 2
     num_blocks = blocks_each * len(prompts)
-    cache = cache_class(run.model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
+    cache = cache_class(model.args, num_blocks, block_size, run.dtype, run.device, run.attention)
     manager = BlockManager(num_blocks, block_size, len(prompts), blocks_each, run.device)
     lengths = torch.tensor([len(p) for p in prompts], device=run.device)
     sampler = ForcedSampler(lengths, forced)
     requests = [ServedRequest(i, p, steps) for i, p in enumerate(prompts)]
-    ModelRunner(run.model, cache, manager, sampler).generate(Scheduler(manager, requests),
+    ModelRunner(model, cache, manager, sampler).generate(Scheduler(manager, requests),
                                                              progress=False)
     return sampler
 
@@ -91,10 +97,16 @@ def measure(a) -> dict:
         attention = TritonDecode()  # the kernels fp8 runs with; bf16 runs them too here
     run = dataclasses.replace(run, attention=attention)
     prompts = [p.prompt_tokens for p in run.prompts]
-    reference = run_cache(run, EngineKVCache, prompts, a.steps)
+    reference = run_cache(run, run.model, EngineKVCache, prompts, a.steps)
     forced = [[int(reference.logits[r, s].argmax()) for s in range(a.steps)] for r in range(len(prompts))]
     forced = [torch.tensor(f, device=run.device) for f in forced]
-    fp8 = run_cache(run, FP8KVCache, prompts, a.steps, forced)
+    if a.what == "weights":
+        from features.fp8.weights import quantize_weights
+        model = copy.deepcopy(run.model)
+        quantize_weights(model)
+        fp8 = run_cache(run, model, EngineKVCache, prompts, a.steps, forced)
+    else:
+        fp8 = run_cache(run, run.model, FP8KVCache, prompts, a.steps, forced)
     per_step = []
     for s in range(a.steps):
         ref = torch.stack([reference.logits[r, s] for r in range(len(prompts))])
@@ -103,7 +115,7 @@ def measure(a) -> dict:
         per_step.append({"step": s, "max_abs_logit_error": diff.max().item(),
                          "mean_abs_logit_error": diff.mean().item(), "logit_std": ref.std().item(),
                          "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()})
-    return {"model": a.model + ("" if a.model == "smollm2" else ", random weights"),
+    return {"what": a.what, "model": a.model + ("" if a.model == "smollm2" else ", random weights"),
             "device": str(device), "dtype": str(run.dtype).removeprefix("torch."),
             "prompts": len(prompts), "steps": a.steps, "per_step": per_step,
             "max_abs_logit_error": max(p["max_abs_logit_error"] for p in per_step),
@@ -118,7 +130,8 @@ def main(argv=None) -> None:
         r = measure(a)
         if a.json:
             write_json(a, r)
-        print(f"FP8 K/V against {r['dtype']} K/V: {r['model']}, {r['device']}, {r['prompts']} prompts "
+        what = "K/V" if r["what"] == "kv-cache" else "weights"
+        print(f"FP8 {what} against {r['dtype']} {what}: {r['model']}, {r['device']}, {r['prompts']} prompts "
               f"x {r['steps']} teacher-forced steps")
         print(f"  top-1 agreement {100 * r['top1_agreement']:.2f}%; |logit error| mean "
               f"{r['mean_abs_logit_error']:.4f}, largest {r['max_abs_logit_error']:.3f} "

@@ -48,6 +48,13 @@ def copy_bandwidth(device) -> float:
 
 
 def matmul_flops_per_second(device, dtype, n: int = 8192) -> float:
+    """The rate of an n x n x n matmul; for float8, torch._scaled_mm with a scale per row, as
+    features/fp8/weights.py calls it (--quantization fp8)."""
+    if dtype == torch.float8_e4m3fn:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+        return 2 * n**3 / median_cuda_seconds(lambda: torch._scaled_mm(
+            a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16))
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     return 2 * n**3 / median_cuda_seconds(lambda: a @ b)
 
