@@ -59,7 +59,7 @@ def allocate_kv_cache(run: Run, served: bool = False):
         from features.virtual import kv_cache as virtual
         if run.kv_cache_dtype is None:
             return virtual.allocate_kv_cache(run)
-        from features.fp8.virtual import FP8VirtualKVCache  # where the two features combine
+        from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
         return virtual.allocate_kv_cache(run, FP8VirtualKVCache)
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 

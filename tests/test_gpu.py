@@ -455,10 +455,10 @@ def test_virtual_rows_give_the_paged_and_naive_tokens_and_leak_no_page(layout, a
 @pytest.mark.parametrize("layout", ["per-token", "per-layer"])
 def test_fp8_virtual_rows_give_the_fp8_paged_tokens(layout):
     # The same float8 bytes with the same scales, read by the same Triton kernel: through the
-    # paged pool's block table (blocks of 256) or as one block per row (features/
-    # fp8_virtual_kv_cache.py). The paged FP8 cache is held to the PyTorch reference above.
+    # paged pool's block table (blocks of 256) or as one block per row (engine/
+    # fp8_virtual_cache.py). The paged FP8 cache is held to the PyTorch reference above.
     from features.fp8.cache import FP8KVCache
-    from features.fp8.virtual import FP8VirtualKVCache
+    from engine.fp8_virtual_cache import FP8VirtualKVCache
     from features.triton_attention import TritonDecode
     model = random_model(Llama, "1b", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=9)
     prompts = random_prompts(8, torch.Generator().manual_seed(9))

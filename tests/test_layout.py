@@ -71,6 +71,17 @@ def test_the_lesson_imports_the_block_manager_and_three_support_modules_only():
     assert {m.split(".")[0] for m in pages} <= {"block_manager", "plumbing"}, pages
 
 
+def test_no_feature_imports_another_feature():
+    # A feature is a file of features/ or a folder of it; where two combine, the engine joins
+    # them (engine/fp8_virtual_cache.py), so each is read, and run, on its own.
+    modules = project_modules()
+    feature_of = lambda module: module.split(".")[1]
+    across = {name: sorted(m for m in imports_of(path, modules)
+                           if m.startswith("features.") and feature_of(m) != feature_of(name))
+              for name, path in modules.items() if name.startswith("features.")}
+    assert not {name: found for name, found in across.items() if found}
+
+
 def test_the_lesson_files_stay_short():
     lines = lambda name: len((ROOT / name).read_text().splitlines())
     assert lines("llama3_paged.py") <= 500 and lines("block_manager.py") <= 150

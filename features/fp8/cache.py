@@ -67,7 +67,7 @@ class DequantizedBlocks:
 
 class Float8Writes:
     """What both FP8 caches do with a layer's new K and V: the paged pool below and the virtual
-    rows (features/fp8/virtual.py). A layer's first prefill sets its scales; every write
+    rows (engine/fp8_virtual_cache.py). A layer's first prefill sets its scales; every write
     quantizes with them."""
 
     def init_scales(self, n_layers: int, device) -> None:

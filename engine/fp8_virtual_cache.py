@@ -1,5 +1,7 @@
 """The virtual cache in float8 (llama3_virtual.py --kv-cache-dtype fp8): vAttention's rows,
-each token's K and V in 8 bits (features/fp8/cache.py says how and why).
+each token's K and V in 8 bits (features/fp8/cache.py says how and why). Where two features
+combine, the engine, which picks the cache (engine/llm_engine.py), joins them: a feature imports
+no other feature.
 
 Half the bytes per token also doubles the tokens a 2 MB page holds: for Llama 3 8B, 32 tokens of
 every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), so the page manager
