@@ -87,6 +87,28 @@ def test_completions_streamed_or_not_give_the_offline_text(client, offline):
         assert "".join(chunk.choices[0].text for chunk in stream) == text
 
 
+def test_fp8_weights_and_kv_serve_the_offline_engines_text():
+    # --quantization fp8 and --kv-cache-dtype fp8 are the engine's flags: the served answers are
+    # those of LLM(...) with the same two, streamed or not
+    flags = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    process, url = start_server(engine=[*ENGINE, *flags])
+    try:
+        from openai import OpenAI
+        client = OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        offline = LLM(model="tiny", random_weights=True, device="cpu", block_size=16,
+                      quantization="fp8", kv_cache_dtype="fp8")
+        expected = [o.outputs[0].text for o in offline.generate(PROMPTS[:2],
+                                                                SamplingParams(**GREEDY))]
+        for prompt, text in zip(PROMPTS[:2], expected):
+            assert client.completions.create(model="tiny", prompt=prompt,
+                                             **GREEDY).choices[0].text == text
+            stream = client.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY)
+            assert "".join(chunk.choices[0].text for chunk in stream) == text
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_chat_completions_and_token_id_prompts_give_the_offline_text(client, offline):
     conversation = [{"role": "user", "content": PROMPTS[5]}]
     [expected] = offline.chat([conversation], SamplingParams(**GREEDY))
