@@ -170,6 +170,10 @@ class Config:
         if self.num_requests * self.samples > MAX_SEQUENCES:
             raise UserError(f"N x --samples = {self.num_requests * self.samples:,} sequences; "
                             f"this project runs at most {MAX_SEQUENCES:,} at once.")
+        if self.quantization and self.device.type == "cuda" and self.dtype == "fp16":
+            raise UserError("--quantization fp8 multiplies float8 with torch._scaled_mm, whose "
+                            "scales per token and per channel give bf16 only: drop --dtype fp16 "
+                            "(bf16 is the default on CUDA).")
         if self.kv_cache_dtype == "fp8":
             self.refuse_fp8_combinations()
         refuse_output_over_input(self.json, [*inputs.inputs_of(self), self.system_prompt_file],

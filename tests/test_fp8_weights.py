@@ -84,6 +84,16 @@ def test_the_flag_quantizes_the_scripts_model_and_the_report_says_by_how_much(tm
     assert f"where float32 takes {(4 * (projections + rest)) / 1e6:,.2f} MB" in run.stdout
 
 
+def test_fp8_weights_in_fp16_on_cuda_are_refused_in_one_paragraph():
+    import dataclasses
+    from engine.config import parse_script_arguments
+    from plumbing.cli import UserError
+    config = parse_script_arguments("paged", ["2", "--random-weights", "--device", "cpu",
+                                              "--quantization", "fp8", "--dtype", "fp16"])
+    with pytest.raises(UserError, match="--quantization fp8 multiplies float8"):
+        dataclasses.replace(config, device=torch.device("cuda"))  # checked again, as on a GPU
+
+
 def test_fp8_weights_under_torchrun_are_refused_in_one_paragraph():
     from engine.config import parse_script_arguments
     from features.tensor_parallel import refuse_what_is_not_split_yet
