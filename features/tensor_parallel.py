@@ -74,15 +74,11 @@ def start(config):
 
 
 def refuse_what_is_not_split_yet(args) -> None:
-    """Compiled layers, with all-reduces inside the compiled code, and FP8 weights are not run
-    over several processes yet: an explicit --compile or --quantization ends here, in one
-    paragraph, before loading."""
+    """Compiled layers, with all-reduces inside the compiled code, are not run over several
+    processes yet: an explicit --compile ends here, in one paragraph, before loading."""
     if args.compile:
         raise UserError("--compile does not run under torchrun yet (tensor parallelism): run it "
                         "in one process, or drop the flag.")
-    if args.quantization:  # its float8 projections would replace the row-parallel all-reduces
-        raise UserError("--quantization fp8 does not run under torchrun yet (tensor "
-                        "parallelism): run it in one process, or drop the flag.")
 
 
 class RowParallelLinear(nn.Linear):

@@ -93,12 +93,3 @@ def test_fp8_weights_in_fp16_on_cuda_are_refused_in_one_paragraph():
     with pytest.raises(UserError, match="--quantization fp8 multiplies float8"):
         dataclasses.replace(config, device=torch.device("cuda"))  # checked again, as on a GPU
 
-
-def test_fp8_weights_under_torchrun_are_refused_in_one_paragraph():
-    from engine.config import parse_script_arguments
-    from features.tensor_parallel import refuse_what_is_not_split_yet
-    from plumbing.cli import UserError
-    config = parse_script_arguments("paged", ["2", "--random-weights", "--device", "cpu",
-                                              "--quantization", "fp8"])
-    with pytest.raises(UserError, match="--quantization fp8 does not run under torchrun yet"):
-        refuse_what_is_not_split_yet(config)

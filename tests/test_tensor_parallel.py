@@ -45,7 +45,10 @@ SLOW = pytest.mark.slow  # the suite's time: the same path as the cases kept in 
     pytest.param("llama3_paged.py", ["--kv-cache-dtype", "fp8", "--system-prompt", "You answer "
                  "in one short sentence."], marks=SLOW),  # each process scales by the largest of
     # all; prompts after the first read the system prompt from float8 blocks
-], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive", "fp8"])
+    pytest.param("llama3_paged.py", ["--quantization", "fp8"], marks=SLOW),  # o's and down's
+    # scales, a weight row's and a token's, the largest over both processes' slices
+], ids=["static", "continuous-preempting", "samples", "system-prompt", "naive", "fp8",
+        "fp8-weights"])
 def test_two_processes_give_the_one_process_tokens_with_half_the_kv_per_token(script, flags,
                                                                               tmp_path):
     argv = [script, "4", *TINY, "--max-new-tokens", "40", *flags]

@@ -20,27 +20,42 @@ float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quanti
 Like gpt-fast's quantize.py, this transforms a loaded model from outside, in one place
 (engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear.
 The lesson's layers call `self.wqkv(x)` as before and know nothing of it.
+
+Under torchrun (features/tensor_parallel.py) each process holds a slice of every layer: whole
+output channels of q/k/v and gate/up, whose scales are the one process's as they are, and a slice
+of the input features of o and down, whose partial outputs the processes add up. There a row's
+scale, a weight's or a token's, is the largest over all processes (one small all-reduce), so that
+every process quantizes to the one process's float8 numbers, and the Float8Linear adds the
+partial outputs itself, as the layer it replaces did.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from features.fp8.cache import FP8, FP8_MAX
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [rows, n] -> (x / scale in float8 [rows, n], scale [rows, 1] float32), each row's
-    scale its largest |value| over FP8_MAX (a row of zeros: a tiny scale, zeros stay zeros)."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    scale its largest |value| over FP8_MAX (a row of zeros: a tiny scale, zeros stay zeros).
+    sliced: each process holds a slice of every row; the largest is over all of them."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    if sliced:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class Float8Linear(nn.Module):
     """y = x W^T with W in float8 and a scale per output channel; x quantized per token."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, sliced_inputs: bool = False):
+        """sliced_inputs: under torchrun, this process holds a slice of the input features (o's
+        and down's), and its output is a part of the sum the processes add up."""
         super().__init__()
-        weight, scale = quantize_rows(linear.weight.detach())  # [out, in], [out, 1]
+        self.sliced_inputs = sliced_inputs
+        weight, scale = quantize_rows(linear.weight.detach(), sliced_inputs)  # [out, in], [out, 1]
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)  # [1, out]
         # _scaled_mm multiplies float8 on CUDA and writes bf16 with row-wise scales
@@ -48,12 +63,16 @@ class Float8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
-        x8, x_scale = quantize_rows(x)  # [T, in] float8, [T, 1]
+        x8, x_scale = quantize_rows(x, self.sliced_inputs)  # [T, in] float8, [T, 1]
         if self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
-            return torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
-                                    out_dtype=x.dtype)
-        return reference_matmul(x8, x_scale, self.weight, self.scale).to(x.dtype)
+            out = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
+                                   out_dtype=x.dtype)
+        else:
+            out = reference_matmul(x8, x_scale, self.weight, self.scale).to(x.dtype)
+        if self.sliced_inputs:
+            dist.all_reduce(out)  # this process's part of the sum: the whole output
+        return out
 
 
 def reference_matmul(x8, x_scale, w8, w_scale) -> torch.Tensor:
@@ -67,10 +86,13 @@ def quantize_weights(model) -> tuple[int, int]:
     16-bit copy of one matrix at most is alive beside the float8 ones. Returns the weights'
     bytes before and after (tied weights counted once)."""
     before = sum(p.nbytes for p in model.parameters())
+    split = dist.is_initialized()  # torchrun's processes: o and down hold input slices
     for layer in model.layers:
-        for block, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                            (layer.feed_forward, "w_gate_up"), (layer.feed_forward, "w_down")):
-            setattr(block, name, Float8Linear(getattr(block, name)))
+        for block, name, sliced in ((layer.attention, "wqkv", False),
+                                    (layer.attention, "wo", split),
+                                    (layer.feed_forward, "w_gate_up", False),
+                                    (layer.feed_forward, "w_down", split)):
+            setattr(block, name, Float8Linear(getattr(block, name), sliced))
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the 16-bit matrices' memory back to the GPU, for the pool
     return before, sum(p.nbytes for p in model.parameters())
