@@ -82,9 +82,12 @@ def memory_report(run, cache, manager, generation) -> dict:
     last = kv_snapshot_bytes(generation.timeline[-1], kv_bytes_per_token) if generation.timeline else None
     fragmented = fullest["unfilled_bytes"] if fullest else 0
     weights = sum(p.nbytes for p in run.model.parameters())  # tied weights counted once
+    float8 = any(p.dtype == torch.float8_e4m3fn for p in run.model.parameters())
     return {
         "device_total_bytes": total,
         "weights_bytes": weights,
+        "weights_dtype": ("float8 projections, " if float8 else "")  # --quantization fp8
+                         + str(run.dtype).removeprefix("torch."),
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_pool_bytes": cache.nbytes,
         "kv_pool_blocks": manager.num_blocks,
@@ -191,7 +194,8 @@ def print_report(script: str, memory: dict, throughput: dict, scheduling: dict,
           f"end to end {t['output_tokens_per_second']:,.0f} output tokens/s")
     if latency:
         print_latency(latency)
-    print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])}"
+    print(f"Device memory: {gb(m['device_total_bytes'])} total, weights {gb(m['weights_bytes'])} "
+          f"({m['weights_dtype']})"
           + (f", peak allocated {gb(m['peak_allocated_bytes'])}" if m["peak_allocated_bytes"] else ""))
     print(f"KV cache: {gb(m['kv_pool_bytes'])} allocated up front = {m['kv_pool_blocks']:,} "
           f"{m['kv_pool_unit']} x {m['block_size_tokens']:,} tokens x "

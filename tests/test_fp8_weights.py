@@ -82,6 +82,7 @@ def test_the_flag_quantizes_the_scripts_model_and_the_report_says_by_how_much(tm
     weights = json.loads(out.read_text())["memory"]["weights_bytes"]
     assert weights == projections + 4 * channels + 4 * rest
     assert f"where float32 takes {(4 * (projections + rest)) / 1e6:,.2f} MB" in run.stdout
+    assert f"weights {weights / 1e6:,.2f} MB (float8 projections, float32)" in run.stdout
 
 
 def test_fp8_weights_in_fp16_on_cuda_are_refused_in_one_paragraph():
