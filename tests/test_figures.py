@@ -75,7 +75,7 @@ def test_every_json_value_keeps_its_type(tmp_path):
     command_line("llama3_paged.py", [*TINY, "2", "--max-new-tokens", "3", "--json", str(tmp_path / "run.json")])
     record = json.loads((tmp_path / "run.json").read_text())
     text_keys = {"script", "mode", "kv_pool_unit", "id", "ckpt_dir", "device", "attn", "model",
-                 "dtype", "tokenizer", "json", "system_prompt", "system_prompt_file"}
+                 "dtype", "weights_dtype", "tokenizer", "json", "system_prompt", "system_prompt_file"}
 
     def check(key, value):
         if isinstance(value, dict):
