@@ -391,7 +391,8 @@ def bench(a) -> dict:
         say("Profiling the workload's first requests (torch.profiler) ...")
         profile = profile_engine(generated, prompts, budgets, floor)
         if writes:
-            write_profile(a.profile, f"ours ({a.script})", a.workload, profile)
+            fp8 = ", fp8 weights" if a.quantization else ""  # a column beside the bf16 one
+            write_profile(a.profile, f"ours ({a.script}{fp8})", a.workload, profile)
 
     # The paged attention kernel alone, halfway through: each request at its prompt + half its
     # tokens. (The virtual cache's rows are not blocks: its step time says what its kernel costs.)

@@ -4,6 +4,7 @@
     python tools/nano_vllm_bench.py NANO_VLLM_DIR --profile nano.json
     python tools/kernel_profile.py ours.json nano.json           # the table, side by side
     python tools/kernel_profile.py ours.json nano.json --kernels 12   # and each one's largest kernels
+    python tools/bench.py paged -q fp8 --profile fp8.json    # FP8 weights, beside bf16's ours.json
 
 Each engine's profile is two runs of the same requests under torch.profiler (CUDA activities):
 prefill only (one new token each, which prefill computes) and the whole run (at most
