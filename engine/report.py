@@ -82,11 +82,10 @@ def memory_report(run, cache, manager, generation) -> dict:
     last = kv_snapshot_bytes(generation.timeline[-1], kv_bytes_per_token) if generation.timeline else None
     fragmented = fullest["unfilled_bytes"] if fullest else 0
     weights = sum(p.nbytes for p in run.model.parameters())  # tied weights counted once
-    float8 = any(p.dtype == torch.float8_e4m3fn for p in run.model.parameters())
     return {
         "device_total_bytes": total,
         "weights_bytes": weights,
-        "weights_dtype": ("float8 projections, " if float8 else "")  # --quantization fp8
+        "weights_dtype": ("float8 projections, " if run.args.quantization else "")
                          + str(run.dtype).removeprefix("torch."),
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_pool_bytes": cache.nbytes,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import ROOT, engine_model
-from features.fp8.weights import FP8, FP8_MAX, Float8Linear, quantize_weights
+from features.fp8.cache import FP8, FP8_MAX
+from features.fp8.weights import Float8Linear, quantize_weights
 
 PROJECTIONS = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from features.fp8.cache import FP8, FP8_MAX
+from features.fp8.cache import FP8_MAX, quantize
 
 
 def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +44,7 @@ def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, 
     if sliced:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return quantize(x, scale), scale
 
 
 class Float8Linear(nn.Module):
