@@ -19,12 +19,14 @@ from test_scheduler import MAX_SEQ_LEN, random_prompts
 from conftest import engine_model
 
 
-def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swaps_another():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swaps_another(dtype):
     """One flush: A's K/V come back from host blocks that B's are then copied into. A's must
-    arrive in its new blocks before B's overwrite the host blocks; B's are copied out intact."""
-    model_args = random_model(Llama, "tiny", "cpu", torch.float32, max_positions=64).args
-    cache = EngineKVCache(model_args, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu",
-                    attention=TorchAttentionAfterPrefix())
+    arrive in its new blocks before B's overwrite the host blocks; B's are copied out intact,
+    bit for bit in either dtype."""
+    model_args = random_model(Llama, "tiny", "cpu", dtype, max_positions=64).args
+    cache = EngineKVCache(model_args, num_blocks=6, block_size=4, dtype=dtype, device="cpu",
+                          attention=TorchAttentionAfterPrefix())
     cache.k.normal_(), cache.v.normal_()
     host = HostBlocks(cache, num_blocks=2)
     a_k, b_k = cache.k[:, :8].clone(), cache.k[:, 8:16].clone()  # blocks 0-1 and 2-3
@@ -55,9 +57,12 @@ def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, d
     return result, scheduler
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(dtype):
+def test_swapped_requests_give_the_tokens_of_a_run_without_preemption():
     # Short prompts that grow by 40 tokens each, in a pool too small for all of them at once.
+    # In float32: in bf16 a CPU's matmul kernels may round a row differently beside other rows
+    # (oneDNN's AMX and AVX2 kernels do, its AVX-512 ones did not), and a run that swaps batches
+    # its rows otherwise. The bf16 bytes are held above; bf16 tokens on the GPU (tests/test_gpu.py).
+    dtype = torch.float32
     model = engine_model(11, dtype, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
