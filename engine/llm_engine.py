@@ -136,7 +136,8 @@ def model_forward(run, progress: bool = False) -> ModelForward:
     CUDA)."""
     if run.args.compile and progress:
         print("Compiling the layers' small kernels (torch.compile) on their first step: "
-              "tens of seconds on a machine's first run, cached after; --no-compile skips it")
+              "8B takes one to three minutes on a machine's first run (H200), cached after; "
+              "--no-compile skips it")
     return ModelForward(run.model, compiled=bool(run.args.compile))
 
 
