@@ -10,6 +10,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers (pytest.ini's -n
     os.environ["OMP_NUM_THREADS"] = "1"    # each, for its tests and the scripts they start
 
 import torch
+import torch._dynamo
+
+# Past its recompile limit dynamo runs a function eagerly with one warning; a test process builds
+# many engines, and a test of compiled layers would then pass on eager code. Here it raises.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
