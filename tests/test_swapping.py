@@ -62,15 +62,14 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption():
     # In float32: in bf16 a CPU's matmul kernels may round a row differently beside other rows
     # (oneDNN's AMX and AVX2 kernels do, its AVX-512 ones did not), and a run that swaps batches
     # its rows otherwise. The bf16 bytes are held above; bf16 tokens on the GPU (tests/test_gpu.py).
-    dtype = torch.float32
-    model = engine_model(11, dtype, MAX_SEQ_LEN)
+    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=dtype)
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
     assert ample.scheduler.num_preemptions == 0
     needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
     swapped, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64,
-                                      dtype=dtype)
+                                      dtype=torch.float32)
     assert scheduler.num_swapped > 0 and scheduler.num_swapped == scheduler.num_preemptions
     assert scheduler.num_recomputed_tokens == 0
     assert swapped.output_tokens == ample.output_tokens
