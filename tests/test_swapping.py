@@ -43,9 +43,9 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
     assert torch.equal(cache.k[:, 8:16], b_k)
 
 
-def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, dtype,
-                 mixed_budget=None):
-    cache = EngineKVCache(model.args, num_blocks, block_size, dtype, "cpu", TorchAttentionAfterPrefix())
+def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, mixed_budget=None):
+    cache = EngineKVCache(model.args, num_blocks, block_size, model.norm.weight.dtype, "cpu",
+                          TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,
@@ -65,11 +65,10 @@ def test_swapped_requests_give_the_tokens_of_a_run_without_preemption():
     model = engine_model(11, torch.float32, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1)
     assert ample.scheduler.num_preemptions == 0
     needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
-    swapped, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64,
-                                      dtype=torch.float32)
+    swapped, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64)
     assert scheduler.num_swapped > 0 and scheduler.num_swapped == scheduler.num_preemptions
     assert scheduler.num_recomputed_tokens == 0
     assert swapped.output_tokens == ample.output_tokens
@@ -81,10 +80,10 @@ def test_swapping_in_mixed_steps_gives_the_tokens_of_a_run_without_preemption():
     model = engine_model(11, torch.float32, MAX_SEQ_LEN)
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1)
     needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
     mixed, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64,
-                                    dtype=torch.float32, mixed_budget=8)
+                                    mixed_budget=8)
     assert scheduler.num_swapped > 0
     assert mixed.output_tokens == ample.output_tokens
 
@@ -94,9 +93,8 @@ def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed():
     prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
     budgets = [40] * 6
     needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1, dtype=torch.float32)
-    tight, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=1,
-                                    dtype=torch.float32)
+    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1)
+    tight, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=1)
     assert scheduler.num_preemptions > scheduler.num_swapped  # some did not fit in one block
     assert scheduler.num_recomputed_tokens > 0
     assert tight.output_tokens == ample.output_tokens
