@@ -136,7 +136,7 @@ def model_forward(run, progress: bool = False) -> ModelForward:
     CUDA)."""
     if run.args.compile and progress:
         print("Compiling the layers' small kernels (torch.compile) on their first step: "
-              "8B takes one to three minutes on a machine's first run (H200), cached after; "
+              "8B takes about a minute on a machine's first run (H200), cached after; "
               "--no-compile skips it")
     return ModelForward(run.model, compiled=bool(run.args.compile))
 
@@ -446,8 +446,8 @@ class LLMEngine:
         """Run one step; return the sequences that changed (new tokens or finished). In
         inference mode, as the scripts' Engine.generate runs and the CUDA graphs were captured:
         no autograd, and compiled layers meet the mode they were compiled in (a step in another
-        would recompile every layer, tens of seconds: on an H200 a server at 64 requests/s
-        stalled so when its batch first outgrew the graphs' 512 rows)."""
+        would compile the layers again: on an H200 a server at 64 requests/s stalled so when
+        its batch first outgrew the graphs' 512 rows)."""
         if not self.scheduler.has_work():
             return []
         if self._steps is None:

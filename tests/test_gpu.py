@@ -615,7 +615,9 @@ def test_two_processes_sharing_the_gpu_give_the_one_process_tokens_in_float32(sc
     round too little to change a token; two processes share the GPU over gloo."""
     argv = [script, *TP_RUN, "--dtype", "fp32"]
     one, _ = tokens_of_run([sys.executable], argv, tmp_path / "one.json")
-    two, stdout = tokens_of_run([*TORCHRUN, "2"], argv, tmp_path / "two.json")
+    # one GPU visible however many the machine has (with two, each process would take its own)
+    one_gpu = ["env", "CUDA_VISIBLE_DEVICES=0", *TORCHRUN, "2"]
+    two, stdout = tokens_of_run(one_gpu, argv, tmp_path / "two.json")
     assert two == one
     assert "Tensor parallel over 2 processes (gloo, sharing one GPU)" in stdout
 
