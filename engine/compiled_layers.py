@@ -16,16 +16,17 @@ torch.compiler.substitute_in_graph makes the compiler trace it wherever the less
 apply_rope; an eager call still runs the lesson's, so --eager and --no-compile are unchanged.
 
 The attention call itself is left out (engine/kv_cache.py's cache, made `compiled`, wraps it in
-`torch.compiler.disable`): the cache's writes and the flash-attn or Triton kernel run as they are, and each layer compiles into two graphs, the work
-before attention and the work after it. The layers share their compiled code; batch sizes are
-dynamic, so one compilation serves every CUDA-graph bucket (features/cuda_graphs.py warms each
-bucket up before capturing it, so that nothing compiles during a capture).
+`torch.compiler.disable`): the cache's writes and the flash-attn or Triton kernel run as they
+are, and a layer compiles into two graphs, the work before attention and the work after it. All
+layers share those two (compile_layers); batch sizes are dynamic, so one compilation serves
+every CUDA-graph bucket (features/cuda_graphs.py warms each bucket up before capturing it, so
+that nothing compiles during a capture).
 
 Short passes launched from Python run eagerly (where requests arrive over time, they are CUDA
 graphs of the compiled layers instead: features/prefill_graphs.py). A compiled call costs more
-host time than the eager kernels' launches: on an H200 (random 8B), launching a prefill pass of 32 to 1,000 tokens
-took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the GPU waited
-for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels win it
+host time than the eager kernels' launches: on an H200 (random 8B), launching a prefill pass of
+32 to 1,000 tokens took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred
+tokens the GPU waited for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels win it
 back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A decode step
 that no CUDA graph replays is launched from Python too: a batch past the largest graph's 512
 rows, or any step of the API's with a sampling row. `python tools/graph_cost.py --compile`
@@ -50,8 +51,8 @@ COMPILED_FROM_ROWS = 600  # and so does a decode step of fewer rows
 
 @torch.compiler.substitute_in_graph(apply_rope)
 def apply_rope_real(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """apply_rope as the compiler sees it: (a + jb)(cos + j sin) = (a cos - b sin) + j(a sin + b cos),
-    each pair rotated by its position's angle. x: [T, heads, head_dim]; rotations: [T, head_dim / 2]
+    """apply_rope as the compiler sees it: (a + jb)(cos + j sin) = (a cos - b sin)
+    + j(a sin + b cos), each pair rotated by its position's angle. x: [T, heads, head_dim]; rotations: [T, head_dim / 2]
     complex, read as its real and imaginary parts (views: no complex arithmetic)."""
     a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [T, heads, head_dim / 2] each
     cos, sin = rotations.real[:, None, :], rotations.imag[:, None, :]
