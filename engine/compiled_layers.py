@@ -23,17 +23,16 @@ every CUDA-graph bucket (features/cuda_graphs.py warms each bucket up before cap
 that nothing compiles during a capture).
 
 Short passes launched from Python run eagerly (where requests arrive over time, they are CUDA
-graphs of the compiled layers instead: features/prefill_graphs.py). A compiled call costs more
-host time than the eager kernels' launches: on an H200 (random 8B), launching a prefill pass of
-32 to 1,000 tokens took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred
-tokens the GPU waited for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels win it
-back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A decode step
-that no CUDA graph replays is launched from Python too: a batch past the largest graph's 512
-rows, or any step of the API's with a sampling row. `python tools/graph_cost.py --compile`
-(H200) timed it compiled at 22.4 to 23.4 ms from 256 to 600 rows, host-bound, and eager at 11.7
-ms at 256 rows, 21.3 at 520 and 23.6 at 600; so decode steps of fewer than 600 rows run eagerly.
-Decode steps that CUDA graphs record stay compiled at every batch size: a replay launches
-nothing from Python.
+graphs of the compiled layers instead: features/prefill_graphs.py). A compiled call costs more host
+time than the eager kernels' launches: on an H200 (random 8B), launching a prefill pass of 32 to
+1,000 tokens took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the
+GPU waited for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels
+win it back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A decode step
+that no CUDA graph replays is launched from Python too: a batch past the largest graph's 512 rows,
+or any step of the API's with a sampling row. `python tools/graph_cost.py --compile` (H200) timed
+it compiled at 22.4 to 23.4 ms from 256 to 600 rows, host-bound, and eager at 11.7 ms at 256 rows,
+21.3 at 520 and 23.6 at 600; so decode steps of fewer than 600 rows run eagerly. Decode steps that
+CUDA graphs record stay compiled at every batch size: a replay launches nothing from Python.
 
 Fused kernels round in other places than the eager ones (inductor keeps intermediates in
 float32), so in bf16 tokens can differ from the eager path's; in float32 they agree.
@@ -52,8 +51,9 @@ COMPILED_FROM_ROWS = 600  # and so does a decode step of fewer rows
 @torch.compiler.substitute_in_graph(apply_rope)
 def apply_rope_real(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """apply_rope as the compiler sees it: (a + jb)(cos + j sin) = (a cos - b sin)
-    + j(a sin + b cos), each pair rotated by its position's angle. x: [T, heads, head_dim]; rotations: [T, head_dim / 2]
-    complex, read as its real and imaginary parts (views: no complex arithmetic)."""
+    + j(a sin + b cos), each pair rotated by its position's angle. x: [T, heads, head_dim];
+    rotations: [T, head_dim / 2] complex, read as its real and imaginary parts (views: no
+    complex arithmetic)."""
     a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [T, heads, head_dim / 2] each
     cos, sin = rotations.real[:, None, :], rotations.imag[:, None, :]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
