@@ -43,11 +43,18 @@ def test_host_blocks_copy_in_queue_order_a_step_that_returns_one_request_and_swa
     assert torch.equal(cache.k[:, 8:16], b_k)
 
 
-def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, mixed_budget=None):
-    cache = EngineKVCache(model.args, num_blocks, block_size, model.norm.weight.dtype, "cpu",
+# Short prompts that grow by 40 tokens each; a pool of 64 blocks of 16 holds them all at once, and
+# TIGHT_POOL blocks only the longest and a little more.
+PROMPTS, BUDGETS, BLOCK_SIZE = random_prompts([5, 12, 3, 9, 14, 7], seed=2), [40] * 6, 16
+TIGHT_POOL = max(math.ceil((len(p) + b - 1) / BLOCK_SIZE) for p, b in zip(PROMPTS, BUDGETS)) + 2
+
+
+def run_swapping(model, num_blocks, swap_blocks, mixed_budget=None):
+    cache = EngineKVCache(model.args, num_blocks, BLOCK_SIZE, model.output.weight.dtype, "cpu",
                           TorchAttentionAfterPrefix())
-    manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
-    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    manager = BlockManager(num_blocks, BLOCK_SIZE, len(PROMPTS),
+                           math.ceil(MAX_SEQ_LEN / BLOCK_SIZE))
+    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,
                           mixed=mixed_budget is not None, host=HostBlocks(cache, swap_blocks))
     engine = ModelRunner(model, cache, manager, greedy)
@@ -57,47 +64,42 @@ def run_swapping(model, prompts, budgets, num_blocks, block_size, swap_blocks, m
     return result, scheduler
 
 
-def test_swapped_requests_give_the_tokens_of_a_run_without_preemption():
-    # Short prompts that grow by 40 tokens each, in a pool too small for all of them at once.
+@pytest.fixture(scope="module")
+def model():
     # In float32: in bf16 a CPU's matmul kernels may round a row differently beside other rows
     # (oneDNN's AMX and AVX2 kernels do, its AVX-512 ones did not), and a run that swaps batches
     # its rows otherwise. The bf16 bytes are held above; bf16 tokens on the GPU (tests/test_gpu.py).
-    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
-    prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
-    budgets = [40] * 6
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1)
-    assert ample.scheduler.num_preemptions == 0
-    needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
-    swapped, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64)
+    return engine_model(11, torch.float32, MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def ample(model):
+    """The run without preemption, every test's truth."""
+    result, scheduler = run_swapping(model, 64, swap_blocks=1)
+    assert scheduler.num_preemptions == 0
+    return result.output_tokens
+
+
+def test_swapped_requests_give_the_tokens_of_a_run_without_preemption(model, ample):
+    swapped, scheduler = run_swapping(model, TIGHT_POOL, swap_blocks=64)
     assert scheduler.num_swapped > 0 and scheduler.num_swapped == scheduler.num_preemptions
     assert scheduler.num_recomputed_tokens == 0
-    assert swapped.output_tokens == ample.output_tokens
+    assert swapped.output_tokens == ample
 
 
-def test_swapping_in_mixed_steps_gives_the_tokens_of_a_run_without_preemption():
+def test_swapping_in_mixed_steps_gives_the_tokens_of_a_run_without_preemption(model, ample):
     # Steps of at most 8 tokens: prompts are chunked over several steps beside decode rows. A
     # victim that is decoding is swapped; one halfway through its prompt is recomputed.
-    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
-    prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
-    budgets = [40] * 6
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1)
-    needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
-    mixed, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=64,
-                                    mixed_budget=8)
+    mixed, scheduler = run_swapping(model, TIGHT_POOL, swap_blocks=64, mixed_budget=8)
     assert scheduler.num_swapped > 0
-    assert mixed.output_tokens == ample.output_tokens
+    assert mixed.output_tokens == ample
 
 
-def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed():
-    model = engine_model(11, torch.float32, MAX_SEQ_LEN)
-    prompts = random_prompts([5, 12, 3, 9, 14, 7], seed=2)
-    budgets = [40] * 6
-    needed = max(math.ceil((len(p) + b - 1) / 16) for p, b in zip(prompts, budgets))
-    ample, _ = run_swapping(model, prompts, budgets, 64, 16, swap_blocks=1)
-    tight, scheduler = run_swapping(model, prompts, budgets, needed + 2, 16, swap_blocks=1)
+def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed(model, ample):
+    tight, scheduler = run_swapping(model, TIGHT_POOL, swap_blocks=1)
     assert scheduler.num_preemptions > scheduler.num_swapped  # some did not fit in one block
     assert scheduler.num_recomputed_tokens > 0
-    assert tight.output_tokens == ample.output_tokens
+    assert tight.output_tokens == ample
 
 
 @pytest.mark.parametrize("flags, says", [
