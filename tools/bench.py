@@ -441,8 +441,6 @@ def bench(a) -> dict:
         "num_prompt_tokens": sum(len(r.prompt_tokens) for r in result.requests),
         "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,
-        # The wall beyond every step's own: setting up the run, reading its timers, host pauses
-        "seconds_outside_steps": wall - result.prefill_seconds - result.decode_seconds,
         "output_tokens_per_second": result.num_generated_tokens / wall,
         "prefill_seconds": result.prefill_seconds,
         "prefill_gpu_seconds": result.prefill_gpu_seconds,
@@ -509,8 +507,10 @@ def print_table(r: dict) -> None:
     print(f"  measured: copy bandwidth {r['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s, "
           f"{'float8' if w['quantization'] else w['dtype']} matmul "
           f"{r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
-    print(f"  wall                {r['wall_seconds']:.2f} s, {r['output_tokens_per_second']:,.0f} output tokens/s; "
-          f"{r['seconds_outside_steps']:.2f} s of it outside the steps")
+    # The wall beyond the steps' own time: setting the run up, reading its timers, host pauses
+    outside = r["wall_seconds"] - r["prefill_seconds"] - r["decode_seconds"]
+    print(f"  wall                {r['wall_seconds']:.2f} s, "
+          f"{r['output_tokens_per_second']:,.0f} output tokens/s; {outside:.2f} s of it outside the steps")
     share = r["prefill_share_of_matmul_rate"]
     print(f"  prefill             {r['prefill_seconds']:.2f} s ({r['prefill_gpu_seconds']:.2f} s on the GPU)"
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
