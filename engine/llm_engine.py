@@ -266,9 +266,12 @@ def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_toke
         run_pass(prompts)
     if cache.k[0].dtype == torch.float8_e4m3fn:  # an FP8 cache, paged or virtual
         cache.forget_scales()
-    # Compiling and capturing left a heap of long-lived objects (graphs, guards, kernels), which
-    # every full pass of the garbage collector would walk again: a pause of a few hundred ms in
-    # the middle of a run. Collected once now, and kept out of later passes (vLLM does the same).
+    # Compiling and capturing leave half a million long-lived objects (graphs, guards, kernels)
+    # that every full pass of the garbage collector walks again: on an H200 such a pass took
+    # 0.29 s inside a timed run of W (docs/fp8.md). Collected once now and kept out of later
+    # passes (gc.freeze; vLLM does the same). Unfrozen first, so that an engine built after
+    # another collects what the first one left behind.
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
