@@ -810,6 +810,30 @@ def test_scaled_mm_of_fp8_weights_is_the_dequantize_then_matmul_reference(tokens
     assert got.dtype == torch.bfloat16 and error < 4e-3
 
 
+@pytest.mark.parametrize("rows", [1, 7, 256, 1000])
+@pytest.mark.parametrize("ffn_dim", [14336, 8192])  # 8B's, 1B's
+def test_swiglu_quantize_is_the_float32_product_quantized_per_token(rows, ffn_dim):
+    # features/fp8/swiglu_quantize.py, one kernel, against silu(gate) * up in float32 quantized
+    # by quantize_rows: the same scales, and the same float8 numbers but where the sigmoid's
+    # last bit moves a product across a rounding boundary (one step of e4m3 for that number).
+    import torch.nn.functional as F
+    from features.fp8.swiglu_quantize import swiglu_quantize
+    from features.fp8.weights import quantize_rows
+    g = torch.Generator(device="cuda").manual_seed(rows + ffn_dim)
+    sizes = torch.logspace(-2, 1, rows, device="cuda")[:, None]  # rows of very different sizes
+    gate_up = (torch.randn(rows, 2 * ffn_dim, device="cuda", generator=g) * sizes).bfloat16()
+    h8, scale = swiglu_quantize(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected8, expected_scale = quantize_rows(F.silu(gate) * up)
+    assert h8.dtype == expected8.dtype and h8.shape == (rows, ffn_dim)
+    assert torch.allclose(scale, expected_scale, rtol=1e-6, atol=0)
+    same = (h8.float() == expected8.float()).float().mean().item()
+    error = relative_error(h8.float() * scale, expected8.float() * expected_scale)
+    print(f"{rows} rows of {ffn_dim}: {same:.4%} of the float8 numbers the same, relative "
+          f"error {error:.1e}")
+    assert same > 0.999 and error < 1e-3
+
+
 def test_fp8_weights_with_cuda_graphs_and_overlapped_steps_give_the_eager_tokens_in_bfloat16():
     # The same _scaled_mm kernels kernel by kernel and replayed from graphs (batches padded to
     # their bucket), steps overlapped, requests preempted: the same tokens, even in bf16.

@@ -18,8 +18,10 @@ float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quanti
   GPU tests hold `_scaled_mm` to it.
 
 Like gpt-fast's quantize.py, this transforms a loaded model from outside, in one place
-(engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear.
-The lesson's layers call `self.wqkv(x)` as before and know nothing of it.
+(engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear,
+and on CUDA each feed-forward by a Float8FeedForward, whose SwiGLU writes down's float8 input
+itself. The lesson's layers call `self.wqkv(x)` and `self.feed_forward(x)` as before and know
+nothing of it.
 
 Under torchrun (features/tensor_parallel.py) each process holds a slice of every layer: whole
 output channels of q/k/v and gate/up, whose scales are the one process's as they are, and a slice
@@ -63,16 +65,35 @@ class Float8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
-        x8, x_scale = quantize_rows(x, self.sliced_inputs)  # [T, in] float8, [T, 1]
+        return self.multiply(*quantize_rows(x, self.sliced_inputs), x.dtype)
+
+    def multiply(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype) -> torch.Tensor:
+        """An input quantized per token, x8: [T, in] float8 and x_scale: [T, 1], -> [T, out]."""
         if self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
             out = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
-                                   out_dtype=x.dtype)
+                                   out_dtype=dtype)
         else:
-            out = reference_matmul(x8, x_scale, self.weight, self.scale).to(x.dtype)
+            out = reference_matmul(x8, x_scale, self.weight, self.scale).to(dtype)
         if self.sliced_inputs:
             dist.all_reduce(out)  # this process's part of the sum: the whole output
         return out
+
+
+class Float8FeedForward(nn.Module):
+    """The lesson's FeedForward with float8 projections, on CUDA in one process: SwiGLU and down's
+    per-token quantization in one kernel (features/fp8/swiglu_quantize.py), which reads gate/up's
+    output once where the compiled code read it twice."""
+
+    def __init__(self, w_gate_up: Float8Linear, w_down: Float8Linear):
+        super().__init__()
+        self.w_gate_up, self.w_down = w_gate_up, w_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, dim] -> [T, dim]."""
+        from features.fp8.swiglu_quantize import swiglu_quantize  # Triton: CUDA machines only
+        h8, h_scale = swiglu_quantize(self.w_gate_up(x))  # [T, ffn_dim] float8, [T, 1]
+        return self.w_down.multiply(h8, h_scale, x.dtype)
 
 
 def reference_matmul(x8, x_scale, w8, w_scale) -> torch.Tensor:
@@ -93,6 +114,11 @@ def quantize_weights(model) -> tuple[int, int]:
                                     (layer.feed_forward, "w_gate_up", False),
                                     (layer.feed_forward, "w_down", split)):
             setattr(block, name, Float8Linear(getattr(block, name), sliced))
+        # On CUDA SwiGLU and down's quantization in one kernel; not under torchrun, where a row
+        # of down's input is sliced over the processes and its largest value is over them all
+        down = layer.feed_forward.w_down
+        if down.uses_scaled_mm and not split:
+            layer.feed_forward = Float8FeedForward(layer.feed_forward.w_gate_up, down)
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the 16-bit matrices' memory back to the GPU, for the pool
     return before, sum(p.nbytes for p in model.parameters())

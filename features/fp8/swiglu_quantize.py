@@ -1,0 +1,51 @@
+"""Down's input in one kernel (--quantization fp8 on CUDA): SwiGLU and its per-token float8 cast.
+
+With FP8 weights the feed-forward's down projection takes its input in float8, scaled per token
+(features/fp8/weights.py): h = silu(gate) * up, each row's largest |h|, then h over it. Compiled,
+inductor makes that three kernels, each reading gate/up's output, 28,672 numbers a token for 8B:
+the largest value in two halves (a split reduction), a kernel joining the halves, and one that
+computes h again to divide and cast it (H200, W: 2.85 us of a decoded token's 36.30; docs/fp8.md).
+Here one program takes one row whole: it reads gate and up once, computes h in float32 in
+registers, finds its largest value and writes h in float8 with its scale. No bf16 rounding of h
+in between, where the eager code rounds silu(gate) and the product: the float8 numbers can
+differ from the eager ones by one step of e4m3 where that rounding crosses a boundary.
+
+Registered with torch.library.triton_op, so that compiled layers trace the kernel into their
+graph (no graph break) and CUDA graphs capture it like any other.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from features.fp8.cache import FP8, FP8_MAX
+
+
+@triton.jit
+def swiglu_quantize_kernel(gate_up_ptr, out_ptr, scale_ptr, ffn_dim,
+                           FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < ffn_dim
+    gate = tl.load(gate_up_ptr + row * 2 * ffn_dim + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * ffn_dim + ffn_dim + cols, mask=inside,
+                 other=0.0).to(tl.float32)
+    h = gate * tl.sigmoid(gate) * up  # silu(gate) * up: [BLOCK] float32
+    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, 1e-12)  # as quantize_rows
+    h8 = tl.clamp(h / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    tl.store(out_ptr + row * ffn_dim + cols, h8, mask=inside)
+    tl.store(scale_ptr + row, scale)
+
+
+@torch.library.triton_op("fp8_weights::swiglu_quantize", mutates_args=())
+def swiglu_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up: [T, 2 * ffn_dim], gate/up's output -> (silu(gate) * up / scale in float8
+    [T, ffn_dim], scale [T, 1] float32), each row's scale its largest |value| over FP8_MAX."""
+    rows, ffn_dim = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, ffn_dim, dtype=FP8, device=gate_up.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    # A row whole in one program: 8B's 14,336 numbers padded to 16,384, 32 a thread in 16 warps
+    torch.library.wrap_triton(swiglu_quantize_kernel)[(rows,)](
+        gate_up.contiguous(), out, scale, ffn_dim, FP8_MAX=FP8_MAX,
+        BLOCK=triton.next_power_of_2(ffn_dim), num_warps=16)
+    return out, scale
