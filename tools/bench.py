@@ -508,9 +508,11 @@ def print_table(r: dict) -> None:
           f"{'float8' if w['quantization'] else w['dtype']} matmul "
           f"{r['matmul_flops_per_second'] / 1e12:.0f} TFLOP/s")
     # The wall beyond the steps' own time: setting the run up, reading its timers, host pauses
+    # (before the warm-up froze the heap, a full garbage collection of 0.3 s: docs/fp8.md)
     outside = r["wall_seconds"] - r["prefill_seconds"] - r["decode_seconds"]
     print(f"  wall                {r['wall_seconds']:.2f} s, "
-          f"{r['output_tokens_per_second']:,.0f} output tokens/s; {outside:.2f} s of it outside the steps")
+          f"{r['output_tokens_per_second']:,.0f} output tokens/s; "
+          f"{outside:.2f} s of it outside the steps")
     share = r["prefill_share_of_matmul_rate"]
     print(f"  prefill             {r['prefill_seconds']:.2f} s ({r['prefill_gpu_seconds']:.2f} s on the GPU)"
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "
