@@ -13,9 +13,10 @@ float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quanti
 - Activations: scaled per token (a row of x) at run time, the same way, just before each
   matmul; compiled layers (engine/compiled_layers.py) fuse that into the kernels around it.
 - The matmul: on CUDA `torch._scaled_mm`, float8 x float8 with both rows' scales, accumulated in
-  float32 and written in bf16. Elsewhere (the CPU, float32 runs) the reference below: the same
-  quantized numbers, dequantized, multiplied in float32. CI tests the numerics through it; the
-  GPU tests hold `_scaled_mm` to it.
+  float32 and written in bf16; o and down at a decode step's rows through a kernel that splits
+  their sum over K (features/fp8/split_k.py). Elsewhere (the CPU, float32 runs) the reference
+  below: the same quantized numbers, dequantized, multiplied in float32. CI tests the numerics
+  through it; the GPU tests hold both kernels to it.
 
 Like gpt-fast's quantize.py, this transforms a loaded model from outside, in one place
 (engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear,
@@ -52,9 +53,10 @@ def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, 
 class Float8Linear(nn.Module):
     """y = x W^T with W in float8 and a scale per output channel; x quantized per token."""
 
-    def __init__(self, linear: nn.Linear, sliced_inputs: bool = False):
+    def __init__(self, linear: nn.Linear, sliced_inputs: bool = False, split_k: bool = False):
         """sliced_inputs: under torchrun, this process holds a slice of the input features (o's
-        and down's), and its output is a part of the sum the processes add up."""
+        and down's), and its output is a part of the sum the processes add up. split_k: few
+        output columns (o's and down's): at a decode step's rows, features/fp8/split_k.py."""
         super().__init__()
         self.sliced_inputs = sliced_inputs
         weight, scale = quantize_rows(linear.weight.detach(), sliced_inputs)  # [out, in], [out, 1]
@@ -62,6 +64,10 @@ class Float8Linear(nn.Module):
         self.scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)  # [1, out]
         # _scaled_mm multiplies float8 on CUDA and writes bf16 with row-wise scales
         self.uses_scaled_mm = weight.is_cuda and linear.weight.dtype == torch.bfloat16
+        self.split_k = split_k and self.uses_scaled_mm and not sliced_inputs
+        if self.split_k:
+            from features.fp8.split_k import fits  # Triton: CUDA machines only
+            self.split_k = fits(linear.in_features, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
@@ -69,6 +75,12 @@ class Float8Linear(nn.Module):
 
     def multiply(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype) -> torch.Tensor:
         """An input quantized per token, x8: [T, in] float8 and x_scale: [T, 1], -> [T, out]."""
+        if self.split_k:
+            from features.fp8.split_k import partial_sums, slices  # Triton: CUDA machines only
+            k_slices = slices(x8.shape[0])
+            if k_slices:  # compiled layers fold the sum and the scales into the residual add
+                sums = partial_sums(x8, self.weight, k_slices)  # [k_slices, T, out] float32
+                return (sums.sum(0) * x_scale * self.scale).to(dtype)
         if self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
             out = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
@@ -113,7 +125,9 @@ def quantize_weights(model) -> tuple[int, int]:
                                     (layer.attention, "wo", split),
                                     (layer.feed_forward, "w_gate_up", False),
                                     (layer.feed_forward, "w_down", split)):
-            setattr(block, name, Float8Linear(getattr(block, name), sliced))
+            # o and down write the residual stream: few output columns, K split at decode rows
+            split_k = name in ("wo", "w_down")
+            setattr(block, name, Float8Linear(getattr(block, name), sliced, split_k))
         # On CUDA SwiGLU and down's quantization in one kernel; not under torchrun, where a row
         # of down's input is sliced over the processes and its largest value is over them all
         down = layer.feed_forward.w_down
