@@ -11,7 +11,7 @@ rows and 38.4 at 128 (cuBLAS 43.9, 47.9), o 10.6 and 14.0 (16.3, 17.0); from 200
 is as fast or faster (down 50.7 against 54.0 at 200 rows, two slices), so it takes those.
 
 Hopper's float8 tensor cores keep their running sum in less than float32; chaining one sum
-through the whole slice doubled the error against the float32 reference (8B's down: 1.0e-2
+through the whole slice tripled the error against the float32 reference (8B's down: 1.0e-2
 against cuBLAS's 3.2e-3, which adds its sums up in float32 too). So each BLOCK_K of products is
 summed on its own and added to the float32 sum.
 """
@@ -21,16 +21,17 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 128  # rows, output columns and K per program and step
+K_SLICES = 4  # the fastest for down at 64 and 128 rows of 1, 2, 4, 7 or 8 (docs/fp8.md)
 
 
 def slices(rows: int) -> int:
     """How many slices of K at `rows` rows; 0: cuBLAS's kernel (above)."""
-    return 4 if rows <= 128 else 0
+    return K_SLICES if rows <= 128 else 0
 
 
 def fits(n_in: int, n_out: int) -> bool:
     """Whether a projection's shape divides into this kernel's tiles and slices."""
-    return n_in % (4 * BLOCK_K) == 0 and n_out % BLOCK_N == 0
+    return n_in % (K_SLICES * BLOCK_K) == 0 and n_out % BLOCK_N == 0
 
 
 @triton.jit
@@ -58,7 +59,8 @@ def partial_sums_kernel(x_ptr, w_ptr, out_ptr, rows, n_out, n_in, k_per_slice,
 
 # An opaque custom op, not a triton_op as swiglu_quantize.py's: compiled layers call it as it is
 # and fold the sum after it into the residual add. Traced into inductor's code (triton_op), this
-# kernel took 64 us of a decoded token at N's batches, against 13 for cuBLAS (H200, docs/fp8.md).
+# kernel took 64 us of a decoded token at N's batches, where the cuBLAS kernels it replaced took
+# 13 (H200, docs/fp8.md).
 @torch.library.custom_op("fp8_weights::partial_sums", mutates_args=())
 def partial_sums(x8: torch.Tensor, w8: torch.Tensor, k_slices: int) -> torch.Tensor:
     """x8: [T, in] float8, w8: [out, in] float8 -> [k_slices, T, out] float32, x8 @ w8^T over
