@@ -121,13 +121,14 @@ def quantize_weights(model) -> tuple[int, int]:
     before = sum(p.nbytes for p in model.parameters())
     split = dist.is_initialized()  # torchrun's processes: o and down hold input slices
     for layer in model.layers:
-        for block, name, sliced in ((layer.attention, "wqkv", False),
-                                    (layer.attention, "wo", split),
-                                    (layer.feed_forward, "w_gate_up", False),
-                                    (layer.feed_forward, "w_down", split)):
-            # o and down write the residual stream: few output columns, K split at decode rows
-            split_k = name in ("wo", "w_down")
-            setattr(block, name, Float8Linear(getattr(block, name), sliced, split_k))
+        # o and down write the residual stream: under torchrun their inputs are sliced, and their
+        # few output columns split K at a decode step's rows
+        for block, name, to_residual in ((layer.attention, "wqkv", False),
+                                         (layer.attention, "wo", True),
+                                         (layer.feed_forward, "w_gate_up", False),
+                                         (layer.feed_forward, "w_down", True)):
+            setattr(block, name, Float8Linear(getattr(block, name), split and to_residual,
+                                              split_k=to_residual))
         # On CUDA SwiGLU and down's quantization in one kernel; not under torchrun, where a row
         # of down's input is sliced over the processes and its largest value is over them all
         down = layer.feed_forward.w_down
