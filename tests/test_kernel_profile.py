@@ -24,6 +24,12 @@ from tools import kernel_profile
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
      "collectives (NCCL)"),  # "reduce" would make it elementwise: the collectives match first
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives (NCCL)"),
+    # our own Triton kernels (features/), by their function's name
+    ("partial_sums_kernel", "matmul"),
+    ("write_float8_kernel", "cache write"),
+    ("swiglu_quantize_kernel", "elementwise"),
+    ("row_stats_kernel", "sampling"),
+    ("merge_kernel", "attention"),
     ("some_kernel_nobody_named", "other"),
 ])
 def test_kernels_fall_in_the_class_their_names_say(name, expected):

@@ -38,16 +38,19 @@ from tools.arguments import json_file
 PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of W2 would not fit
 PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run
 KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the first match wins
+    # Our own Triton kernels are named here too: paged_decode and the cascade's merge_kernel
+    # (features/), partial_sums (FP8 weights' split-K matmul), write_float8 (FP8 K/V's write),
+    # swiglu_quantize (down's float8 input), row_stats (log-probabilities).
     ("fused (torch.compile)", r"^triton_(poi|red|per|tem)_"),  # inductor's generated kernels
     ("collectives (NCCL)", r"nccl"),  # tensor parallelism's all-reduces and gathers
-    ("attention", r"flash|fmha|paged_decode|attention"),
-    ("matmul", r"gemm|cutlass|xmma|cublas|nvjet|sm90_|sm80_|matmul"),
+    ("attention", r"flash|fmha|paged_decode|attention|^merge_kernel"),
+    ("matmul", r"gemm|cutlass|xmma|cublas|nvjet|sm90_|sm80_|matmul|partial_sums"),
     ("norm", r"rms|norm"),
     ("rope", r"rotary|rope|complex"),
-    ("cache write", r"index_copy|store_kvcache|index_put|scatter"),
-    ("sampling", r"argmax|softmax|multinomial|topk|sort|exponential|distribution|gumbel"),
+    ("cache write", r"index_copy|store_kvcache|index_put|scatter|write_float8"),
+    ("sampling", r"argmax|softmax|multinomial|topk|sort|exponential|distribution|gumbel|row_stats"),
     ("copies", r"memcpy|memset|copy"),
-    ("elementwise", r"elementwise|vectorized|reduce|cat_|fill|silu|mul|add"),
+    ("elementwise", r"elementwise|vectorized|reduce|cat_|fill|silu|swiglu|mul|add"),
 ]
 FIRST_TOKENS = (127_000, 127_001)  # of the profiled runs' prompts: no workload's first token
 CLASS_ORDER = [name for name, _ in KERNEL_CLASSES] + ["other", "gaps"]
