@@ -124,3 +124,19 @@ def test_the_table_sets_the_floor_of_the_same_requests_beside_them(tmp_path, cap
     assert rows["attention"][1] == "50.0" and rows["attention"][3] == "1,000.00"
     assert rows["gaps"][1] == "0.0" and rows["gaps"][3] == "0.00"
     assert rows["all (wall)"][1] == "300.0" and rows["all (wall)"][3] == "5,000.00"
+
+
+def test_a_profile_written_before_a_kernel_was_named_shows_it_in_its_class_now(tmp_path,
+                                                                               monkeypatch):
+    runs = iter([fake_profile({"nvjet_gemm": 0.5}),  # prefill only: cuBLAS
+                 fake_profile({"nvjet_gemm": 0.9, "partial_sums_kernel": 0.2})])  # + split-K
+    monkeypatch.setattr(kernel_profile, "profile_seconds", lambda run: next(runs))
+    profile = kernel_profile.profile_engine(lambda prompts, budgets: None, [[1, 2]] * 4, [11] * 4)
+    # As a profile written before partial_sums was in KERNEL_CLASSES stored it: under "other"
+    profile["whole"]["seconds"] |= {"matmul": 0.9, "other": 0.2}
+    profile["decode_seconds_per_token"] |= {"matmul": 0.4 / 40, "other": 0.2 / 40}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"engine": "old", "profile": profile}))
+    decode = kernel_profile.profile_json(str(path))["profile"]["decode_seconds_per_token"]
+    assert decode["matmul"] == pytest.approx((0.4 + 0.2) / 40)  # cuBLAS's and split-K's
+    assert decode["other"] == 0.0

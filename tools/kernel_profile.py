@@ -9,7 +9,8 @@
 Each engine's profile is two runs of the same requests under torch.profiler (CUDA activities):
 prefill only (one new token each, which prefill computes) and the whole run (at most
 PROFILE_NEW_TOKENS new tokens each, as many profiled steps as the trace can hold). Every kernel
-is put in a class by its name (KERNEL_CLASSES); the decode part of a class is the whole run's
+is put in a class by its name (KERNEL_CLASSES, as it reads today: a profile's classes are summed
+again from its kernels' names when it is read); the decode part of a class is the whole run's
 time less the prefill-only run's, per decoded token, so that two engines stepping differently
 are compared per unit of work. "gaps" is the wall time the GPU ran no kernel: waiting for the
 host. Kernels replayed inside CUDA graphs are traced one by one, as eager ones are. Each
@@ -72,16 +73,43 @@ def profile_seconds(run) -> dict:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    seconds, kernels = dict.fromkeys(CLASS_ORDER, 0.0), {}
+    kernels = {}
     for event in trace.key_averages():
         own = getattr(event, "self_device_time_total", None)
         if own is None:  # torch before 2.4 said cuda
             own = event.self_cuda_time_total
         if own > 0:
-            seconds[kernel_class(event.key)] += own / 1e6
             kernels[event.key] = own / 1e6
-    seconds["gaps"] = max(wall - sum(seconds.values()), 0.0)
+    seconds = seconds_by_class(kernels, gaps=max(wall - sum(kernels.values()), 0.0))
     return {"seconds": seconds, "wall_seconds": wall, "kernel_seconds": kernels}
+
+
+def seconds_by_class(kernel_seconds: dict, gaps: float) -> dict:
+    seconds = dict.fromkeys(CLASS_ORDER, 0.0)
+    for name, s in kernel_seconds.items():
+        seconds[kernel_class(name)] += s
+    return seconds | {"gaps": gaps}
+
+
+def decode_per_token(prefill: dict, whole: dict, decoded: int) -> dict:
+    """Each class's (and gaps') time in the whole run less the prefill-only run's, per decoded
+    token; never below 0."""
+    return {c: max(whole["seconds"][c] - prefill["seconds"][c], 0.0) / max(decoded, 1)
+            for c in CLASS_ORDER}
+
+
+def classed_as_today(profile: dict) -> dict:
+    """The profile's classes summed again from its kernels' names by today's KERNEL_CLASSES, so
+    that a profile written before one of its kernels was named there shows it in its class.
+    Profiles written before kernels were recorded by name keep their classes."""
+    if "kernel_seconds" not in profile["prefill"] or "whole" not in profile:
+        return profile
+    prefill, whole = ({**run, "seconds": seconds_by_class(run["kernel_seconds"],
+                                                          run["seconds"]["gaps"])}
+                      for run in (profile["prefill"], profile["whole"]))
+    return profile | {"prefill": prefill, "whole": whole,
+                      "decode_seconds_per_token": decode_per_token(prefill, whole,
+                                                                   profile["decoded_tokens"])}
 
 
 def profile_engine(generate, prompts: list, budgets: list, floor=None) -> dict:
@@ -99,8 +127,7 @@ def profile_engine(generate, prompts: list, budgets: list, floor=None) -> dict:
     decoded = sum(budgets) - len(prompts)  # the first token of each came from prefill
     return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
             "decoded_tokens": decoded, "prefill": prefill, "whole": whole,
-            "decode_seconds_per_token": {c: max(whole["seconds"][c] - prefill["seconds"][c], 0.0)
-                                         / max(decoded, 1) for c in CLASS_ORDER},
+            "decode_seconds_per_token": decode_per_token(prefill, whole, decoded),
             "decode_kernel_seconds_per_token": {
                 name: max(s - prefill["kernel_seconds"].get(name, 0.0), 0.0) / max(decoded, 1)
                 for name, s in whole["kernel_seconds"].items()},  # as the classes: never below 0
@@ -114,7 +141,7 @@ def profile_json(text: str) -> dict:
                     for k in ("prefill", "decode_seconds_per_token"))):
         raise argparse.ArgumentTypeError(f"{text} is no --profile JSON of tools/bench.py or "
                                          f"tools/nano_vllm_bench.py")
-    return record | {"path": text}
+    return record | {"path": text, "profile": classed_as_today(record["profile"])}
 
 
 def print_side_by_side(records: list[dict]) -> None:
