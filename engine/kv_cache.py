@@ -58,11 +58,24 @@ class EngineKVCache(lesson.KVCache):
         self.attention_backend = backend
 
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
-        if not isinstance(batch, CachedPrefillBatch):
-            return super().attention(layer, q, k, v, batch)
+        """The lesson's, with the write in one kernel on CUDA and prompts after cached tokens."""
+        self.write(layer, k, v, batch)
+        if isinstance(batch, CachedPrefillBatch):
+            return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
+        if isinstance(batch, lesson.PrefillBatch):  # a prompt's own k, v are all it attends to
+            return self.attention_backend.prefill(q, k, v, batch)
+        return self.attention_backend.decode(q, *self.blocks(layer), batch)
+
+    def write(self, layer: int, k, v, batch) -> None:
+        """k, v ([T, n_kv_heads, head_dim]) into their slots. On CUDA one Triton kernel stores
+        both (engine/cache_write.py), the same bytes as the lesson's two index_copy_ kernels;
+        the PyTorch backend keeps the lesson's write."""
+        if k.is_cuda and self.attention_backend.name != "torch":
+            from engine.cache_write import write_rows
+            write_rows(k, v, batch.slot_mapping, self.k[layer], self.v[layer])
+            return
         self.k[layer].index_copy_(0, batch.slot_mapping, k)
         self.v[layer].index_copy_(0, batch.slot_mapping, v)
-        return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
 
 
 class FlashAttentionAfterPrefix(lesson.FlashAttention):

@@ -229,6 +229,24 @@ def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(g
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # 8B's rows; rows of 192, padded to 256
+def test_the_one_kernel_write_stores_the_bytes_of_the_lessons_index_copy(dtype, n_kv, d):
+    from engine.cache_write import write_rows
+    g = torch.Generator(device="cuda").manual_seed(n_kv)
+    tokens, num_slots = 300, 1000
+    qkv = torch.randn(tokens, 6 * n_kv, d, device="cuda", generator=g).to(dtype)
+    k, v = qkv[:, 4 * n_kv:5 * n_kv], qkv[:, 5 * n_kv:]  # rows strided, as the model's split gives
+    slot_mapping = torch.randperm(num_slots, device="cuda", generator=g)[:tokens]
+    lesson, kernel = ([torch.zeros(num_slots, n_kv, d, dtype=dtype, device="cuda") for _ in "kv"]
+                      for _ in range(2))
+    for pool, rows in zip(lesson, (k, v)):
+        pool.index_copy_(0, slot_mapping, rows)
+    write_rows(k, v, slot_mapping, *kernel)
+    assert all(torch.equal(a, b) for a, b in zip(lesson, kernel))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # 8B's rows; rows of 192, padded to 256
 def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_kv, d):
     from types import SimpleNamespace
     from features.fp8.cache import FP8, FP8_MAX, Float8Writes

@@ -12,7 +12,7 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
   tensor is all the kernel needs (it multiplies the scores and the output once); finer scales
   would buy range, which a float format has plenty of, and a later token past the headroom is
   clamped to +-448 rather than overflowing.
-- Writes quantize (on CUDA in one kernel: features/fp8/write.py); prefill attends over the
+- Writes quantize (on CUDA in one kernel: engine/cache_write.py); prefill attends over the
   fresh bf16 K and V, as the lesson's does; decode reads float8. flash-attn 2 cannot read
   float8, so on CUDA the decode goes through the Triton kernel, its attention backend's
   `paged_decode` (engine/loader.py gives an FP8 cache on CUDA a Triton backend), which converts each tile to bf16 in registers and folds the scales into the scores and the
@@ -101,9 +101,9 @@ class Float8Writes:
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
         if k.is_cuda and self.attention_backend.name != "torch":  # one kernel, not ten
-            from features.fp8.write import write_float8_rows
-            write_float8_rows(k, v, batch.slot_mapping, key_slots, value_slots,
-                              self.scales[layer], FP8_MAX)
+            from engine.cache_write import write_rows
+            write_rows(k, v, batch.slot_mapping, key_slots, value_slots, self.scales[layer],
+                       FP8_MAX)
             return
         # The reference: float8 has no index_copy_ kernel, so the same bytes go as uint8.
         for slots, fresh, scale in ((key_slots, k, self.scales[layer, 0]),
