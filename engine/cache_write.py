@@ -40,6 +40,7 @@ def write_rows(k, v, slot_mapping, key_slots, value_slots, scales=None, fp8_max:
     for rows in (k, v, key_slots, value_slots):  # each token's row is one contiguous run
         assert rows.stride(2) == 1 and rows.stride(1) == rows.shape[2], rows.stride()
     row = k.shape[1] * k.shape[2]
+    # Without scales the kernel never reads scales_ptr; k stands in, as any pointer would
     write_rows_kernel[(k.shape[0],)](
         k, v, slot_mapping, key_slots, value_slots, k if scales is None else scales,
         k.stride(0), v.stride(0), key_slots.stride(0), value_slots.stride(0),
