@@ -226,16 +226,22 @@ def test_triton_decode_of_float8_blocks_matches_float64_dequantize_then_attend(g
     assert errors.max() < 2e-2 * reference.abs().max(), errors.max()  # bf16 sums, not the format
 
 
+def fresh_rows(dtype, n_kv: int, d: int, num_slots: int, spread: float = 1.0):
+    """A step's k and v for 300 tokens ([300, n_kv, d], their rows strided as the model's split
+    of qkv gives them) and the slots they go to, 300 of num_slots at random."""
+    g = torch.Generator(device="cuda").manual_seed(n_kv)
+    qkv = (torch.randn(300, 6 * n_kv, d, device="cuda", generator=g) * spread).to(dtype)
+    slot_mapping = torch.randperm(num_slots, device="cuda", generator=g)[:300]
+    return qkv[:, 4 * n_kv:5 * n_kv], qkv[:, 5 * n_kv:], slot_mapping
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # 8B's rows; rows of 192, padded to 256
 def test_the_one_kernel_write_stores_the_bytes_of_the_lessons_index_copy(dtype, n_kv, d):
     from engine.cache_write import write_rows
-    g = torch.Generator(device="cuda").manual_seed(n_kv)
-    tokens, num_slots = 300, 1000
-    qkv = torch.randn(tokens, 6 * n_kv, d, device="cuda", generator=g).to(dtype)
-    k, v = qkv[:, 4 * n_kv:5 * n_kv], qkv[:, 5 * n_kv:]  # rows strided, as the model's split gives
-    slot_mapping = torch.randperm(num_slots, device="cuda", generator=g)[:tokens]
+    num_slots = 1000
+    k, v, slot_mapping = fresh_rows(dtype, n_kv, d, num_slots)
     lesson, kernel = ([torch.zeros(num_slots, n_kv, d, dtype=dtype, device="cuda") for _ in "kv"]
                       for _ in range(2))
     for pool, rows in zip(lesson, (k, v)):
@@ -250,11 +256,9 @@ def test_the_one_kernel_write_stores_the_bytes_of_the_lessons_index_copy(dtype, 
 def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_kv, d):
     from types import SimpleNamespace
     from features.fp8.cache import FP8, FP8_MAX, Float8Writes
-    g = torch.Generator(device="cuda").manual_seed(n_kv)
-    tokens, num_slots = 300, 1000
-    qkv = (torch.randn(tokens, 6 * n_kv, d, device="cuda", generator=g) * 3).to(dtype)
-    k, v = qkv[:, 4 * n_kv:5 * n_kv], qkv[:, 5 * n_kv:]  # rows strided, as the model's split gives
-    batch = DecodeBatch(torch.randperm(num_slots, device="cuda", generator=g)[:tokens], None, None, 0)
+    num_slots = 1000
+    k, v, slot_mapping = fresh_rows(dtype, n_kv, d, num_slots, spread=3)
+    batch = DecodeBatch(slot_mapping, None, None, 0)
     pools = []
     for backend in ("torch", "flash"):  # the PyTorch reference's write, then the kernel's
         writer = Float8Writes()
