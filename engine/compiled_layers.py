@@ -5,15 +5,16 @@ each layer also launches about a dozen small kernels between them: RMSNorm, RoPE
 multiply and cast back, the residual adds, SiLU and its multiply. Each reads and writes the
 whole activation, and at these sizes each costs a few microseconds whatever it does. Inductor
 (torch.compile) fuses runs of them into one generated Triton kernel each: the residual add with
-the next RMSNorm, SiLU with its multiply, and RoPE's casts and rotation. nano-vllm compiles the
-same pieces.
+the next RMSNorm, SiLU with its multiply; RoPE's casts and rotation become one kernel of ours
+(below). nano-vllm compiles the same pieces.
 
 RoPE needs a twin. The lesson rotates each pair as one complex multiplication, and inductor
 generates no code for complex numbers: it would run the multiply as its own kernels, between two
-fused ones (0.47 us per decoded token and 13 ms of a 256-prompt prefill on an H200, the profile
-of docs/speed.md). `apply_rope_real` is the same rotation in real arithmetic, and
-torch.compiler.substitute_in_graph makes the compiler trace it wherever the lesson calls
-apply_rope; an eager call still runs the lesson's, so --eager and --no-compile are unchanged.
+fused ones. Written in real arithmetic, inductor fuses it but loads every other number apart, at
+a tenth of the copy bandwidth (engine/rope_kernel.py). So the compiler traces a Triton kernel of
+its own wherever the lesson calls apply_rope (torch.compiler.substitute_in_graph): the same
+arithmetic, the same bytes. An eager call still runs the lesson's, so --eager and --no-compile
+are unchanged.
 
 The attention call itself is left out (engine/kv_cache.py's cache, made `compiled`, wraps it in
 `torch.compiler.disable`): the cache's writes and the flash-attn or Triton kernel run as they
@@ -48,22 +49,31 @@ COMPILED_FROM_TOKENS = 1000  # a prefill pass launched from Python shorter than 
 COMPILED_FROM_ROWS = 600  # and so does a decode step of fewer rows
 
 
+# An opaque custom op: the compiled layers call the kernel as it is, between inductor's kernels.
+@torch.library.custom_op("compiled_layers::rope", mutates_args=())
+def rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    from engine.rope_kernel import rotate_pairs  # here: Triton, which CUDA machines have
+    return rotate_pairs(x, rotations)
+
+
+@rope.register_fake
+def _(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """What the compiler traces: the output's shape and dtype."""
+    return x.new_empty(x.shape)
+
+
 @torch.compiler.substitute_in_graph(apply_rope)
-def apply_rope_real(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """apply_rope as the compiler sees it: (a + jb)(cos + j sin) = (a cos - b sin)
-    + j(a sin + b cos), each pair rotated by its position's angle. x: [T, heads, head_dim];
-    rotations: [T, head_dim / 2] complex, read as its real and imaginary parts (views: no
-    complex arithmetic)."""
-    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [T, heads, head_dim / 2] each
-    cos, sin = rotations.real[:, None, :], rotations.imag[:, None, :]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
+def apply_rope_compiled(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """apply_rope as the compiler sees it: one Triton kernel, so that inductor neither meets
+    complex numbers nor generates a kernel of its own for the pairs."""
+    return rope(x, rotations)
 
 
 def compile_layers(model) -> None:
     """Compile each transformer layer of `model` in place (engine/model_runner.py's ModelForward,
     made `compiled`). Its cache, made `compiled` too, leaves the attention call out."""
-    # What is left of complex numbers in the compiled code is a view of the rotations' real and
-    # imaginary parts (apply_rope_real), yet inductor warns that it runs complex code slowly.
+    # The rotations still enter the compiled code as complex numbers, handed whole to the RoPE
+    # kernel, yet inductor warns that it runs complex code slowly.
     warnings.filterwarnings("ignore", "Torchinductor does not support code generation for complex")
     # Every layer runs the same code and differs only in its weights and its index (which
     # layer's K/V it attends). Dynamo makes an int attribute a constant and guards it: each layer

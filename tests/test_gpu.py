@@ -235,6 +235,43 @@ def fresh_rows(dtype, n_kv: int, d: int, num_slots: int, spread: float = 1.0):
     return qkv[:, 4 * n_kv:5 * n_kv], qkv[:, 5 * n_kv:], slot_mapping
 
 
+def q_and_k(dtype, heads: int, tokens: int):
+    """q and k of `heads` heads as the model's split of qkv gives them (strided), and each
+    token's rotations, at random positions up to 8,192."""
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    qkv = torch.randn(tokens, heads + 8, 128, device="cuda", generator=g).to(dtype)
+    angles = torch.rand(tokens, 64, device="cuda", generator=g) * 8192
+    return qkv[:, :heads], torch.polar(torch.ones_like(angles), angles)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads, tokens", [(40, 300), (20, 7), (5, 1)])  # 8B; halved; a part
+def test_the_rope_kernel_gives_the_bytes_of_the_lessons_complex_multiply(dtype, heads, tokens):
+    from engine.rope_kernel import rotate_pairs
+    from llama3_paged import apply_rope
+    x, rotations = q_and_k(dtype, heads, tokens)
+    assert torch.equal(rotate_pairs(x, rotations), apply_rope(x, rotations))
+
+
+@needs_triton
+def test_compiled_apply_rope_runs_the_rope_kernel():
+    # Compiled, the layers' call of the lesson's apply_rope is traced as engine/compiled_layers.py's
+    # substitute: the kernel's op in the generated code and no complex multiply; the lesson's bytes.
+    from torch._inductor.utils import run_and_get_code
+    import engine.compiled_layers  # noqa: F401 (the substitute)
+    from llama3_paged import apply_rope
+    x, rotations = q_and_k(torch.bfloat16, 40, 300)
+
+    def rotate(x, rotations):  # as the layers call it
+        return apply_rope(x, rotations)
+
+    torch._dynamo.reset()
+    compiled, (code, *_) = run_and_get_code(torch.compile(rotate, dynamic=True), x, rotations)
+    assert "compiled_layers.rope" in code and "view_as_complex" not in code, code
+    assert torch.equal(compiled, apply_rope(x, rotations))
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n_kv, d", [(8, 128), (3, 64)])  # 8B's rows; rows of 192, padded to 256
