@@ -41,6 +41,7 @@ def rotate_pairs(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """apply_rope's result: x [T, heads, head_dim], each head's values one contiguous run;
     rotations [T, head_dim / 2] complex64 -> [T, heads, head_dim] in x's dtype."""
     tokens, n_heads, head_dim = x.shape
+    assert head_dim & (head_dim - 1) == 0, f"a head of {head_dim} values: the kernel takes 2^k"
     assert x.stride(2) == 1 and x.stride(1) == head_dim, x.stride()
     out = torch.empty(tokens, n_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = (tokens, triton.cdiv(n_heads, HEADS_PER_PROGRAM))
