@@ -24,9 +24,10 @@ from tools import kernel_profile
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
      "collectives (NCCL)"),  # "reduce" would make it elementwise: the collectives match first
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives (NCCL)"),
-    # our own Triton kernels (features/), by their function's name
+    # our own Triton kernels (features/, engine/), by their function's name
     ("partial_sums_kernel", "matmul"),
-    ("write_float8_kernel", "cache write"),
+    ("write_rows_kernel", "cache write"),
+    ("rope_kernel", "rope"),
     ("swiglu_quantize_kernel", "elementwise"),
     ("row_stats_kernel", "sampling"),
     ("merge_kernel", "attention"),

@@ -40,7 +40,8 @@ PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of
 PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run
 KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the first match wins
     # Our own Triton kernels are named here too: paged_decode and the cascade's merge_kernel
-    # (features/), partial_sums (FP8 weights' split-K matmul), write_float8 (FP8 K/V's write),
+    # (features/), partial_sums (FP8 weights' split-K matmul), write_rows (the engine's cache
+    # write, 16-bit or float8), rope_kernel (compiled layers' RoPE, under "rope"),
     # swiglu_quantize (down's float8 input), row_stats (log-probabilities).
     ("fused (torch.compile)", r"^triton_(poi|red|per|tem)_"),  # inductor's generated kernels
     ("collectives (NCCL)", r"nccl"),  # tensor parallelism's all-reduces and gathers
@@ -48,7 +49,7 @@ KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the fir
     ("matmul", r"gemm|cutlass|xmma|cublas|nvjet|sm90_|sm80_|matmul|partial_sums"),
     ("norm", r"rms|norm"),
     ("rope", r"rotary|rope|complex"),
-    ("cache write", r"index_copy|store_kvcache|index_put|scatter|write_float8"),
+    ("cache write", r"index_copy|store_kvcache|index_put|scatter|write_rows"),
     ("sampling", r"argmax|softmax|multinomial|topk|sort|exponential|distribution|gumbel|row_stats"),
     ("copies", r"memcpy|memset|copy"),
     ("elementwise", r"elementwise|vectorized|reduce|cat_|fill|silu|swiglu|mul|add"),
