@@ -50,6 +50,11 @@ def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, 
     return quantize(x, scale), scale
 
 
+def split_k_fits(n_in: int, n_out: int) -> bool:
+    from features.fp8.split_k import fits  # Triton: CUDA machines only, so imported when asked
+    return fits(n_in, n_out)
+
+
 class Float8Linear(nn.Module):
     """y = x W^T with W in float8 and a scale per output channel; x quantized per token."""
 
@@ -64,10 +69,8 @@ class Float8Linear(nn.Module):
         self.scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)  # [1, out]
         # _scaled_mm multiplies float8 on CUDA and writes bf16 with row-wise scales
         self.uses_scaled_mm = weight.is_cuda and linear.weight.dtype == torch.bfloat16
-        self.split_k = split_k and self.uses_scaled_mm and not sliced_inputs
-        if self.split_k:
-            from features.fp8.split_k import fits  # Triton: CUDA machines only
-            self.split_k = fits(linear.in_features, linear.out_features)
+        self.split_k = (split_k and self.uses_scaled_mm and not sliced_inputs
+                        and split_k_fits(linear.in_features, linear.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
