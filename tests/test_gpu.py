@@ -869,19 +869,19 @@ def test_scaled_mm_of_fp8_weights_is_the_dequantize_then_matmul_reference(tokens
     assert got.dtype == torch.bfloat16 and error < 4e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 100, 128])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 100, 128, 129, 256, 1000])
 @pytest.mark.parametrize("n_in, n_out", [(4096, 4096), (14336, 4096), (2048, 2048), (8192, 2048)])
-def test_split_k_matmul_of_fp8_weights_is_the_dequantize_then_matmul_reference(tokens, n_in,
-                                                                               n_out):
-    # o's and down's (8B's, 1B's) at a decode step's rows, features/fp8/split_k.py, against the
-    # float8 numbers multiplied in float32, to the bound _scaled_mm is held to above.
+def test_o_and_down_of_fp8_weights_are_the_dequantize_then_matmul_reference(tokens, n_in, n_out):
+    # o's and down's (8B's, 1B's), against the float8 numbers multiplied in float32, to the
+    # bound _scaled_mm is held to above: up to 128 rows features/fp8/split_k.py, up to 256
+    # cuBLAS's kernel for unit scales with the rows' scales after, above that the row-wise one.
     from features.fp8.split_k import slices
     from features.fp8.weights import Float8Linear, quantize_rows, reference_matmul
     g = torch.Generator(device="cuda").manual_seed(tokens + n_in)
     linear = torch.nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16, device="cuda")
     linear.requires_grad_(False).weight.normal_(0, n_in ** -0.5, generator=g)
-    fp8 = Float8Linear(linear, split_k=True)
-    assert fp8.split_k and slices(tokens) > 0
+    fp8 = Float8Linear(linear, to_residual=True)
+    assert fp8.split_k and fp8.scales_after and (slices(tokens) > 0) == (tokens <= 128)
     x = torch.randn(tokens, n_in, dtype=torch.bfloat16, device="cuda", generator=g)
     got = fp8(x)
     expected = reference_matmul(*quantize_rows(x), fp8.weight, fp8.scale)

@@ -14,7 +14,8 @@ float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quanti
   matmul; compiled layers (engine/compiled_layers.py) fuse that into the kernels around it.
 - The matmul: on CUDA `torch._scaled_mm`, float8 x float8 with both rows' scales, accumulated in
   float32 and written in bf16; o and down at a decode step's rows through a kernel that splits
-  their sum over K (features/fp8/split_k.py). Elsewhere (the CPU, float32 runs) the reference
+  their sum over K (features/fp8/split_k.py) up to 128 rows, then up to 256 through cuBLAS's
+  faster kernel for unit scales with the rows' scales after. Elsewhere (the CPU, float32 runs) the reference
   below: the same quantized numbers, dequantized, multiplied in float32. CI tests the numerics
   through it; the GPU tests hold both kernels to it.
 
@@ -50,6 +51,9 @@ def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, 
     return quantize(x, scale), scale
 
 
+SCALES_AFTER_MAX_ROWS = 256  # o and down: cuBLAS's unit-scale kernel up to here (Float8Linear)
+
+
 def split_k_fits(n_in: int, n_out: int) -> bool:
     from features.fp8.split_k import fits  # Triton: CUDA machines only, so imported when asked
     return fits(n_in, n_out)
@@ -58,10 +62,11 @@ def split_k_fits(n_in: int, n_out: int) -> bool:
 class Float8Linear(nn.Module):
     """y = x W^T with W in float8 and a scale per output channel; x quantized per token."""
 
-    def __init__(self, linear: nn.Linear, sliced_inputs: bool = False, split_k: bool = False):
+    def __init__(self, linear: nn.Linear, sliced_inputs: bool = False, to_residual: bool = False):
         """sliced_inputs: under torchrun, this process holds a slice of the input features (o's
-        and down's), and its output is a part of the sum the processes add up. split_k: few
-        output columns (o's and down's): at a decode step's rows, features/fp8/split_k.py."""
+        and down's), and its output is a part of the sum the processes add up. to_residual: o and
+        down, whose few output columns the residual add takes: at a decode step's rows their sum
+        splits over K (features/fp8/split_k.py), above them the scales wait for the add."""
         super().__init__()
         self.sliced_inputs = sliced_inputs
         weight, scale = quantize_rows(linear.weight.detach(), sliced_inputs)  # [out, in], [out, 1]
@@ -69,8 +74,14 @@ class Float8Linear(nn.Module):
         self.scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)  # [1, out]
         # _scaled_mm multiplies float8 on CUDA and writes bf16 with row-wise scales
         self.uses_scaled_mm = weight.is_cuda and linear.weight.dtype == torch.bfloat16
-        self.split_k = (split_k and self.uses_scaled_mm and not sliced_inputs
+        self.split_k = (to_residual and self.uses_scaled_mm and not sliced_inputs
                         and split_k_fits(linear.in_features, linear.out_features))
+        # At o's and down's 4,096 columns and a decode step's 129 to 256 rows, cuBLAS's kernel
+        # for one scale per matrix is faster than its row-wise one (down at 256 rows with the
+        # add: 34.6 against 44.8 us, docs/fp8.md): unit scales there, and the rows' scales
+        # after, which compiled layers fold into the residual add. From 512 rows it is slower.
+        self.scales_after = to_residual and self.uses_scaled_mm
+        self.register_buffer("one", torch.ones((), device=weight.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
@@ -84,7 +95,12 @@ class Float8Linear(nn.Module):
             if k_slices:  # compiled layers fold the sum and the scales into the residual add
                 sums = partial_sums(x8, self.weight, k_slices)  # [k_slices, T, out] float32
                 return (sums.sum(0) * x_scale * self.scale).to(dtype)
-        if self.uses_scaled_mm:
+        if self.scales_after and x8.shape[0] <= SCALES_AFTER_MAX_ROWS:
+            # [T, out] sums of float8 products, rounded to bf16, then scaled
+            out = torch._scaled_mm(x8, self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                   out_dtype=dtype)
+            out = (out * x_scale * self.scale).to(dtype)
+        elif self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
             out = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
                                    out_dtype=dtype)
@@ -131,7 +147,7 @@ def quantize_weights(model) -> tuple[int, int]:
                                          (layer.feed_forward, "w_gate_up", False),
                                          (layer.feed_forward, "w_down", True)):
             setattr(block, name, Float8Linear(getattr(block, name), split and to_residual,
-                                              split_k=to_residual))
+                                              to_residual=to_residual))
         # On CUDA SwiGLU and down's quantization in one kernel; not under torchrun, where a row
         # of down's input is sliced over the processes and its largest value is over them all
         down = layer.feed_forward.w_down
