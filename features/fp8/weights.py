@@ -13,11 +13,11 @@ float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quanti
 - Activations: scaled per token (a row of x) at run time, the same way, just before each
   matmul; compiled layers (engine/compiled_layers.py) fuse that into the kernels around it.
 - The matmul: on CUDA `torch._scaled_mm`, float8 x float8 with both rows' scales, accumulated in
-  float32 and written in bf16; o and down at a decode step's rows through a kernel that splits
-  their sum over K (features/fp8/split_k.py) up to 128 rows, then up to 256 through cuBLAS's
-  faster kernel for unit scales with the rows' scales after. Elsewhere (the CPU, float32 runs) the reference
-  below: the same quantized numbers, dequantized, multiplied in float32. CI tests the numerics
-  through it; the GPU tests hold both kernels to it.
+  float32 and written in bf16. o and down, at a decode step's rows, through a kernel that splits
+  their sum over K (features/fp8/split_k.py) up to 128 rows, and up to 256 through cuBLAS's
+  faster kernel for unit scales with the rows' scales after. Elsewhere (the CPU, float32 runs)
+  the reference below: the same quantized numbers, dequantized, multiplied in float32. CI tests
+  the numerics through it; the GPU tests hold every kernel to it.
 
 Like gpt-fast's quantize.py, this transforms a loaded model from outside, in one place
 (engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear,
@@ -81,7 +81,8 @@ class Float8Linear(nn.Module):
         # add: 34.6 against 44.8 us, docs/fp8.md): unit scales there, and the rows' scales
         # after, which compiled layers fold into the residual add. From 512 rows it is slower.
         self.scales_after = to_residual and self.uses_scaled_mm
-        self.register_buffer("one", torch.ones((), device=weight.device), persistent=False)
+        self.register_buffer("one", torch.ones((), device=weight.device),  # the unit scale
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
