@@ -70,12 +70,18 @@ class EngineKVCache(lesson.KVCache):
         """k, v ([T, n_kv_heads, head_dim]) into their slots. On CUDA one Triton kernel stores
         both (engine/cache_write.py), the same bytes as the lesson's two index_copy_ kernels;
         the PyTorch backend keeps the lesson's write."""
-        if k.is_cuda and self.attention_backend.name != "torch":
+        if writes_in_one_kernel(k, self.attention_backend):
             from engine.cache_write import write_rows
             write_rows(k, v, batch.slot_mapping, self.k[layer], self.v[layer])
             return
         self.k[layer].index_copy_(0, batch.slot_mapping, k)
         self.v[layer].index_copy_(0, batch.slot_mapping, v)
+
+
+def writes_in_one_kernel(k: torch.Tensor, attention_backend) -> bool:
+    """Whether a step's K/V go through engine/cache_write.py's kernel: on CUDA, except under the
+    PyTorch backend, whose writes stay the lesson's (the reference the kernel is tested against)."""
+    return k.is_cuda and attention_backend.name != "torch"
 
 
 class FlashAttentionAfterPrefix(lesson.FlashAttention):

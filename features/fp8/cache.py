@@ -15,8 +15,9 @@ slot. A pool of the same memory holds twice the tokens, and every decode step re
 - Writes quantize (on CUDA in one kernel: engine/cache_write.py); prefill attends over the
   fresh bf16 K and V, as the lesson's does; decode reads float8. flash-attn 2 cannot read
   float8, so on CUDA the decode goes through the Triton kernel, its attention backend's
-  `paged_decode` (engine/loader.py gives an FP8 cache on CUDA a Triton backend), which converts each tile to bf16 in registers and folds the scales into the scores and the
-  output; the PyTorch reference dequantizes the blocks it gathers.
+  `paged_decode` (engine/loader.py gives an FP8 cache on CUDA a Triton backend), which converts
+  each tile to bf16 in registers and folds the scales into the scores and the output; the
+  PyTorch reference dequantizes the blocks it gathers.
 - A prompt after a cached prefix (a system prompt's blocks, features/sharing/prefix_cache.py) reads
   the prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
   those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from block_manager import to_device
-from engine.kv_cache import CachedPrefillBatch, EngineKVCache
+from engine.kv_cache import CachedPrefillBatch, EngineKVCache, writes_in_one_kernel
 from llama3_paged import PrefillBatch
 
 FP8 = torch.float8_e4m3fn
@@ -100,7 +101,7 @@ class Float8Writes:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # over all, as one process's scale
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
-        if k.is_cuda and self.attention_backend.name != "torch":  # one kernel, not ten
+        if writes_in_one_kernel(k, self.attention_backend):  # one kernel, not ten
             from engine.cache_write import write_rows
             write_rows(k, v, batch.slot_mapping, key_slots, value_slots, self.scales[layer],
                        FP8_MAX)
