@@ -891,20 +891,30 @@ def test_o_and_down_of_fp8_weights_are_the_dequantize_then_matmul_reference(toke
     assert got.dtype == torch.bfloat16 and error < 4e-3
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 256, 1000])
 @pytest.mark.parametrize("ffn_dim", [14336, 8192])  # 8B's, 1B's
-def test_swiglu_quantize_is_the_float32_product_quantized_per_token(rows, ffn_dim):
+def test_swiglu_quantize_is_the_float32_product_quantized_per_token(rows, ffn_dim, scaled):
     # features/fp8/swiglu_quantize.py, one kernel, against silu(gate) * up in float32 quantized
     # by quantize_rows: the same scales, and the same float8 numbers but where the sigmoid's
     # last bit moves a product across a rounding boundary (one step of e4m3 for that number).
+    # scaled: gate/up's sums with unit scales, which the kernel multiplies by the token's scale
+    # and each column's first, as Float8FeedForward hands them over.
     import torch.nn.functional as F
     from features.fp8.swiglu_quantize import swiglu_quantize
     from features.fp8.weights import quantize_rows
     g = torch.Generator(device="cuda").manual_seed(rows + ffn_dim)
     sizes = torch.logspace(-2, 1, rows, device="cuda")[:, None]  # rows of very different sizes
     gate_up = (torch.randn(rows, 2 * ffn_dim, device="cuda", generator=g) * sizes).bfloat16()
-    h8, scale = swiglu_quantize(gate_up)
-    gate, up = gate_up.float().chunk(2, dim=-1)
+    if scaled:  # sums of float8 products are hundreds to thousands; the scales make them small
+        row_scale = torch.rand(rows, 1, device="cuda", generator=g) * 1e-3 + 1e-4
+        column_scale = torch.rand(1, 2 * ffn_dim, device="cuda", generator=g) * 1e-2 + 1e-3
+        sums = (gate_up.float() / row_scale / column_scale).bfloat16()
+        h8, scale = swiglu_quantize(sums, row_scale, column_scale)
+        gate, up = (sums.float() * row_scale * column_scale).chunk(2, dim=-1)
+    else:
+        h8, scale = swiglu_quantize(gate_up)
+        gate, up = gate_up.float().chunk(2, dim=-1)
     expected8, expected_scale = quantize_rows(F.silu(gate) * up)
     assert h8.dtype == expected8.dtype and h8.shape == (rows, ffn_dim)
     assert torch.allclose(scale, expected_scale, rtol=1e-6, atol=0)

@@ -14,10 +14,10 @@ float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quanti
   matmul; compiled layers (engine/compiled_layers.py) fuse that into the kernels around it.
 - The matmul: on CUDA `torch._scaled_mm`, float8 x float8 with both rows' scales, accumulated in
   float32 and written in bf16. o and down, at a decode step's rows, through a kernel that splits
-  their sum over K (features/fp8/split_k.py) up to 128 rows, and up to 256 through cuBLAS's
-  faster kernel for unit scales with the rows' scales after. Elsewhere (the CPU, float32 runs)
-  the reference below: the same quantized numbers, dequantized, multiplied in float32. CI tests
-  the numerics through it; the GPU tests hold every kernel to it.
+  their sum over K (features/fp8/split_k.py) up to 128 rows; up to 256 rows o, down and gate/up
+  through cuBLAS's faster kernel for unit scales, the rows' scales after. Elsewhere (the CPU,
+  float32 runs) the reference below: the same quantized numbers, dequantized, multiplied in
+  float32. CI tests the numerics through it; the GPU tests hold every kernel to it.
 
 Like gpt-fast's quantize.py, this transforms a loaded model from outside, in one place
 (engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear,
@@ -97,10 +97,7 @@ class Float8Linear(nn.Module):
                 sums = partial_sums(x8, self.weight, k_slices)  # [k_slices, T, out] float32
                 return (sums.sum(0) * x_scale * self.scale).to(dtype)
         if self.scales_after and x8.shape[0] <= SCALES_AFTER_MAX_ROWS:
-            # [T, out] sums of float8 products, rounded to bf16, then scaled
-            out = torch._scaled_mm(x8, self.weight.t(), scale_a=self.one, scale_b=self.one,
-                                   out_dtype=dtype)
-            out = (out * x_scale * self.scale).to(dtype)
+            out = (self.sums(x8, dtype) * x_scale * self.scale).to(dtype)
         elif self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
             out = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
@@ -111,11 +108,18 @@ class Float8Linear(nn.Module):
             dist.all_reduce(out)  # this process's part of the sum: the whole output
         return out
 
+    def sums(self, x8: torch.Tensor, dtype) -> torch.Tensor:
+        """x8: [T, in] float8 -> [T, out], the float8 products' sums with unit scales (cuBLAS's
+        kernel for one scale per matrix), rounded to dtype: the caller applies the scales."""
+        return torch._scaled_mm(x8, self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                out_dtype=dtype)
+
 
 class Float8FeedForward(nn.Module):
     """The lesson's FeedForward with float8 projections, on CUDA in one process: SwiGLU and down's
     per-token quantization in one kernel (features/fp8/swiglu_quantize.py), which reads gate/up's
-    output once, where the compiled code made three kernels of it."""
+    output once, where the compiled code made three kernels of it. Up to 256 rows gate/up runs
+    cuBLAS's unit-scale kernel, as o and down do, and the SwiGLU kernel applies its scales."""
 
     def __init__(self, w_gate_up: Float8Linear, w_down: Float8Linear):
         super().__init__()
@@ -124,8 +128,13 @@ class Float8FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] -> [T, dim]."""
         from features.fp8.swiglu_quantize import swiglu_quantize  # Triton: CUDA machines only
-        h8, h_scale = swiglu_quantize(self.w_gate_up(x))  # [T, ffn_dim] float8, [T, 1]
-        return self.w_down.multiply(h8, h_scale, x.dtype)
+        x8, x_scale = quantize_rows(x)
+        gate_up = self.w_gate_up
+        if x8.shape[0] <= SCALES_AFTER_MAX_ROWS:  # gate/up's scales in the kernel after it too
+            h8, h_scale = swiglu_quantize(gate_up.sums(x8, x.dtype), x_scale, gate_up.scale)
+        else:
+            h8, h_scale = swiglu_quantize(gate_up.multiply(x8, x_scale, x.dtype))
+        return self.w_down.multiply(h8, h_scale, x.dtype)  # h8: [T, ffn_dim], h_scale: [T, 1]
 
 
 def reference_matmul(x8, x_scale, w8, w_scale) -> torch.Tensor:
