@@ -9,6 +9,9 @@ Here one program takes one row whole: it reads gate and up once, computes h in f
 registers, finds its largest value and writes h in float8 with its scale. No bf16 rounding of h
 in between, where the eager code rounds silu(gate) and the product: the float8 numbers can
 differ from the eager ones by one step of e4m3 where that rounding crosses a boundary.
+Up to 256 rows gate/up's output comes as its float8 products' sums with unit scales (cuBLAS's
+faster kernel there, weights.py): the kernel multiplies them by the token's scale and each
+column's first, in float32, so gate/up's scales cost no pass of their own.
 
 Registered with torch.library.triton_op, so that compiled layers trace the kernel into their
 graph (no graph break) and CUDA graphs capture it like any other.
