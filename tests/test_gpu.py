@@ -925,6 +925,34 @@ def test_swiglu_quantize_is_the_float32_product_quantized_per_token(rows, ffn_di
     assert same > 0.999 and error < 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 64, 200, 256, 1000])
+def test_the_fp8_feed_forward_is_the_dequantize_then_matmul_reference(rows):
+    # Float8FeedForward with 8B's shapes, each of its paths: gate/up through cuBLAS's unit-scale
+    # kernel with its scales in the SwiGLU kernel up to 256 rows, row-wise above; down split over
+    # K, with its scales after, or row-wise. Against the same float8 weights multiplied in
+    # float32 and SwiGLU in float32. The bound: down's float8 input comes from gate/up's bf16
+    # output here, from float32 there, so a number near a rounding boundary moves one step of
+    # e4m3; the two paths emulated on the CPU (_scaled_mm's CPU kernel) erred 1.4e-2 to 1.6e-2.
+    import torch.nn.functional as F
+    from features.fp8.weights import (Float8FeedForward, Float8Linear, quantize_rows,
+                                      reference_matmul)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    gate_up, down = (torch.nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16, device="cuda")
+                     for n_in, n_out in ((4096, 2 * 14336), (14336, 4096)))
+    for linear in (gate_up, down):
+        linear.requires_grad_(False).weight.normal_(0, linear.in_features ** -0.5, generator=g)
+    feed_forward = Float8FeedForward(Float8Linear(gate_up), Float8Linear(down, to_residual=True))
+    sizes = torch.logspace(-1, 1, rows, device="cuda")[:, None]  # tokens of different sizes
+    x = (torch.randn(rows, 4096, device="cuda", generator=g) * sizes).bfloat16()
+    w_gate_up, w_down = feed_forward.w_gate_up, feed_forward.w_down
+    gate, up = reference_matmul(*quantize_rows(x), w_gate_up.weight, w_gate_up.scale).chunk(2, -1)
+    expected = reference_matmul(*quantize_rows(F.silu(gate) * up), w_down.weight, w_down.scale)
+    got = feed_forward(x)
+    error = relative_error(got, expected)
+    print(f"{rows} rows: relative error {error:.2e}")
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 4096) and error < 3e-2
+
+
 def test_fp8_weights_with_cuda_graphs_and_overlapped_steps_give_the_eager_tokens_in_bfloat16():
     # The same _scaled_mm kernels kernel by kernel and replayed from graphs (batches padded to
     # their bucket), steps overlapped, requests preempted: the same tokens, even in bf16.

@@ -51,7 +51,7 @@ def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, 
     return quantize(x, scale), scale
 
 
-SCALES_AFTER_MAX_ROWS = 256  # o and down: cuBLAS's unit-scale kernel up to here (Float8Linear)
+SCALES_AFTER_MAX_ROWS = 256  # o, down, gate/up: cuBLAS's unit-scale kernel up to here
 
 
 def split_k_fits(n_in: int, n_out: int) -> bool:
