@@ -478,7 +478,11 @@ def bench(a) -> dict:
         "page_mapping_seconds_per_decode_step": mapping,
         "median_ratio_to_floor": statistics.median(
             s.seconds / b for s, b in zip(result.timeline, floors)),
+        # Every decode step, in order: its GPU seconds, its batch and its floor, so that two runs
+        # of one workload (one schedule) can be set side by side step by step.
         "step_seconds": [s.seconds for s in result.timeline],
+        "step_running_requests": [s.running_requests for s in result.timeline],
+        "step_floor_seconds": floors,
         "bookkeeping_seconds_per_step_1000_running": {
             str(size): bookkeeping_seconds_per_step(size) for size in sorted({16, a.block_size})},
     }
