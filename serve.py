@@ -59,6 +59,28 @@ class BadRequest(Exception):
         self.param, self.status = param, status
 
 
+def lone_surrogate_in(value, path: str = "") -> str | None:
+    """Where in a parsed JSON body a string (or a key) holds a lone UTF-16 surrogate, as
+    "messages[0].content"; None if nowhere. JSON's escapes can spell one; no tokenizer, and no
+    JSON answer that echoes it, can take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return None
+        except UnicodeEncodeError:
+            return path
+    items = (value.items() if isinstance(value, dict) else enumerate(value)
+             if isinstance(value, list) else ())
+    for key, item in items:
+        at = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = lone_surrogate_in(key, at) if isinstance(key, str) else None
+        if found is None:
+            found = lone_surrogate_in(item, at)
+        if found is not None:
+            return found
+    return None
+
+
 class UnknownModel(BadRequest):
     """A model this server does not serve: vLLM's 404, with its error type and code."""
 
@@ -466,13 +488,15 @@ def build_app(engine, model_name: str, api_key: str | None):
 
     async def read_body(request: Request) -> dict:
         length = request.headers.get("content-length")
+        too_large = BadRequest(f"The request body is larger than {MAX_BODY_BYTES:,} bytes.",
+                               status=413)
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            raise BadRequest(f"The request body is larger than {MAX_BODY_BYTES:,} bytes.")
+            raise too_large
         raw = b""
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
-                raise BadRequest(f"The request body is larger than {MAX_BODY_BYTES:,} bytes.")
+                raise too_large
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -481,6 +505,11 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise BadRequest("The body must be a JSON object.")
+        where = lone_surrogate_in(body)
+        if where is not None:
+            raise BadRequest(f"'{where}' holds a lone UTF-16 surrogate (JSON's \\ud800 to "
+                             f"\\udfff without its pair), which is not Unicode text.",
+                             where.split(".")[0].split("[")[0])
         if body.get("model", model_name) != model_name:
             raise UnknownModel(body.get("model"))
         return body

@@ -225,6 +225,9 @@ def translated(engine, kind: str, what) -> tuple:
         return engine.tokenizer.decode(what), None
     except ValueError as e:
         return None, str(e)
+    except Exception as e:  # a bug a request's content reached: it fails, the engine serves on
+        traceback.print_exc()
+        return None, f"the tokenizer failed at this text ({type(e).__name__}: {e})"
 
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:

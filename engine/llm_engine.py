@@ -481,18 +481,24 @@ class LLMEngine:
             changed.append(sequence)
             self.num_generated_tokens += len(request.output_tokens) - sequence.num_sent_tokens
             params = sequence.params
-            if request.output_tokens and (
-                    request.output_tokens[-1] in params.stop_token_ids
-                    or request.output_tokens[-1] in self.stop_ids and not params.ignore_eos):
-                request.output_tokens.pop()  # the stop token is not part of the answer
+            # A stop token (end of text, unless ignore_eos, or one of stop_token_ids) ends the
+            # answer and stays in its token ids, scored and counted, but not in its text unless
+            # include_stop_str_in_output: vLLM's "recorded but not rendered". lm-eval sums an
+            # echoed continuation's log-probabilities, its last token included.
+            stopped = bool(request.output_tokens) and (
+                request.output_tokens[-1] in params.stop_token_ids
+                or request.output_tokens[-1] in self.stop_ids and not params.ignore_eos)
+            if stopped:
                 self._end(sequence, "stop")
+            rendered = len(request.output_tokens) - (
+                stopped and not params.include_stop_str_in_output)
             # Only the new tokens are decoded: from the last whole character on, the bytes start
             # a character afresh. One cut between tokens ends in U+FFFD: it waits for the rest.
-            tail = self.tokenizer.decode(request.output_tokens[sequence.num_text_tokens:],
+            tail = self.tokenizer.decode(request.output_tokens[sequence.num_text_tokens:rendered],
                                          skip_special_tokens=params.skip_special_tokens)
             text = sequence.text
-            if not tail.endswith("\ufffd") or request.status == Status.FINISHED:
-                text, sequence.num_text_tokens = text + tail, len(request.output_tokens)
+            if not tail.endswith("\ufffd") or request.status == Status.FINISHED or stopped:
+                text, sequence.num_text_tokens = text + tail, rendered
             look_from = max(len(sequence.text) - max(map(len, params.stop), default=0), 0)
             found = [(i, len(s)) for s in params.stop  # after min_tokens, as vLLM looks
                      if len(request.output_tokens) > params.min_tokens
@@ -536,7 +542,7 @@ class LLMEngine:
         if k is None:
             return None
         from features.logprobs.logprobs import as_vllm_logprobs
-        rows = request.logprobs[start:len(request.output_tokens)]  # a stop token's is dropped
+        rows = request.logprobs[start:len(request.output_tokens)]
         return [as_vllm_logprobs(row, k, self.tokenizer) for row in rows]
 
     def prompt_logprobs_of(self, sequence: Sequence) -> list[dict | None] | None:

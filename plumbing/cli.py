@@ -175,6 +175,17 @@ def chat_messages(messages) -> list[dict]:
     return plain
 
 
+def unicode_text(text: str) -> str:
+    """text, if it is Unicode text: a lone UTF-16 surrogate (JSON's "\\ud800" reads as one) is
+    not, and the tokenizers library raises a bare TypeError on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at "
+                         f"character {e.start:,}), which is not Unicode text") from None
+    return text
+
+
 def file_identity(path: Path):
     """What changes when someone writes a file: its inode, size and time; None if it is absent."""
     try:

