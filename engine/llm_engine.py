@@ -65,7 +65,7 @@ def allocate_kv_cache(run: Run, served: bool = False):
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 
-def make_requests(run: Run) -> list[lesson.Request]:
+def make_requests(run: Run) -> list[ServedRequest]:
     """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
     each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""
     args, requests = run.args, []
@@ -85,7 +85,7 @@ def arrival_times(args, n: int) -> list[float]:
     return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
 
 
-def make_scheduler(run, cache, manager, requests: list[lesson.Request],
+def make_scheduler(run, cache, manager, requests: list[ServedRequest],
                    served: bool = False) -> Scheduler:
     """Static batching, or with --continuous a stream with preemption (recomputing, or swapping
     with --preemption swap), in mixed steps with --max-batched-tokens. served: LLMEngine's, whose
@@ -100,7 +100,7 @@ def make_scheduler(run, cache, manager, requests: list[lesson.Request],
     host = host_blocks(run, cache, shares_blocks) if swaps else None
     try:
         scheduler = Scheduler(manager, requests, args.continuous, args.max_running,
-                              args.max_batched_tokens or lesson.Engine.tokens_per_pass,
+                              args.max_batched_tokens or inputs.TOKENS_PER_PASS,
                               mixed=bool(args.continuous and args.max_batched_tokens), host=host,
                               shares_blocks=shares_blocks)
     except RequestTooLarge as e:

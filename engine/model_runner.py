@@ -1,6 +1,7 @@
-"""The engine's loop: the lesson's Engine, with steps queued on the device and overlapped.
+"""The engine's loop over the lesson's model and pool: steps queued on the device and overlapped.
 
-The lesson's loop (llama3_paged.py's Engine) copies each request's last token to the device at
+It holds the lesson's Llama, KVCache and BlockManager and overrides none of its loop. The
+lesson's loop (llama3_paged.py's Engine) copies each request's last token to the device at
 every decode step, waits for the step's tokens, records them, lets the finished requests go,
 schedules the next step and only then queues it: all that time the GPU has nothing to do. Here:
 
@@ -33,11 +34,12 @@ import torch
 
 from block_manager import to_device
 from engine.kv_cache import CachedPrefillBatch
-from engine.scheduler import CachedPrefillStep
+from engine.scheduler import Step
 from engine.sequence import ServedRequest, Status, append_tokens_at
 from features.longest_first import longest_first
-from llama3_paged import (Decoder, Engine, Generation, KVSnapshot, PrefillBatch, Step,
-                          packed_passes)
+from llama3_paged import DecodeBatch, PrefillBatch, packed_passes
+from plumbing import cli
+from plumbing.inputs import TOKENS_PER_PASS
 
 
 class ModelForward:
@@ -81,17 +83,28 @@ def greedy(logits, rows, lengths) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-class SamplingDecoder(Decoder):
-    """The lesson's decode step with the next tokens chosen by `sampler` (greedy, sampled,
-    beams), inside the step, so that CUDA graphs record it too."""
+class SamplingDecoder:
+    """One decode step of B rows: the model reads each row's blocks through the block table,
+    then `sampler` (greedy, sampled, beams) chooses the next tokens, inside the step, so that
+    CUDA graphs record it whole."""
 
     def __init__(self, model, cache, block_table, sampler=greedy):
-        super().__init__(model, cache, block_table)
-        self.sampler = sampler
+        self.model, self.cache, self.block_table, self.sampler = model, cache, block_table, sampler
+
+    def logits(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
+        """tokens, positions, rows, slots: [B] on the device. Returns [B, vocab]."""
+        batch = DecodeBatch(slot_mapping=slots, block_table=self.block_table[rows],  # their rows
+                            cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
+        return self.model(tokens, positions, self.cache, batch)
 
     def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
         logits = self.logits(tokens, positions, rows, slots, max_cache_seqlen)  # [B, vocab]
         return self.sampler(logits, rows, positions + 1)  # [B]
+
+    def step(self, tokens, positions, rows, slots) -> torch.Tensor:
+        """The same, with positions, rows and slots host arrays (one copy to the device)."""
+        inputs = to_device(np.stack([positions, rows, slots]), self.block_table.device)  # [3, B]
+        return self.decode(tokens, *inputs, int(positions.max()) + 1)
 
 
 class StepTimer:
@@ -146,19 +159,40 @@ class StepInFlight:
 
 
 @dataclass
-class ServedSnapshot(KVSnapshot):
+class ServedSnapshot:
+    """The cache at one decode step, in slots (times kv_bytes_per_token: bytes)."""
+    step: int
+    running_requests: int
+    reserved_slots: int  # slots in blocks owned by running requests
+    unfilled_slots: int  # of those, slots holding no token: the fragmentation
     waiting_requests: int = 0  # admitted later: arrivals, preempted requests, a capped batch
     seconds: float = 0.0  # the step's time on the GPU
 
+    @property
+    def filled_slots(self) -> int:
+        return self.reserved_slots - self.unfilled_slots
+
 
 @dataclass
-class ServedGeneration(Generation):
+class ServedGeneration:
+    """What a run of the engine gives back: its requests, each with its output tokens, and how
+    the time and the cache went."""
+    requests: list  # in order, each with its output_tokens
+    prefill_seconds: float
+    decode_seconds: float
+    timeline: list[ServedSnapshot]  # one per decode or mixed step
     num_prefilled_tokens: int = 0  # tokens computed by prefill passes: cached ones are not
     most_running: int = 0  # the most requests running at once
     scheduler: object = None  # who ran when: preemptions, swaps (the scheduler)
     gpu_idle_seconds: float = 0.0  # the GPU's time between one step's end and the next's start
     num_steps: int = 0  # prefill, decode and mixed
     prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU
+
+    @property
+    def fullest(self) -> ServedSnapshot:
+        """The step at which the cache held the most tokens."""
+        return max(self.timeline, key=lambda s: s.filled_slots,
+                   default=ServedSnapshot(0, 0, 0, 0))
 
     @property
     def output_tokens(self) -> list[list[int]]:
@@ -176,7 +210,10 @@ def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
             + request.output_tokens[past_prompt(start):past_prompt(end)])
 
 
-class ModelRunner(Engine):
+class ModelRunner:
+    """The engine's loop over the lesson's parts: it holds the model, the pool and its block
+    manager, and subclasses none of the lesson's loop (a change there cannot change this)."""
+
     def __init__(self, model, cache, manager, sampler=greedy, graphs=None, cascade=None,
                  overlap: bool = False, longest_first: bool = False,
                  tokens_per_pass: int | None = None, logprobs=None):
@@ -189,11 +226,13 @@ class ModelRunner(Engine):
         short (features/longest_first.py; on CUDA). tokens_per_pass: a prefill pass's size, if not
         the lesson's. logprobs: the rows that ask for log-probabilities, and the decode step that
         gives them, eager and as graphs (features/logprobs/'s Logprobs); None: no row can."""
-        super().__init__(model, cache, manager)
+        self.model, self.cache, self.manager = model, cache, manager
+        self.device = manager.block_table.device
+        self.tokens_per_pass = tokens_per_pass or TOKENS_PER_PASS
+        self.timeline: list[ServedSnapshot] = []  # one per decode or mixed step
         self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
         self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
         self.graphs, self.cascade, self.prefill_graphs = graphs, cascade, None
-        self.tokens_per_pass = tokens_per_pass or self.tokens_per_pass
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
         self.in_flight: StepInFlight | None = None  # overlap: the step the GPU is computing
         self.stopped = set()  # requests let go of while in flight: their next token is dropped
@@ -224,9 +263,19 @@ class ModelRunner(Engine):
         return eager.step(tokens, positions, rows, slots)
 
     def prefill_logits(self, rows: np.ndarray, prompts: list[list[int]]) -> torch.Tensor:
+        """One pass over whole prompts, nothing cached before them: [B, vocab], the logits at
+        each one's last token. A CUDA graph where one replays the pass."""
         if self.prefill_graphs is not None and self.prefill_graphs.replays(prompts):
             return self.prefill_graphs.logits(rows, prompts)
-        return super().prefill_logits(rows, prompts)
+        on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
+        lengths = np.array([len(p) for p in prompts])
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], lengths)  # [T]
+        slots = self.manager.slots(np.repeat(rows, lengths), positions)  # as decode finds them
+        batch = PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
+                             cu_seqlens.tolist(), int(lengths.max()))
+        return self.model(on_device(np.concatenate(prompts)), on_device(positions), self.cache,
+                          batch, logits_at=on_device(cu_seqlens[1:] - 1))  # [B, vocab]
 
     def serve(self, num_rows: int) -> None:
         """Steps without `generate`'s run (engine/llm_engine.py's LLMEngine adds requests one
@@ -253,13 +302,22 @@ class ModelRunner(Engine):
         self.last_tokens[to_device(rows, self.device)] = to_device(last, self.device)
         self.timer, prefilled_before = StepTimer(self.device), self.num_prefilled
         scheduler.start_clock()
-        g = super().generate(scheduler, stop_ids, progress)
+        requests, self.timeline, seconds = list(scheduler.waiting), [], [0.0, 0.0]
+        with cli.decode_progress(scheduler, self.manager, progress) as advance_the_bar:
+            start = time.perf_counter()
+            for step in self.steps(scheduler, stop_ids):
+                decodes = step.kind != "prefill"  # mixed steps do both
+                seconds[decodes] += time.perf_counter() - start  # [in prefill, in decode]
+                start = time.perf_counter()
+                if decodes:
+                    advance_the_bar()
         gpu_seconds = self.timer.seconds()
         decoding = [s for s, decodes in zip(gpu_seconds, self.timer.decodes) if decodes]
         for snapshot, step_seconds in zip(self.timeline, decoding):
             snapshot.seconds = step_seconds
         return ServedGeneration(
-            **vars(g), num_prefilled_tokens=self.num_prefilled - prefilled_before,
+            requests, *seconds, self.timeline,
+            num_prefilled_tokens=self.num_prefilled - prefilled_before,
             most_running=scheduler.most_running, scheduler=scheduler,
             gpu_idle_seconds=self.timer.idle_seconds(), num_steps=len(gpu_seconds),
             prefill_gpu_seconds=sum(gpu_seconds) - sum(decoding))
@@ -330,7 +388,7 @@ class ModelRunner(Engine):
             len(self.timeline), len(scheduler.running), self.manager.num_reserved_slots,
             self.manager.num_unfilled_slots, waiting_requests=len(scheduler.waiting)))
 
-    def prefill(self, step: CachedPrefillStep, logprobs: bool = False) -> torch.Tensor:
+    def prefill(self, step: Step, logprobs: bool = False) -> torch.Tensor:
         """Each request's tokens from its first uncached one on, or in a mixed step up to its
         end there (a decode row is no prompt token)."""
         if step.kind != "mixed":
@@ -343,7 +401,7 @@ class ModelRunner(Engine):
         self.num_prefilled -= step.num_decoding
         return tokens
 
-    def prefill_from(self, step: CachedPrefillStep, new: list[list[int]],
+    def prefill_from(self, step: Step, new: list[list[int]],
                      logprobs: bool = False) -> torch.Tensor:
         """new[i]: the tokens of request i computed here, from position step.num_cached[i]."""
         self.num_prefilled += sum(map(len, new))

@@ -1,7 +1,8 @@
 """The engine's one scheduler: who runs at each step, and which of their tokens it computes.
 
-The lesson's Scheduler (llama3_paged.py) admits every request at the first step. This one is that
-scheduler with what a server needs, each chosen once from the flags, none a subclass:
+The lesson's Scheduler (llama3_paged.py) admits every request at the first step. This one does
+that too, and what a server needs, each chosen once from the flags; a class of the engine's own
+(not the lesson's, nor a chain of subclasses), returning the engine's own Step:
 
 - `continuous` (--continuous): a first-come-first-served queue. The request at the head joins as
   soon as the blocks its tokens fill are free, keeping a watermark of blocks spare (vLLM's name
@@ -37,14 +38,15 @@ blocks there that were never written.
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 
-import llama3_paged as lesson
 from engine.sequence import ServedRequest, Status
 from engine.swap import HostBlocks
+from plumbing.inputs import TOKENS_PER_PASS
 
 # Share of the pool that admission leaves free for the running requests to grow into (vLLM's
 # default is 1%; README, "Serving a stream", measures both).
@@ -53,22 +55,24 @@ SAY_WAITS_OVER_SECONDS = 5.0
 
 
 @dataclass
-class CachedPrefillStep(lesson.Step):
-    num_cached: np.ndarray = None  # [B] tokens of each in the cache already: the pass skips them
-
-
-@dataclass
-class MixedStep(CachedPrefillStep):
-    """A prefill pass whose first num_decoding requests compute just their last token (a decode,
-    read through the block table as a one-token chunk after a cached prefix), and which computes
-    each request's tokens up to ends[i] only ([B]). A request whose chunk stops short of its
-    prompt takes no token yet."""
-
-    ends: np.ndarray | None = None
-    num_decoding: int = 0
+class Step:
+    """What one forward pass computes. "prefill": requests just admitted, each from its first
+    uncached token; "decode": one new token for each running request; "mixed": a prefill pass
+    whose first num_decoding requests compute just their last token (a decode, read through the
+    block table as a one-token chunk after a cached prefix) and which computes each request's
+    tokens up to ends[i] only. A request whose chunk stops short of its prompt takes no token."""
+    kind: str
+    requests: list[ServedRequest]  # in admission order
+    rows: np.ndarray  # [B] their rows
+    positions: np.ndarray | None = None  # decode: [B] the position each new token takes
+    num_cached: np.ndarray | None = None  # prefill, mixed: [B] tokens in the cache already
+    ends: np.ndarray | None = None  # mixed: [B] each request's tokens computed after the step
+    num_decoding: int = 0  # mixed: how many of the first requests decode
 
     def takes_a_token(self) -> np.ndarray:
         """Which of the step's requests take their next token now: [B] booleans."""
+        if self.kind != "mixed":
+            return np.ones(len(self.requests), dtype=bool)
         return self.ends == np.array([r.num_tokens for r in self.requests])
 
 
@@ -82,15 +86,17 @@ class RequestTooLarge(Exception):
                          f"{blocks} blocks, more than the pool's {manager.num_blocks}")
 
 
-class Scheduler(lesson.Scheduler):
+class Scheduler:
     def __init__(self, manager, requests: list[ServedRequest], continuous: bool = False,
-                 max_running: int | None = None, token_budget: int = lesson.Engine.tokens_per_pass,
+                 max_running: int | None = None, token_budget: int = TOKENS_PER_PASS,
                  mixed: bool = False, host: HostBlocks | None = None, shares_blocks: bool = False,
                  clock=time.perf_counter, sleep=time.sleep):
         """`clock` and `sleep`: the tests give fake ones, which arrivals wait on."""
         if mixed and shares_blocks:
             raise ValueError("mixed steps do not share blocks yet (see the module's docstring)")
-        super().__init__(manager, requests)
+        self.manager, self.waiting = manager, deque(requests)
+        self.running: list[ServedRequest] = []  # admission order: the newest is last
+        self.rows = np.zeros(0, dtype=np.int64)  # [len(running)] their rows, for the manager
         self.continuous, self.mixed, self.host = continuous, mixed, host
         self.max_running, self.budget = max_running or len(requests), token_budget
         self.cached_tokens = manager.cached_tokens if shares_blocks else lambda request: 0
@@ -129,9 +135,16 @@ class Scheduler(lesson.Scheduler):
         if blocks > self.manager.num_blocks:
             raise RequestTooLarge(request, largest, blocks, self.manager)
 
-    def schedule(self) -> lesson.Step:
-        if not self.continuous:
-            return super().schedule()  # the lesson's: all admitted at the first step
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def schedule(self) -> Step:
+        if not self.continuous:  # the static batch: all admitted at the first step
+            if self.waiting:
+                joining = list(self.waiting)
+                self.waiting.clear()
+                return self._admit(joining)
+            return self._decode()
         self._wait_for_an_arrival()
         step = self._mixed_step() if self.mixed else self._prefill_or_decode()
         if self.host:
@@ -139,9 +152,13 @@ class Scheduler(lesson.Scheduler):
         return step
 
     def finish(self, requests: list[ServedRequest]) -> None:
+        """Requests that are done give every block back at once."""
         for request in requests:
             request.status = Status.FINISHED
-        super().finish(requests)
+            self.manager.free(request)
+            i = self.running.index(request)  # a search in C: no Python loop over the batch
+            self.running = self.running[:i] + self.running[i + 1:]
+            self.rows = np.delete(self.rows, i)
 
     def drop(self, request: ServedRequest) -> None:
         """End a request that waits (an abort; a stop token drawn as it was preempted): it leaves
@@ -152,7 +169,7 @@ class Scheduler(lesson.Scheduler):
             self.host.release(host)
         request.status = Status.FINISHED
 
-    def _prefill_or_decode(self) -> lesson.Step:
+    def _prefill_or_decode(self) -> Step:
         """A prefill of newly admitted requests if any can join, else a decode of all running."""
         joining = self._head_that_fits()
         if joining:
@@ -164,7 +181,7 @@ class Scheduler(lesson.Scheduler):
         self._make_room_to_decode()
         return self._decode()
 
-    def _mixed_step(self) -> lesson.Step:
+    def _mixed_step(self) -> Step:
         """A token for every running request past its prompt, and prompt chunks up to the budget."""
         decoding = self._make_room_to_decode()
         rows = self.rows[decoding]  # [D]
@@ -176,15 +193,15 @@ class Scheduler(lesson.Scheduler):
         if not chunks and not len(rows):  # only requests back from the host pool: they decode
             return self._mixed_step()
         if not chunks:
-            return lesson.Step("decode", requests, rows, positions=positions)
+            return Step("decode", requests, rows, positions=positions)
         starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
         ends = np.array([end for _, _, end in chunks], dtype=np.int64)
-        return MixedStep("mixed", requests + [r for r, _, _ in chunks],
+        return Step("mixed", requests + [r for r, _, _ in chunks],
                          np.concatenate([rows, [r.row for r, _, _ in chunks]]).astype(np.int64),
                          num_cached=np.concatenate([positions, starts]),
                          ends=np.concatenate([positions + 1, ends]), num_decoding=len(rows))
 
-    def _admit(self, requests: list[ServedRequest]) -> CachedPrefillStep:
+    def _admit(self, requests: list[ServedRequest]) -> Step:
         """Each request's blocks, and a prefill of those with slots to fill (a fork, or a request
         back from the host pool, has none: it joins the decode batch directly)."""
         prefill, num_cached = [], []
@@ -200,8 +217,7 @@ class Scheduler(lesson.Scheduler):
         self.rows = np.concatenate([self.rows, np.array([r.row for r in requests], dtype=np.int64)])
         self.most_running = max(self.most_running, len(self.running))
         rows = np.array([r.row for r in prefill], dtype=np.int64)
-        return CachedPrefillStep("prefill", prefill, rows,
-                                 num_cached=np.array(num_cached, dtype=np.int64))
+        return Step("prefill", prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
 
     def _allocate(self, request: ServedRequest) -> int:
         """The request's blocks; how many of its tokens they hold already. One back from the host
@@ -283,6 +299,12 @@ class Scheduler(lesson.Scheduler):
             self.said_wait = True
         while not self.running and self.waiting and self.waiting[0].arrival_time > self.now():
             self.sleep(max(self.waiting[0].arrival_time - self.now(), 0.0))
+
+    def _decode(self) -> Step:
+        """One token for every running request: a slot each (a new block at a block's end)."""
+        positions = self.manager.num_tokens[self.rows].copy()  # the cache holds all but the last
+        self.manager.append_token(self.rows)
+        return Step("decode", self.running, self.rows, positions=positions)
 
     def _make_room_to_decode(self) -> np.ndarray:
         """Preempt the newest requests until every running request past its prompt has room for

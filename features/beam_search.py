@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from block_manager import to_device
-from engine.scheduler import CachedPrefillStep
+from engine.scheduler import Step
 from engine.sequence import ServedRequest
 from engine.pools import shares_blocks
 from plumbing.cli import format_bytes, torchrun_process, write_json
@@ -132,8 +132,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
         for s in searches:
             for row in s.rows[1:]:
                 manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
-    step = CachedPrefillStep("prefill", firsts, np.array([r.row for r in firsts]),
-                             num_cached=np.array(cached))
+    step = Step("prefill", firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
     last_tokens = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
     for s, c in zip(searches, candidates):

@@ -15,7 +15,6 @@ from engine.model_runner import greedy
 from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler
 from engine.model_runner import ModelRunner
-from test_mixed_steps import takes_a_token
 from test_scheduler import MAX_SEQ_LEN, random_prompts, run
 
 
@@ -69,7 +68,7 @@ def test_no_request_is_admitted_before_it_arrives(mixed):
                           clock=clock, sleep=clock.sleep)
     while scheduler.has_work():
         step = scheduler.schedule()
-        for request, draws in zip(step.requests, takes_a_token(step)):
+        for request, draws in zip(step.requests, step.takes_a_token()):
             assert clock.time >= request.arrival_time, "computed before it arrived"
             if draws:
                 request.output_tokens.append(1)

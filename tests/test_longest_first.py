@@ -15,7 +15,7 @@ from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import ModelForward
 from features.longest_first import longest_first
 from engine.llm_engine import make_engine
-from llama3_paged import Step
+from engine.scheduler import Step
 from test_overlap import run
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 from conftest import engine_model

@@ -14,7 +14,7 @@ from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.sequence import ServedRequest
 from engine.model_runner import greedy
-from engine.scheduler import MixedStep, Scheduler
+from engine.scheduler import Scheduler
 from engine.model_runner import ModelRunner
 from features.sharing.block_manager import SharingBlockManager
 from test_scheduler import MAX_SEQ_LEN, FakeCache, preemption_workload
@@ -90,16 +90,11 @@ def test_the_worked_example_of_the_readme(model):
     assert [len(t) for t in result.output_tokens] == [4, 3]
 
 
-def takes_a_token(step) -> list:
-    """Which of the step's requests take a token: all but a mixed step's partial prompts."""
-    return step.takes_a_token() if isinstance(step, MixedStep) else [True] * len(step.requests)
-
-
 def feed(step) -> list:
     """What the engine does with a step's tokens, without a model: one token for each request
     that draws one; returns those done."""
     done = []
-    for request, draws in zip(step.requests, takes_a_token(step)):
+    for request, draws in zip(step.requests, step.takes_a_token()):
         if draws:
             request.output_tokens.append(1000 * (request.row + 1) + len(request.output_tokens))
             if len(request.output_tokens) >= request.max_new_tokens:

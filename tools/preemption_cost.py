@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from engine.scheduler import CachedPrefillStep
+from engine.scheduler import Step
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache
 from engine.sequence import ServedRequest
@@ -141,7 +141,7 @@ def recompute_seconds(engine, manager, requests, tokens: int, timer) -> float:
         for request in again:
             manager.allocate(request)
         rows = np.array([r.row for r in again])
-        engine.prefill(CachedPrefillStep("prefill", again, rows, num_cached=np.zeros(len(again), dtype=np.int64)))
+        engine.prefill(Step("prefill", again, rows, num_cached=np.zeros(len(again), dtype=np.int64)))
     return timer(preempt_and_recompute)
 
 
