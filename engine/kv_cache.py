@@ -28,11 +28,18 @@ import llama3_paged as lesson
 
 
 @dataclass
-class CachedPrefillBatch(lesson.PrefillBatch):
-    block_table: torch.Tensor = None  # [B, max_blocks] int32: each prompt's blocks
-    cu_seqlens_k: torch.Tensor = None  # [B + 1] int32: prompt r's tokens, cached and new
-    cu_seqlens_k_host: list[int] = None
-    max_seqlen_k: int = 0
+class CachedPrefillBatch:
+    """Prompts packed into one sequence of T new tokens, some after tokens cached already: each
+    new token attends to its prompt's every token, cached and new, read through the block table.
+    (A pass with nothing cached is the lesson's PrefillBatch.)"""
+    slot_mapping: torch.Tensor  # [T] int64: the slot each new token's K/V is written to
+    cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r's new tokens are cu_seqlens[r]:[r+1]
+    cu_seqlens_host: list[int]
+    max_seqlen: int
+    block_table: torch.Tensor  # [B, max_blocks] int32: each prompt's blocks
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32: prompt r's tokens, cached and new
+    cu_seqlens_k_host: list[int]
+    max_seqlen_k: int
 
 
 class EngineKVCache(lesson.KVCache):

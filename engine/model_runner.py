@@ -61,7 +61,7 @@ class ModelForward:
 
     def __call__(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
         if (self.compiled and not self.any_length
-                and len(tokens) < self.shortest[isinstance(batch, PrefillBatch)]):
+                and len(tokens) < self.shortest[not isinstance(batch, DecodeBatch)]):
             with torch.compiler.set_stance("force_eager"):
                 return self.model(tokens, positions, kv_cache, batch, logits_at)
         return self.model(tokens, positions, kv_cache, batch, logits_at)
@@ -269,13 +269,19 @@ class ModelRunner:
             return self.prefill_graphs.logits(rows, prompts)
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         lengths = np.array([len(p) for p in prompts])
-        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], lengths)  # [T]
-        slots = self.manager.slots(np.repeat(rows, lengths), positions)  # as decode finds them
+        cu_seqlens, positions, slots = self._pass_slots(rows, lengths, np.zeros_like(lengths))
         batch = PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
                              cu_seqlens.tolist(), int(lengths.max()))
         return self.model(on_device(np.concatenate(prompts)), on_device(positions), self.cache,
                           batch, logits_at=on_device(cu_seqlens[1:] - 1))  # [B, vocab]
+
+    def _pass_slots(self, rows: np.ndarray, new: np.ndarray, starts: np.ndarray):
+        """Where a pass's tokens go: new[i] tokens of request rows[i], from position starts[i].
+        Returns cu_seqlens ([B + 1], the requests' bounds in the pass), positions and slots ([T]:
+        token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s)."""
+        cu_seqlens = np.concatenate([[0], np.cumsum(new)])
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
+        return cu_seqlens, positions, self.manager.slots(np.repeat(rows, new), positions)
 
     def serve(self, num_rows: int) -> None:
         """Steps without `generate`'s run (engine/llm_engine.py's LLMEngine adds requests one
@@ -419,14 +425,15 @@ class ModelRunner:
         scores_prompts = self.logprobs is not None and self.logprobs.any_prompt(rows)
         if not starts.any() and not scores_prompts:  # the lesson's pass, with this run's sampler
             return self._choose(self.prefill_logits(rows, new_tokens), rows, lengths, logprobs)
-        cu_seqlens, cu_seqlens_k = (np.concatenate([[0], np.cumsum(n)]) for n in (new, lengths))
-        # [T]: token j of the pass is at position starts[s] + (j - cu_seqlens[s]) of its request s
-        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, new)
-        slots = self.manager.slots(np.repeat(rows, new), positions)
-        batch = CachedPrefillBatch(
+        cu_seqlens, positions, slots = self._pass_slots(rows, new, starts)
+        cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
+        batch = (CachedPrefillBatch(
             on_device(slots), on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(),
             int(new.max()), self.manager.block_table[on_device(rows)],
             on_device(cu_seqlens_k, torch.int32), cu_seqlens_k.tolist(), int(lengths.max()))
+            if starts.any() else  # prompts scored whole: nothing cached before them
+            PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
+                         cu_seqlens.tolist(), int(new.max())))
         last = cu_seqlens[1:] - 1  # [B]: each one's last token, whose logits choose the next
         if not scores_prompts:
             logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions),

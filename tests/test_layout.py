@@ -181,3 +181,37 @@ def test_no_class_is_more_than_two_levels_below_a_lesson_class():
                 depths[f"{name}.{cls.__name__}"] = below(cls)
     deepest = sorted(depths.items(), key=lambda item: -item[1])
     assert deepest and deepest[0][1] <= 2, (deepest, "not imported here (no triton):", missing)
+
+
+LESSON_LOOP_CLASSES = {"Engine", "Scheduler", "Decoder", "Step", "Generation", "KVSnapshot",
+                       "Request", "PrefillBatch", "DecodeBatch"}
+
+
+def test_no_class_of_the_engine_or_a_feature_subclasses_the_lessons_loop():
+    """The engine holds the lesson's model, pool and attention (composition, or one level of
+    subclassing of those); its loop, requests, steps, batches and outputs are its own, so that a
+    change to the lesson's loop cannot change the engine's. Read from the source, so a module
+    whose GPU-only packages are missing here is checked too."""
+    found = []
+    for name, path in project_modules().items():
+        if name.split(".")[0] not in ("engine", "features"):
+            continue
+        tree = ast.parse(path.read_text())
+        lesson_names = {}  # a name in this file -> the lesson class it is, or "module"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in LESSON_MODULES:
+                lesson_names.update({a.asname or a.name: a.name for a in node.names})
+            elif isinstance(node, ast.Import):
+                lesson_names.update({a.asname or a.name: "module" for a in node.names
+                                     if a.name in LESSON_MODULES})
+        for node in ast.walk(tree):
+            for base in node.bases if isinstance(node, ast.ClassDef) else ():
+                if isinstance(base, ast.Name):
+                    lesson_class = lesson_names.get(base.id)
+                elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+                    lesson_class = base.attr if lesson_names.get(base.value.id) == "module" else None
+                else:
+                    lesson_class = None
+                if lesson_class in LESSON_LOOP_CLASSES:
+                    found.append(f"{name}.{node.name}({lesson_class})")
+    assert not found, found

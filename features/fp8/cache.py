@@ -95,7 +95,7 @@ class Float8Writes:
     def write_float8(self, layer: int, k, v, batch, key_slots, value_slots) -> None:
         """k, v: [T, n_kv_heads, head_dim] in the model's dtype, into rows batch.slot_mapping of
         key_slots and value_slots ([slots, n_kv_heads, head_dim], float8)."""
-        if isinstance(batch, PrefillBatch) and not self.scaled[layer]:
+        if isinstance(batch, (PrefillBatch, CachedPrefillBatch)) and not self.scaled[layer]:
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()  # [2], no host sync
             if dist.is_initialized():  # split heads (features/tensor_parallel.py): the largest
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # over all, as one process's scale
