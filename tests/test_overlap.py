@@ -12,7 +12,7 @@ import torch
 from engine.run import command_line
 
 from block_manager import BlockManager
-from conftest import engine_model, generate
+from conftest import engine_model, forward_modes, generate
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import ModelForward, ModelRunner, StepTimer
 from features.virtual.mapping_ahead import BackgroundMapper
@@ -113,6 +113,14 @@ def test_a_request_preempted_while_its_stop_token_is_in_flight_leaves_the_queue(
     assert overlapped.output_tokens == core.output_tokens
     assert len(left_the_queue) == 1 and left_the_queue[0] not in overlapped.scheduler.waiting
     assert all(r.status.value == "finished" for r in overlapped.requests)
+
+
+def test_the_engines_runs_run_the_model_in_inference_mode(model, monkeypatch):
+    """As CUDA graphs were captured and compiled layers compiled: a pass in another mode would
+    compile the layers again, inside the timed run."""
+    modes = forward_modes(model, monkeypatch)
+    run(model, random_prompts(PROMPT_LENGTHS[:3], seed=1), num_blocks=200, continuous=True)
+    assert modes and all(modes)
 
 
 def test_the_gpu_idle_time_is_the_time_between_steps():
