@@ -299,8 +299,9 @@ class ModelRunner:
         self.timer = StepTimer(self.device)
         del self.timeline[:-1]
 
-    @torch.inference_mode()  # the mode CUDA graphs were captured and layers compiled in: in
-    # another, compiled layers would compile again (on an H200, W2's prefill took 1.1-1.6 s more)
+    @torch.inference_mode()  # as the lesson's generate, and the mode CUDA graphs are captured
+    # in: without it autograd tracks every op and compiled layers compile for that mode too (on
+    # an H200, W2's prefill took 1.1-1.6 s longer on the host: docs/layout.md)
     def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> ServedGeneration:
         # Each request's last token, by row, on the device: its next decode step's input.
         self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,
