@@ -37,9 +37,10 @@ import sys
 import time
 
 from plumbing.cli import (CHAT_ROLES, HelpFormatter, UserError, chat_messages, first_paragraph,
-                          format_bytes, one_paragraph_errors, per_token, port, positive_int,
-                          require_packages)
+                          finite_float, format_bytes, one_paragraph_errors, per_token, port,
+                          positive_int, require_packages)
 
+LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them (its default)
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
 VERSION = "0.70.0"  # /version: this server's protocol, as of issue 70 (vLLM's fields and shapes)
@@ -49,6 +50,8 @@ VERSION = "0.70.0"  # /version: this server's protocol, as of issue 70 (vLLM's f
 KEEP_ALIVE_SECONDS = 75
 # On SIGTERM (a service manager's stop, `kill`): no new requests; those in flight get this long
 DRAIN_SECONDS = 30
+STREAM_END_MARGIN_SECONDS = 0.5  # before uvicorn cancels what runs: the streams' ends go out
+STREAM_CUT = "cut"  # put on an open stream's updates when the server stops before it ends
 
 
 class BadRequest(Exception):
@@ -456,9 +459,18 @@ def build_app(engine, model_name: str, api_key: str | None):
     max_n = min(MAX_N, engine.info["max_num_seqs"])
     max_num_seqs, max_logprobs = engine.info["max_num_seqs"], engine.info["max_logprobs"]
 
+    open_streams: set[asyncio.Queue] = set()  # the updates of every stream being sent
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        engine.attach(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        engine.attach(loop)
+
+        def end_streams_in(seconds: float) -> None:
+            """On a stop's signal: the streams still open that long after end with "abort"."""
+            end = lambda: [updates.put_nowait(STREAM_CUT) for updates in open_streams]
+            loop.call_soon_threadsafe(loop.call_later, seconds, end)
+        app.state.end_streams_in = end_streams_in
         yield
 
     app = FastAPI(title="llama3 paged server", lifespan=lifespan)
@@ -638,11 +650,13 @@ def build_app(engine, model_name: str, api_key: str | None):
 
         async def events():
             tokens, finished, offsets = [0] * n, 0, [0] * n
+            ended = [False] * n  # by sample
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             def chunk(choices, **extra):
                 return "data: " + json.dumps({"id": answer_id, "object": chunk_kind,
                                               "created": created, "model": model_name,
                                               "choices": choices, **extra}) + "\n\n"
+            open_streams.add(updates)
             try:
                 if chat:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -656,12 +670,18 @@ def build_app(engine, model_name: str, api_key: str | None):
                         yield "data: " + json.dumps({"error": {"message": "The engine stopped: "
                                                     f"{engine.failed}"}}) + "\n\n"
                         return
+                    if STREAM_CUT in waiting:  # the server stops: the answer ends here, said so
+                        empty = {"delta": {}} if chat else {"text": "", "logprobs": None}
+                        yield "".join(chunk([{"index": i, **empty, "finish_reason": "abort"}])
+                                      for i in range(n) if not ended[i])
+                        break
                     moved = {}  # index -> the sample's part of this event
                     for update in waiting:
                         moved.setdefault(update[0], Answer()).take(update)
                     events_now = []
                     for index, a in moved.items():  # one event per sample that moved
                         finished, tokens[index] = finished + (a.reason is not None), a.num_tokens
+                        ended[index] = a.reason is not None
                         if chat:
                             body = {"delta": {"content": a.text},
                                     "logprobs": chat_logprobs(a.logprobs, k)}
@@ -678,7 +698,8 @@ def build_app(engine, model_name: str, api_key: str | None):
                     yield chunk([], usage=usage(tokens))
                 yield "data: [DONE]\n\n"
             finally:
-                if finished < n:  # the client went away: free its blocks and rows
+                open_streams.discard(updates)
+                if finished < n:  # the client went away, or the server stops: free its blocks
                     engine.abort(request_id)
                 else:
                     engine.forget(request_id)
@@ -774,6 +795,17 @@ def build_app(engine, model_name: str, api_key: str | None):
     return app
 
 
+MAX_DRAIN_SECONDS = 3600
+
+
+def drain_seconds(text: str) -> float:
+    """--timeout-graceful-shutdown (uvicorn's name): 0 ends every open stream at once."""
+    value = finite_float(text)
+    if not 0 <= value <= MAX_DRAIN_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected 0 to {MAX_DRAIN_SECONDS:,} seconds, got {text}")
+    return value
+
+
 def api_key(text: str) -> str:
     """An empty key (`--api-key "$KEY"` with KEY unset) would serve everyone: refused."""
     if not text.strip():
@@ -799,6 +831,9 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="sequences queued or running at once; more get 503")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    p.add_argument("--timeout-graceful-shutdown", type=drain_seconds, default=DRAIN_SECONDS,
+                   metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, seconds for answers in flight to finish")
     return p
 
 
@@ -808,14 +843,17 @@ def open_to_others(host: str) -> bool:
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """The server's address, taken before the engine loads (minutes for 8B): another server on
-    the port ends this one at once, in one paragraph. It listens once uvicorn runs, so a client
-    that tries while the engine loads is refused, as it would be with no server there."""
+    """The server's address, taken and listened on before the engine loads (minutes for 8B):
+    another server on the port ends this one at once, in one paragraph, and a second started
+    beside this one finds the port held (bound alone, two sockets with SO_REUSEADDR may share a
+    port until one listens). A client that connects while the engine loads waits in the
+    kernel's queue and is answered once uvicorn runs."""
     # As uvicorn binds its own: IPv6 where the host has a colon, else IPv4 (localhost: 127.0.0.1)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except socket.gaierror as e:
         sock.close()
         raise UserError(f"--host {host}: {e.strerror}. Give an address (127.0.0.1, 0.0.0.0) or a "
@@ -850,11 +888,16 @@ def main(argv=None) -> None:
               f"sequences. Serving '{name}' on http://{url_host}:{args.port}", flush=True)
         import uvicorn
 
+        drain = args.timeout_graceful_shutdown
+
         class DrainingServer(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:
-                if not self.should_exit and sig == signal.SIGTERM:
-                    print(f"SIGTERM: no new requests; those in flight get up to {DRAIN_SECONDS} s "
-                          f"to finish, then the server stops.", file=sys.stderr, flush=True)
+                if not self.should_exit:
+                    print(f"{signal.Signals(sig).name}: no new requests; those in flight get up "
+                          f"to {drain:g} s to finish, then each stream still open ends with "
+                          f"finish_reason \"abort\" and the server stops.", file=sys.stderr,
+                          flush=True)
+                    app.state.end_streams_in(max(drain - STREAM_END_MARGIN_SECONDS, 0))
                 super().handle_exit(sig, frame)
 
         class WithoutCutTracebacks(logging.Filter):  # a request cut at the bound: said above
@@ -863,10 +906,10 @@ def main(argv=None) -> None:
                                                            asyncio.CancelledError))
 
         logging.getLogger("uvicorn.error").addFilter(WithoutCutTracebacks())
-        server = DrainingServer(uvicorn.Config(build_app(engine, name, args.api_key),
-                                               log_level="warning",
+        app = build_app(engine, name, args.api_key)
+        server = DrainingServer(uvicorn.Config(app, log_level="warning",
                                                timeout_keep_alive=KEEP_ALIVE_SECONDS,
-                                               timeout_graceful_shutdown=DRAIN_SECONDS))
+                                               timeout_graceful_shutdown=drain))
         # uvicorn raises the signal again once it has drained: then it ends this well, exit 0
         signal.signal(signal.SIGTERM, lambda sig, frame: None)
         server.run(sockets=[address])

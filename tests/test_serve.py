@@ -695,6 +695,28 @@ def test_a_port_in_use_is_said_in_one_paragraph_before_the_engine_loads():
     assert "KV pool" not in done.stdout  # said before the engine loaded
 
 
+def test_of_two_servers_started_together_on_one_port_the_second_exits_at_once():
+    # Both used to bind (SO_REUSEADDR lets two sockets that do not listen share a port) and both
+    # said "Serving"; only the first listened, and the second never served nor exited.
+    port = free_port()
+    command = [sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port", str(port)]
+    both = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    try:
+        assert wait_until(lambda: any(p.poll() is not None for p in both), 60), "neither exited"
+        [second], [first] = ([p for p in both if p.poll() is not None],
+                             [p for p in both if p.poll() is None])
+        out, err = second.communicate()
+        assert second.returncode == 2 and "another program holds it" in err, out + err
+        assert "Serving" not in out
+        # The first serves: a client that connected while it loaded waits, then is answered
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=120).status_code == 200
+    finally:
+        for process in both:
+            process.kill()
+            process.wait(timeout=30)
+
+
 def test_generate_shows_a_bar_of_prompts_done_unless_told_not_to(offline, capsys):
     greedy = SamplingParams(max_tokens=4, temperature=0)
     with_bar = offline.generate(PROMPTS[:3], greedy)
@@ -909,6 +931,33 @@ def test_sigterm_drains_what_runs_refuses_what_comes_and_exits_0():
         assert process.wait(timeout=60) == 0
         output = process.stdout.read()
         assert "SIGTERM: no new requests" in output and "Traceback" not in output
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_stop_ends_each_stream_still_open_with_abort_and_done(sig, code):
+    # They used to end without [DONE], a finish_reason or an error: a client could not tell
+    # the answer was cut. Now, the drain's time up, each ends as vLLM ends an aborted request.
+    process, url = start_server("--timeout-graceful-shutdown", "2")
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True,
+            "stream": True, "n": 2}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line)
+            process.send_signal(sig)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+        ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"][0]["finish_reason"]}
+        assert ends == {0: "abort", 1: "abort"}
+        assert process.wait(timeout=60) == code
+        output = process.stdout.read()
+        assert f"{sig.name}: no new requests" in output and '"abort"' in output
+        assert "Traceback" not in output
     finally:
         process.kill()
         process.wait()
