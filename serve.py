@@ -197,7 +197,7 @@ def penalties(body: dict) -> dict:
         body, name, (int, float), default, lambda v: low <= v <= high,
         f"a number from {low} to {high}"))
     bias = field(body, "logit_bias", dict, {}, lambda b: len(b) <= MAX_LOGIT_BIAS and all(
-        isinstance(k, str) and k.isdigit() and isinstance(v, (int, float))
+        isinstance(k, str) and k.isascii() and k.isdigit() and isinstance(v, (int, float))
         and not isinstance(v, bool) and -100 <= v <= 100 for k, v in b.items()),
         f"at most {MAX_LOGIT_BIAS} token ids (as strings) each to a number from -100 to 100")
     return dict(presence_penalty=number("presence_penalty", 0.0, -2, 2),
@@ -782,7 +782,7 @@ def build_app(engine, model_name: str, api_key: str | None):
         """vLLM's: the tokenizer's special tokens and length, for clients that tokenize here."""
         return refused(request) or engine.info["tokenizer"]
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a load balancer's probe
     async def health():
         alive = engine.alive
         return PlainTextResponse("ok" if alive else "engine stopped", status_code=200 if alive else 503)
@@ -869,8 +869,12 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 
 def main(argv=None) -> None:
-    with one_paragraph_errors("serve.py"):
+    with one_paragraph_errors("serve.py", reports=False):  # a service may run without stdout
         args, engine_argv = argument_parser().parse_known_args(argv)
+        from engine.config import parser_with_features
+        engine_flags = parser_with_features(args.cache, served=True)
+        engine_flags.prog = "serve.py"  # the rest are the engine's flags: checked now, as ours
+        engine_flags.parse_args(engine_argv)
         if not 0 < args.port < 65536:
             raise UserError(f"--port {args.port}: expected 1 to 65535.")
         require_packages(["fastapi", "uvicorn"], "the HTTP server")

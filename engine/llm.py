@@ -10,6 +10,7 @@ the same flags the scripts take.
 """
 
 import dataclasses
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -53,6 +54,11 @@ class LLM:
         """model: a preset's name (the scripts' --model), or, as vLLM's LLM(model=PATH) takes
         one, a checkpoint: a folder (Meta's or Hugging Face's layout) or a .gguf file (the
         scripts' --ckpt-dir); options: the scripts' other flags, by name."""
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if not isinstance(model, str):
+            raise TypeError(f"LLM(model=...) is a preset's name ({', '.join(MODELS)}) or a "
+                            f"checkpoint's path, not {model!r}")
         if model not in MODELS:
             if not Path(model).exists():
                 raise UserError(f"model={model!r} is neither a preset ({', '.join(MODELS)}) nor a "

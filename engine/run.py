@@ -9,6 +9,10 @@ built here runs three features by default on CUDA: decode steps replayed as CUDA
 --no-overlap); llama3_virtual.py's pages are mapped ahead on a thread (features/virtual/).
 """
 
+if __name__ == "__main__":  # first of all, as the scripts: Ctrl-C ends in one line, exit 130
+    from plumbing.interrupt import exit_quietly_on_ctrl_c
+    exit_quietly_on_ctrl_c("engine.run")
+
 import sys
 
 import llama3_naive

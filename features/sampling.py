@@ -127,8 +127,8 @@ class SamplingParams:
     def __post_init__(self):
         """Checked as made, as vLLM's are: a wrong value fails here, naming its field, not deep
         in the engine."""
-        if self.stop is None or isinstance(self.stop, str):
-            self.stop = [self.stop] if self.stop else []
+        if self.stop is None or isinstance(self.stop, str):  # "" is refused, as the server does
+            self.stop = [] if self.stop is None else [self.stop]
         self.check()
 
     def check(self) -> None:
@@ -164,7 +164,8 @@ class SamplingParams:
                           and 0 < self.repetition_penalty <= 100),
                          ("min_p", is_real_number(self.min_p) and 0 <= self.min_p <= 1),
                          ("min_tokens", is_whole_number(self.min_tokens) and 0 <= self.min_tokens
-                          and (self.max_tokens is None or self.min_tokens <= self.max_tokens)),
+                          and (not is_whole_number(self.max_tokens)  # said by max_tokens
+                               or self.min_tokens <= self.max_tokens)),
                          ("logit_bias", self.logit_bias is None or isinstance(self.logit_bias, dict)
                           and all(is_whole_number(t) and 0 <= t < 2**63 and is_real_number(b)
                                   and -100 <= b <= 100 for t, b in self.logit_bias.items())),

@@ -31,8 +31,9 @@ BROKEN_PIPE = 141  # the reader of the output went away, as a shell reports SIGP
 PEER_FAILED = 4  # another of torchrun's processes failed or stopped answering
 
 
-class UserError(Exception):
-    """Printed as a message without a traceback; the scripts exit with `exit_code`."""
+class UserError(ValueError):
+    """Printed as a message without a traceback; the scripts exit with `exit_code`. A bad value
+    the user gave: to the Python API a ValueError, as vLLM raises for its arguments."""
 
     def __init__(self, message: str, exit_code: int = USAGE):
         super().__init__(message)
@@ -143,6 +144,15 @@ def writable_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: not writable")
+    if not (path.exists() and not path.is_file()):  # written as a new file beside it, renamed
+        import tempfile
+        try:  # as write_atomically will: found now, not after the run (/proc takes no new file)
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".probe-"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} takes no new "
+                                             f"file ({e.strerror}); name a file in a folder you "
+                                             f"can write") from e
     return claim_output(path)
 
 
@@ -531,8 +541,9 @@ def needs_features(script: str, argv: list[str], add_arguments=None) -> bool:
         _, others = lesson_flags.parse_known_args(argv)
     except argparse.ArgumentError:  # a value the lesson does not take: a feature's, or wrong
         return True
-    # torchrun's processes split the model: features/tensor_parallel.py
-    return bool(others) or torchrun_process() is not None
+    # torchrun's processes (it sets WORLD_SIZE) split the model: features/tensor_parallel.py,
+    # whose start checks the variables inside the engine's one-paragraph errors
+    return bool(others) or "WORLD_SIZE" in os.environ
 
 
 ENGINE_PROGRAM = "engine.run"  # `python -m engine.run SCRIPT ARGS`: a run with features
@@ -548,13 +559,18 @@ def hand_to_the_engine(script: str, argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def one_paragraph_errors(script: str):
-    """Turn the failures a run can end in into one paragraph on stderr and an exit code."""
+def one_paragraph_errors(script: str, reports: bool = True):
+    """Turn the failures a run can end in into one paragraph on stderr and an exit code.
+    reports: the program's result goes to standard output, which must not be closed."""
     import torch
     from block_manager import OutOfBlocks
+    from plumbing.interrupt import CLOSED_AT_START
     if hasattr(sys.stdout, "reconfigure"):  # text the terminal cannot show prints as '?'
         sys.stdout.reconfigure(errors="replace")
     try:
+        if reports and "stdout" in CLOSED_AT_START:
+            raise UserError("Standard output is closed (>&-): the report would be lost. Send it "
+                            "to a file (> report.txt), or to /dev/null to discard it.")
         yield
         sys.stdout.flush()  # a full or closed output is found here, not at exit
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -602,7 +618,16 @@ def torchrun_process() -> tuple[int, int] | None:
     process too); None otherwise."""
     if "WORLD_SIZE" not in os.environ:
         return None
-    return int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    try:
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise UserError(f"RANK={os.environ.get('RANK', '(unset)')} and WORLD_SIZE="
+                        f"{os.environ['WORLD_SIZE']} should be whole numbers: torchrun sets "
+                        f"them; unset them to run one process.") from None
+    if not 0 <= rank < size:
+        raise UserError(f"RANK={rank} is not one of WORLD_SIZE={size}'s processes (0 to "
+                        f"{size - 1}): torchrun sets them; unset them to run one process.")
+    return rank, size
 
 
 def in_a_collective(error: BaseException) -> bool:
@@ -623,7 +648,10 @@ def silence_stdout() -> None:
 
 
 def fail(script: str, message: str, exit_code: int):
-    process = torchrun_process()
+    try:
+        process = torchrun_process()
+    except UserError:  # torchrun's variables are what failed: no process to name
+        process = None
     if process is not None:  # one of torchrun's processes: say which
         script += f" (process {process[0]} of {process[1]})"
     print(f"\n{script}: {message}", file=sys.stderr)

@@ -49,8 +49,14 @@ class GGUFFile:
             raise UserError(f"Reading {path} needs the gguf package (llama.cpp's reader): "
                             f"pip install gguf.") from e
         self.path, self.gguf = Path(path), gguf
-        if not self.path.is_file():
+        if not self.path.exists():
             raise UserError(f"{self.path}: no such file or folder (a .gguf model file).")
+        if self.path.is_dir():
+            raise UserError(f"{self.path} is a folder, named like a .gguf file: name the .gguf "
+                            f"model file itself, or a checkpoint folder without the suffix.")
+        if not self.path.is_file():
+            raise UserError(f"{self.path} is not a regular file (a pipe, a device?): name the "
+                            f".gguf model file itself.")
         try:
             self.reader = gguf.GGUFReader(self.path)
         except Exception as e:  # a damaged file fails in numpy, struct or the parser alike

@@ -30,9 +30,9 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 from tiktoken.load import load_tiktoken_bpe
 
-from plumbing.cli import (CPU_KV_BUDGET_GB, GB, GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, UserError,
-                          check_host_memory, format_bytes, read_text_input,
-                          regular_file_size, unicode_text)
+from plumbing.cli import (CPU_KV_BUDGET_GB, GB, GPU_MEMORY_UTILIZATION, MAX_POSITIONS,
+                          OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
+                          read_text_input, regular_file_size, unicode_text)
 
 
 # --- The model's shapes ------------------------------------------------------------------------
@@ -702,9 +702,16 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
     prompts = load_prompts(args.num_requests, tokenizer, system_prompt) if args.num_requests else []
     too_long = [p for p in prompts if len(p.prompt_tokens) >= args.max_seq_len]
     if too_long:
-        raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens)}-token "
+        longest = max(len(p.prompt_tokens) for p in too_long)
+        system = (len(tokenizer.shared_prefix(system_prompt)) if system_prompt is not None
+                  else 0)  # the system prompt's share of every prompt
+        remedy = (f"Raise --max-seq-len to at least {longest + 1:,}" if longest < MAX_POSITIONS
+                  else f"No --max-seq-len holds it (at most {MAX_POSITIONS:,} positions)")
+        if system > longest // 2:
+            remedy += f"; the system prompt alone is {system:,} tokens: shorten it"
+        raise UserError(f"Request {too_long[0].id} has a {len(too_long[0].prompt_tokens):,}-token "
                         f"prompt, leaving no room to generate within --max-seq-len "
-                        f"{args.max_seq_len}. Raise --max-seq-len.")
+                        f"{args.max_seq_len:,}. {remedy}.")
     if args.random_weights:
         print("Random weights: end-of-text is ignored and each request generates as many tokens "
               "as its ShareGPT reply (at most --max-new-tokens)." if prompts else

@@ -13,14 +13,19 @@ import sys
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
 
 
+CLOSED_AT_START = set()  # "stdout", "stderr": the streams the program was started without
+
+
 def fill_closed_streams() -> None:
     """A program started with its output or error stream closed (`>&-`, `2>&-`) writes them to
-    /dev/null instead, and ends with its usual code. The file descriptors are filled too: a file
-    the run opens later must not become descriptor 1 or 2, where library code still writes."""
+    /dev/null instead (a program whose report goes to standard output refuses to run:
+    plumbing/cli.py's one_paragraph_errors). The file descriptors are filled too: a file the run
+    opens later must not become descriptor 1 or 2, where library code still writes."""
     for fd, name in ((1, "stdout"), (2, "stderr")):
         try:
             os.fstat(fd)
         except OSError:
+            CLOSED_AT_START.add(name)
             null = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: often fd itself
             if null != fd:
                 os.dup2(null, fd)

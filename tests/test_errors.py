@@ -166,6 +166,7 @@ BAD_ARGUMENTS = [
     (["2", "--device", "cpu", "--ckpt-dir", "{tmp}/model.gguf"], 2, "no such file or folder"),
     (["2", *TINY, "--seed", str(2**64)], 2, "whole number from 0"),
     (["2", *TINY, "--json", "{tmp}"], 2, "is a directory"),
+    (["2", *TINY, "--json", "/proc/version"], 2, "the folder /proc takes no new file"),
     (["2", *TINY, "--json", "{tmp}/no/such/folder/run.json"], 2, "does not exist"),
     (["2", *TINY, "--max-new-tokens", "2", "--json", "/dev/full"], 2, "No space left on device"),
     (["2", *TINY, "--tokenizer", "/nonexistent/tokenizer.model"], 2, "no such file"),
@@ -210,6 +211,34 @@ DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the f
 def test_bad_arguments_exit_2_in_one_paragraph(script, argv, code, fragment, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert_one_paragraph(*run_main(SCRIPTS[script], argv, capsys)[::2], code, fragment)
+
+
+def test_a_folder_or_a_pipe_named_like_a_gguf_is_said_to_be_one(tmp_path, capsys):
+    (tmp_path / "x.gguf").mkdir()
+    os.mkfifo(tmp_path / "fifo.gguf")  # reading it would wait for a writer forever
+    for name, says in (("x.gguf", "is a folder, named like a .gguf file"),
+                       ("fifo.gguf", "is not a regular file")):
+        argv = ["2", "--device", "cpu", "--ckpt-dir", str(tmp_path / name)]
+        assert_one_paragraph(*run_main(SCRIPTS["paged"], argv, capsys)[::2], 2, says)
+
+
+def test_a_system_prompt_no_context_holds_is_said_to_be_too_long(tmp_path, capsys):
+    # The advice was a --max-seq-len above the flag's own maximum
+    system = tmp_path / "system.txt"
+    system.write_text("word " * 140_000)
+    argv = ["2", *TINY, "--system-prompt-file", str(system)]
+    code, _, err = run_main(SCRIPTS["paged"], argv, capsys)
+    assert_one_paragraph(code, err, 2, "No --max-seq-len holds it (at most 131,072 positions)")
+    assert "the system prompt alone is 140,0" in err
+
+
+@pytest.mark.parametrize("world_size", ["abc", "2x"])
+def test_torchruns_variables_that_are_no_numbers_end_in_one_paragraph(world_size):
+    out = subprocess.run([sys.executable, str(ROOT / "llama3_paged.py"), "2", *TINY],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"WORLD_SIZE": world_size})
+    assert out.returncode == 2 and "should be whole numbers" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 # How a person writes a number: Python's int() and float() also take these, which nobody means.
@@ -642,15 +671,20 @@ def test_the_virtual_script_on_a_cpu_is_refused_before_the_model_loads(capsys, m
 
 
 @pytest.mark.parametrize("closed", [1, 2])
-def test_a_closed_standard_stream_ends_quietly_with_the_usual_code(closed, tmp_path):
-    """`>&-` or `2>&-`: the run writes that stream to /dev/null and ends as it would have."""
+def test_a_closed_standard_stream_is_refused_or_ends_quietly(closed, tmp_path):
+    """`>&-`: the report would be lost, so the run is refused before any work (it used to run
+    and exit 0); `2>&-`: the run writes stderr to /dev/null and ends as it would have."""
     out = subprocess.run([sys.executable, str(ROOT / "llama3_paged.py"), "2", *TINY, "--max-new-tokens",
                           "3", "--json", str(tmp_path / "run.json")], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, preexec_fn=lambda: os.close(closed))
+    if closed == 1:
+        assert out.returncode == 2 and "Standard output is closed" in out.stderr, out.stderr
+        assert not (tmp_path / "run.json").exists() and "Traceback" not in out.stderr
+        return
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads((tmp_path / "run.json").read_text())["requests"]
-    if closed == 2:  # the report still reaches the open stdout, and nothing else does
-        assert "Fragmented Memory" in out.stdout and "Traceback" not in out.stdout + out.stderr
+    # the report still reaches the open stdout, and nothing else does
+    assert "Fragmented Memory" in out.stdout and "Traceback" not in out.stdout + out.stderr
 
 
 def test_set_up_after_the_scheduler_is_made_is_not_counted_as_waiting(tmp_path, monkeypatch,

@@ -248,6 +248,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "presence_penalty": 2.5}), "'presence_penalty' must be"),
     (json.dumps({"prompt": "hi", "logit_bias": {"x": -100}}), "'logit_bias' must be"),
     (json.dumps({"prompt": "hi", "logit_bias": {"999999999": 1}}), "logit_bias token id"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}), "'logit_bias' must be"),
     (json.dumps({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}), "min_tokens"),
     (json.dumps({"prompt": "hi", "stop": ""}), "'stop'"),
     (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}), "'stream_options'"),
@@ -287,6 +288,22 @@ def test_a_lone_surrogate_in_any_field_of_any_endpoint_is_a_400_and_the_engine_s
         assert "lone UTF-16 surrogate" in response.json()["error"]["message"]
     assert httpx.get(server + "/health").status_code == 200
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_health_answers_head_as_a_load_balancer_asks_it(server):
+    assert httpx.head(server + "/health").status_code == 200
+
+
+def test_a_bad_engine_flag_of_the_server_is_said_as_the_servers_before_loading():
+    done = subprocess.run([sys.executable, str(ROOT / "serve.py"), "5", *ENGINE], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "serve.py: error: unrecognized arguments: 5" in done.stderr
+    assert "llama3_paged.py" not in done.stderr
+
+
+def test_the_apis_model_must_be_a_name_or_a_path():
+    with pytest.raises(TypeError, match="LLM\\(model=...\\) is a preset's name"):
+        LLM(model=None)
 
 
 def test_empty_messages_get_a_400(server):
@@ -541,7 +558,8 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
 @pytest.mark.parametrize("fields, name", [
     ({"top_k": 10**20}, "top_k"), ({"temperature": "0.5"}, "temperature"), ({"stop": 5}, "stop"),
     ({"stop": [""]}, "stop"), ({"seed": 1.5}, "seed"), ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"n": 0}, "n"), ({"top_p": float("nan")}, "top_p"),
+    ({"n": 0}, "n"), ({"top_p": float("nan")}, "top_p"), ({"max_tokens": "abc"}, "max_tokens"),
+    ({"stop": ""}, "stop"),  # no stop string: refused as the server refuses it, not taken as none
 ])
 def test_sampling_params_are_checked_as_made_naming_the_field(fields, name):
     with pytest.raises(ValueError, match=f"SamplingParams {name} ="):
