@@ -216,13 +216,13 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool, echoes: set)
 
 def translated(engine, kind: str, what) -> tuple:
     """A prompt's token ids, or token ids' text: (answer, None), or (None, why not)."""
+    in_vocabulary = lambda ids: all(isinstance(t, int) and 0 <= t < engine.run.model.args.vocab_size
+                                    for t in ids)
     try:
-        if kind == "tokenize":
-            return prompt_tokens(engine.tokenizer, what), None
-        if not all(isinstance(t, int) and 0 <= t < engine.run.model.args.vocab_size
-                   for t in what):
+        ids = prompt_tokens(engine.tokenizer, what) if kind == "tokenize" else what
+        if not in_vocabulary(ids):  # /tokenize of ids answers what /detokenize takes
             return None, "a token id is outside the vocabulary"
-        return engine.tokenizer.decode(what), None
+        return (ids if kind == "tokenize" else engine.tokenizer.decode(ids)), None
     except ValueError as e:
         return None, str(e)
     except Exception as e:  # a bug a request's content reached: it fails, the engine serves on

@@ -21,8 +21,9 @@ from engine.config import Config, cache_of, parser_with_features
 from engine.loader import load
 from engine.llm_engine import allocate_kv_cache, generate, make_beam_engine, make_requests
 from engine.report import report
-from plumbing.cli import (DRIVER_ERROR, UserError, add_pool_arguments, needs_features,
-                          one_paragraph_errors)
+from plumbing import inputs
+from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, add_pool_arguments,
+                          needs_features, one_paragraph_errors)
 from plumbing.inputs import Run
 
 
@@ -43,7 +44,24 @@ def main(script: str, argv=None) -> None:
         if kind == "virtual":
             return run_virtual(run)
         cache, manager = allocate_kv_cache(run)
+        refuse_a_static_batch_the_pool_cannot_hold(run, manager)
         report(run, cache, manager, generate(run, cache, manager))
+
+
+def refuse_a_static_batch_the_pool_cannot_hold(run: Run, manager) -> None:
+    """Without --continuous every sequence is admitted at once, and each takes a block of its
+    own by its first decode step (a shared prompt's samples too: each writes its own next
+    token). More sequences than blocks cannot run: said now, not after minutes of prefill."""
+    sequences = run.args.num_requests * run.args.samples
+    if (run.args.continuous or sequences <= manager.num_blocks
+            or max(inputs.new_token_budgets(run)) <= 1):  # no decode step, no block of its own
+        return
+    n = run.args.num_requests
+    raise UserError(f"{n:,} request{'s' * (n != 1)} x --samples {run.args.samples:,} = "
+                    f"{sequences:,} sequences, all admitted at once (no --continuous), each need "
+                    f"a KV block of their own, and the pool has {manager.num_blocks:,}. Use fewer "
+                    f"requests or --samples, --continuous (which queues them), or a larger pool "
+                    f"(--kv-budget-gb; on a GPU, --gpu-memory-utilization).", OUT_OF_MEMORY)
 
 
 def run_virtual(run: Run) -> None:

@@ -589,7 +589,7 @@ def one_paragraph_errors(script: str, reports: bool = True):
         fail(script, f"The KV {e.unit} ran out: {e.needed:,} more {e.unit} of {e.block_size:,} "
                      f"tokens were needed with {e.free:,} of {e.total:,} free. Without --continuous "
                      f"every prompt is admitted up front and none is preempted, so the whole batch "
-                     f"must fit. Try --continuous, fewer requests, a larger --kv-budget-gb (on a "
+                     f"must fit. Try --continuous, fewer requests or --samples, a larger --kv-budget-gb (on a "
                      f"GPU, --gpu-memory-utilization){smaller}.", OUT_OF_MEMORY)
     except torch.OutOfMemoryError as e:
         fail(script, f"the GPU ran out of memory while generating ({str(e).splitlines()[0]}) "

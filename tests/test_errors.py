@@ -185,6 +185,8 @@ BAD_ARGUMENTS = [
      "Could not read --system-prompt-file"),
 ]
 PAGED_ONLY = [
+    # all admitted at once, each with a block of its own: said before the run, naming --samples
+    (["1", *TINY, "--samples", "1000000"], 1, "fewer requests or --samples"),
     (["2", *TINY, "--beam-width", "100000"], 2, "expected 1 to 1,024 beams"),
     (["2", *TINY, "--block-size", "0"], 2, "positive whole number"),
     (["2", *TINY, "--num-blocks", "-3"], 2, "positive whole number"),
@@ -375,9 +377,10 @@ def first(mapping: dict):
     lambda r: r["timeline"][0].update(step=-3),
     lambda r: r["requests"][0].update(arrival_seconds=-1.0),
     lambda r: r["requests"][0].update(token_seconds=[1e308]),
+    lambda r: r["memory"].update(kv_pool_bytes=1e308),
 ], ids=["arguments a string", "times as strings", "a bool step", "NaN bytes", "400 digits",
         "a negative pool", "negative fragmentation", "filled above reserved", "a negative step",
-        "a negative arrival", "1e308 seconds"])
+        "a negative arrival", "1e308 seconds", "a 1e308-byte pool"])
 def test_the_plot_refuses_a_run_json_of_the_right_shape_with_wrong_values(change, one_run,
                                                                         tmp_path, capsys):
     bad = damaged(one_run / "run.json", tmp_path, change)

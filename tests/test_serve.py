@@ -1032,6 +1032,7 @@ def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts
         refused = post(path, body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     assert post("/detokenize", {"tokens": [10**9]}).status_code == 400
+    assert post("/tokenize", {"prompt": [5, 10**9]}).status_code == 400  # as /detokenize says
     assert httpx.post(server + "/tokenize", json={"prompt": "hi"}).status_code == 401  # the key
 
 

@@ -69,6 +69,7 @@ def run_json(text: str) -> dict:
 
 
 YEAR_SECONDS = 3.2e7  # a run's times lie within a year of its start
+MAX_BYTES = 1e15  # a petabyte: beyond any machine's memory (the flags' MAX_GB)
 
 
 def meaningless(run: dict) -> str | None:
@@ -77,6 +78,11 @@ def meaningless(run: dict) -> str | None:
     whole = lambda v: isinstance(v, int) and v >= 0
     if memory["kv_pool_bytes"] <= 0 or memory["fragmented_bytes"] < 0:
         return "its KV pool or its Fragmented Memory is not a positive size"
+    sizes = [memory["kv_pool_bytes"], memory["fragmented_bytes"], fullest["filled_bytes"],
+             fullest["unfilled_bytes"], *(p[f] for p in run["timeline"]
+                                          for f in ("reserved_bytes", "filled_bytes"))]
+    if max(sizes) > MAX_BYTES:
+        return f"a size of {max(sizes):.3g} bytes, beyond any machine's ({MAX_BYTES:.0e})"
     if not (0 <= memory["fragmented_percent_of_device"] <= 100
             and 0 <= fullest["unfilled_percent_of_reserved"] <= 100):
         return "a percentage lies outside 0 to 100"
