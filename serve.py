@@ -276,17 +276,24 @@ NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"add_special_tokens": (N
                                                "echo": (None, False)}}
 
 
-def refuse_what_is_not_implemented(body: dict, endpoint: str) -> None:
-    """A 400 naming the first field that asks for what this server does not do, or that is no
-    field of the endpoint at all (vLLM logs such a field and ignores it: here it is said)."""
-    not_implemented = NOT_IMPLEMENTED_BY[endpoint]
+# OpenAI's fields that mean nothing to a local server (stored completions, billing tiers, the
+# client's own labels): taken, and change nothing
+LOCAL_NO_OPS = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+
+
+def unknown_fields(body: dict, endpoint: str) -> list[str]:
+    """The body's fields that are none of the endpoint's, which the request is served without
+    (vLLM logs them and ignores them); a 400 naming the first field that asks for what this
+    server does not do."""
+    not_implemented, unknown = NOT_IMPLEMENTED_BY[endpoint], []
     for name, value in body.items():
-        if name in READ_BY[endpoint]:
+        if name in READ_BY[endpoint] or name in LOCAL_NO_OPS:
             continue
         if name not in not_implemented:
-            raise BadRequest(f"'{name}' is no field of this endpoint; leave it out", name)
-        if value not in not_implemented[name]:
+            unknown.append(name)
+        elif value not in not_implemented[name]:
             raise BadRequest(f"'{name}' is not implemented by this server; leave it out", name)
+    return unknown
 
 
 def completion_prompts(body: dict, max_prompts: int) -> list[dict]:
@@ -567,7 +574,10 @@ def build_app(engine, model_name: str, api_key: str | None):
         submitted = []  # (request id, prompt tokens, updates), one per prompt
         try:
             body = await read_body(request)
-            refuse_what_is_not_implemented(body, "chat" if chat else "completions")
+            ignored = unknown_fields(body, "chat" if chat else "completions")
+            if ignored:  # one line, as vLLM's warning
+                print(f"The following fields were present in the request but ignored: "
+                      f"{ignored}", file=sys.stderr, flush=True)
             prompts = chat_prompt(body) if chat else completion_prompts(body, max_num_seqs)
             params = sampling_params(body, max_n, None if chat else 16, max_logprobs, chat)
             stream = field(body, "stream", bool, False, None, "true or false")

@@ -1095,7 +1095,7 @@ ASKS = {"best_of": 2, "suffix": "!", "use_beam_search": True, "length_penalty": 
         "documents": [{"title": "a", "text": "b"}], "chat_template": "{{ messages }}",
         "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
         "structural_tag": "{}",
-        "bad_words": ["x"], "structured_outputs": {"choice": ["a"]}, "no_such_field": 1}
+        "bad_words": ["x"], "structured_outputs": {"choice": ["a"]}}
 COMPLETION_ONLY = {"suffix", "prompt_embeds", "add_special_tokens"}
 CHAT_ONLY = {"tools", "tool_choice", "reasoning_effort", "include_reasoning", "documents",
              "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
@@ -1126,6 +1126,25 @@ def test_every_vllm_field_works_or_is_refused_by_name(server, path, base, skip, 
                 "continue_final_message": False, "user": "me"}
     served = post({name: value for name, value in defaults.items() if name not in skip})
     assert served.status_code == 200, served.text
+
+
+def test_an_unknown_field_is_served_and_logged_and_openais_local_no_ops_are_taken(offline):
+    # As vLLM: a field of no request model is ignored, with one log line; OpenAI's `store`
+    # (which the openai package and LangChain may send) and its kin mean nothing here.
+    process, url = start_server()
+    try:
+        body = {"prompt": PROMPTS[0], **GREEDY, "no_such_field": 1, "store": True,
+                "metadata": {"a": "b"}, "service_tier": "auto"}
+        served = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert served.status_code == 200, served.text
+        expected = offline.generate(PROMPTS[:1], SamplingParams(**GREEDY), use_tqdm=False)
+        assert served.json()["choices"][0]["text"] == expected[0].outputs[0].text
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    logged = [line for line in process.stdout.read().splitlines() if "ignored" in line]
+    assert logged == ["The following fields were present in the request but ignored: "
+                      "['no_such_field']"]
 
 
 # Log-probabilities (features/logprobs/logprobs.py), as lm-evaluation-harness asks for them: token-id
