@@ -376,7 +376,8 @@ def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: 
         "stream": {"type": "boolean"},
         "user": {"type": "string"},
         "stream_options": {"type": "object",
-                           "properties": {"include_usage": {"type": "boolean"}}}}}
+                           "properties": {"include_usage": {"type": "boolean"},
+                                          "continuous_usage_stats": {"type": "boolean"}}}}}
 
 
 PROMPT = [{"type": "string", "minLength": 1},
@@ -662,6 +663,10 @@ def build_app(engine, model_name: str, api_key: str | None):
             tokens, finished, offsets = [0] * n, 0, [0] * n
             ended = [False] * n  # by sample
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            # vLLM's continuous_usage_stats (with include_usage): the usage so far in every chunk
+            so_far = (lambda: {"usage": usage(tokens)}) if options.get("include_usage") and \
+                options.get("continuous_usage_stats") else dict
+
             def chunk(choices, **extra):
                 return "data: " + json.dumps({"id": answer_id, "object": chunk_kind,
                                               "created": created, "model": model_name,
@@ -671,7 +676,7 @@ def build_app(engine, model_name: str, api_key: str | None):
                 if chat:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "finish_reason": None} for i in range(n)],
-                                **ids(prompt_token_ids=submitted[0][1]))
+                                **ids(prompt_token_ids=submitted[0][1]), **so_far())
                 while finished < n:
                     waiting = [await updates.get()]
                     while not updates.empty():  # all that wait: when the loop falls behind the
@@ -702,7 +707,7 @@ def build_app(engine, model_name: str, api_key: str | None):
                             offsets[index] += sum(len(t[0][1]) for t in a.logprobs or [])
                         events_now.append(chunk([{"index": index, **body,
                                                   "finish_reason": a.reason,
-                                                  **ids(token_ids=a.token_ids)}]))
+                                                  **ids(token_ids=a.token_ids)}], **so_far()))
                     yield "".join(events_now)
                 if options.get("include_usage"):
                     yield chunk([], usage=usage(tokens))
@@ -765,12 +770,14 @@ def build_app(engine, model_name: str, api_key: str | None):
     async def tokenize(request: Request):
         def prompt(body):  # add_special_tokens: vLLM's, a text's begin-of-text (default true)
             plain = not field(body, "add_special_tokens", bool, True, None, "true or false")
+            strs = field(body, "return_token_strs", bool, False, None, "true or false")
             if "messages" in body:
-                return chat_prompt(body)[0]
-            return completion_prompts(body, max_prompts=1)[0] | {"plain": plain}
-        return await tokenizer_call(request, "tokenize", prompt, lambda tokens: {
-            "count": len(tokens), "max_model_len": engine.info["max_seq_len"], "tokens": tokens,
-            "token_strs": None})
+                return chat_prompt(body)[0] | {"token_strs": strs}
+            return completion_prompts(body, max_prompts=1)[0] | {"plain": plain,
+                                                                 "token_strs": strs}
+        return await tokenizer_call(request, "tokenize", prompt, lambda answer: {
+            "count": len(answer[0]), "max_model_len": engine.info["max_seq_len"],
+            "tokens": answer[0], "token_strs": answer[1]})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

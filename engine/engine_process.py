@@ -222,7 +222,10 @@ def translated(engine, kind: str, what) -> tuple:
         ids = prompt_tokens(engine.tokenizer, what) if kind == "tokenize" else what
         if not in_vocabulary(ids):  # /tokenize of ids answers what /detokenize takes
             return None, "a token id is outside the vocabulary"
-        return (ids if kind == "tokenize" else engine.tokenizer.decode(ids)), None
+        if kind == "detokenize":
+            return engine.tokenizer.decode(ids), None
+        strs = engine.tokenizer.token_strs(ids) if what.get("token_strs") else None
+        return (ids, strs), None
     except ValueError as e:
         return None, str(e)
     except Exception as e:  # a bug a request's content reached: it fails, the engine serves on
@@ -249,7 +252,8 @@ def tokenizer_info(tokenizer, max_seq_len: int) -> dict:
     (lm-evaluation-harness's tokenizer_backend=remote)."""
     return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_seq_len,
             "bos_token": tokenizer.decode([tokenizer.bos_id]),
-            "eos_token": tokenizer.decode([max(tokenizer.stop_ids)]), "pad_token": None}
+            "eos_token": tokenizer.decode([max(tokenizer.stop_ids)]), "pad_token": None,
+            "chat_template": tokenizer.chat_template}
 
 
 def snapshot(engine) -> dict:

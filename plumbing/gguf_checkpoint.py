@@ -130,6 +130,7 @@ class ChatMLTokenizer:
                             f"this project formats ChatML and Llama 3 chats only.")
         default = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.DOTALL)
         self.default_system_prompt = default.group(1) if default else None
+        self.chat_template = template  # what `chat` renders, for clients that render it (Jinja)
         try:
             self.backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
         except Exception as e:  # the Rust side refuses merges of tokens it does not know
@@ -161,6 +162,11 @@ class ChatMLTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, ids) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level: "Ġ" is a space), as
+        transformers' convert_ids_to_tokens gives it (vLLM's /tokenize return_token_strs)."""
+        return [self.backend.id_to_token(i) for i in ids]
 
     def turn(self, role: str, text: str) -> list[int]:
         return [self.im_start] + self.encode(f"{role}\n{text}") + [self.im_end] + self.encode("\n")

@@ -517,6 +517,22 @@ class Tokenizer:
         return self.encoding.decode([i for i in ids if not skip_special_tokens
                                      or i < NUM_BASE_TOKENS])
 
+    # What `chat` renders, in Jinja, as Meta-Llama-3-8B-Instruct's tokenizer_config.json has it:
+    # for clients that render chats themselves (vLLM's /tokenizer_info)
+    chat_template = (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+        "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] "
+        "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content "
+        "%}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
+        "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+    def token_strs(self, ids) -> list[str]:
+        """Each token as Hugging Face's Llama 3 vocabulary spells it: its bytes in GPT-2's
+        byte-to-character table ("Ġ" is a space), as transformers' convert_ids_to_tokens gives
+        it (vLLM's /tokenize return_token_strs)."""
+        return ["".join(BYTE_CHARACTERS[b] for b in self.encoding.decode_single_token_bytes(i))
+                if i < NUM_BASE_TOKENS else self.encoding.decode([i]) for i in ids]
+
     def header(self, role: str) -> list[int]:
         return ([self.special["<|start_header_id|>"]] + self.encode(role)
                 + [self.special["<|end_header_id|>"]] + self.encode("\n\n"))
@@ -548,6 +564,18 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """A completion's prompt: <|begin_of_text|>, then the text."""
         return [self.bos_id] + self.encode(text)
+
+
+def byte_characters() -> list[str]:
+    """GPT-2's table of a printable character for each byte, by which byte-level vocabularies
+    spell their tokens: printable bytes stand for themselves, the others, in order, for 256 on."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+BYTE_CHARACTERS = byte_characters()
 
 
 def find_tokenizer(explicit: Path | None, ckpt_dir: Path | None) -> Path:

@@ -123,6 +123,22 @@ def test_chat_completions_and_token_id_prompts_give_the_offline_text(client, off
     assert ids.choices[0].text == expected.outputs[0].text
 
 
+def test_continuous_usage_stats_gives_the_usage_so_far_in_every_chunk(client, offline):
+    # vLLM's stream_options.continuous_usage_stats: each chunk's completion_tokens counts the
+    # tokens sent so far; the last equals the offline answer's
+    conversation = [{"role": "user", "content": PROMPTS[6]}]
+    [expected] = offline.chat([conversation], SamplingParams(**GREEDY), use_tqdm=False)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=conversation, stream=True, **GREEDY,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 12
+    assert all(c.usage.prompt_tokens == len(expected.prompt_token_ids) for c in chunks)
+    plain = list(client.chat.completions.create(model="tiny", messages=conversation, stream=True,
+                                                stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.usage is None for c in plain if c.choices)
+
+
 def test_32_concurrent_streams_each_get_their_own_tokens(client, offline):
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, SamplingParams(**GREEDY))]
     got = [None] * len(PROMPTS)
@@ -304,6 +320,21 @@ def test_a_bad_engine_flag_of_the_server_is_said_as_the_servers_before_loading()
 def test_the_apis_model_must_be_a_name_or_a_path():
     with pytest.raises(TypeError, match="LLM\\(model=...\\) is a preset's name"):
         LLM(model=None)
+
+
+def test_tokenizer_info_carries_the_chat_template_that_renders_the_servers_chats(server):
+    # lm-eval's --apply_chat_template with tokenizer_backend=remote renders chats with it
+    import jinja2
+    headers = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.get(server + "/tokenizer_info", headers=headers).json()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  "},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+    rendered = jinja2.Template(info["chat_template"]).render(
+        messages=messages, add_generation_prompt=True, bos_token=info["bos_token"])
+    ids = httpx.post(server + "/tokenize", json={"messages": messages},
+                     headers=headers).json()["tokens"]
+    served = httpx.post(server + "/detokenize", json={"tokens": ids}, headers=headers).json()
+    assert served["prompt"] == rendered
 
 
 def test_empty_messages_get_a_400(server):
@@ -1019,6 +1050,14 @@ def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts
     tokenized = post("/tokenize", {"model": "tiny", "prompt": text}).json()
     chat = post("/tokenize", {"messages": messages}).json()
     assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 8192
+    # return_token_strs: each token spelled as transformers spells it, its bytes in GPT-2's table
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    spelled = post("/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert spelled["tokens"] == tokenized["tokens"] and tokenized["token_strs"] is None
+    strs = spelled["token_strs"]
+    assert len(strs) == spelled["count"] and strs[0] == "<|begin_of_text|>"
+    assert b"".join(bytes(byte_of[c] for c in s) for s in strs[1:]) == text.encode()
     assert tokenized["count"] == client.completions.create(
         model="tiny", prompt=text, max_tokens=1).usage.prompt_tokens
     assert chat["count"] == client.chat.completions.create(
