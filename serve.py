@@ -240,7 +240,8 @@ READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", 
         "logit_bias", "skip_special_tokens"}
 MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
 MAX_LOGIT_BIAS = 1024  # a request's biased tokens (OpenAI allows 300)
-READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs"},
+READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs",
+                                  "add_special_tokens"},
            "chat": READ | {"messages", "logprobs", "top_logprobs", "prompt_logprobs",
                            "add_generation_prompt", "continue_final_message"}}
 
@@ -270,8 +271,7 @@ NOT_IMPLEMENTED = {"best_of": (None, 1),
                    "documents": (None,), "mm_processor_kwargs": (None,)}
 # vLLM's defaults that differ by endpoint: a completion's prompt gets begin-of-text, a chat's
 # template places its own
-NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"add_special_tokens": (None, True),
-                                                      "top_logprobs": (None, 0)},
+NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"top_logprobs": (None, 0)},
                       "chat": NOT_IMPLEMENTED | {"add_special_tokens": (None, False),
                                                "echo": (None, False)}}
 
@@ -580,6 +580,9 @@ def build_app(engine, model_name: str, api_key: str | None):
                 print(f"The following fields were present in the request but ignored: "
                       f"{ignored}", file=sys.stderr, flush=True)
             prompts = chat_prompt(body) if chat else completion_prompts(body, max_num_seqs)
+            if not chat:  # vLLM's add_special_tokens: false leaves a text's begin-of-text out
+                plain = not field(body, "add_special_tokens", bool, True, None, "true or false")
+                prompts = [p | {"plain": plain} if "text" in p else p for p in prompts]
             params = sampling_params(body, max_n, None if chat else 16, max_logprobs, chat)
             stream = field(body, "stream", bool, False, None, "true or false")
             options = field(body, "stream_options", dict, {}, None, "an object")

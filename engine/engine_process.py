@@ -243,7 +243,7 @@ def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
                               prompt.get("add_generation_prompt", True),
                               prompt.get("continue_final_message", False))
     if prompt.get("plain"):
-        return tokenizer.encode(prompt["text"])
+        return tokenizer.encode(prompt["text"], special=True)
     return tokenizer.encode_prompt(prompt["text"])
 
 

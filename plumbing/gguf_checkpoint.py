@@ -150,15 +150,21 @@ class ChatMLTokenizer:
         self.special = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL}
         self.backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                          for t in self.special])
-        # Text that spells "<|im_end|>" stays text: a prompt can never inject a control token.
+        # Two readings of text that spells "<|im_end|>": the scripts' prompts keep it as text
+        # (a ShareGPT prompt can never inject a control token); the API's and the server's are
+        # tokenized as vLLM and transformers tokenize them, the spelling read as the token.
+        self.as_tokens = Tokenizer.from_str(self.backend.to_str())
+        self.as_tokens.encode_special_tokens = False
         self.backend.encode_special_tokens = True
         self.n_vocab = len(tokens)
         self.bos_id = file.field("tokenizer.ggml.bos_token_id", kind=int)
         self.stop_ids = {file.field("tokenizer.ggml.eos_token_id", kind=int)}  # <|im_end|>
         self.im_start, self.im_end = self.special["<|im_start|>"], self.special["<|im_end|>"]
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(unicode_text(text), add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """special: text that spells a control token is that token (vLLM's rule), else text."""
+        backend = self.as_tokens if special else self.backend
+        return backend.encode(unicode_text(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -168,8 +174,9 @@ class ChatMLTokenizer:
         transformers' convert_ids_to_tokens gives it (vLLM's /tokenize return_token_strs)."""
         return [self.backend.id_to_token(i) for i in ids]
 
-    def turn(self, role: str, text: str) -> list[int]:
-        return [self.im_start] + self.encode(f"{role}\n{text}") + [self.im_end] + self.encode("\n")
+    def turn(self, role: str, text: str, special: bool = False) -> list[int]:
+        return ([self.im_start] + self.encode(f"{role}\n{text}", special) + [self.im_end]
+                + self.encode("\n"))
 
     def shared_prefix(self, system_prompt: str | None) -> list[int]:
         """What every request begins with: the system turn (the template's own if none given)."""
@@ -185,14 +192,17 @@ class ChatMLTokenizer:
              continue_final_message: bool = False) -> list[int]:
         """Any turns ({"role", "content"}), after the template's system turn unless the first is
         one (engine/llm.py); then the assistant's turn opened (add_generation_prompt), or the
-        last turn left open for the model to go on with (continue_final_message: vLLM's)."""
+        last turn left open for the model to go on with (continue_final_message: vLLM's). The
+        API's and the server's: a control token spelled in a message is that token, as vLLM's
+        template rendered and tokenized reads it."""
         system = [] if messages and messages[0]["role"] == "system" else self.shared_prefix(None)
-        turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
+        turns = [t for m in messages for t in self.turn(m["role"], m["content"], special=True)]
         if continue_final_message:  # the last turn without <|im_end|> and its newline
             turns = turns[:len(turns) - 1 - len(self.encode("\n"))]
         return system + turns + ([self.im_start] + self.encode("assistant\n")
                                  if add_generation_prompt else [])
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A completion's prompt: the text alone (SmolLM2 adds no begin-of-text token)."""
-        return self.encode(text)
+        """A completion's prompt (the API's, the server's): the text alone, SmolLM2 adding no
+        begin-of-text token, a control token spelled in it read as that token (vLLM's rule)."""
+        return self.encode(text, special=True)

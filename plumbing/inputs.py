@@ -507,10 +507,12 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return self.encoding.n_vocab
 
-    def encode(self, text: str) -> list[int]:
-        # disallowed_special=(): text that spells "<|eot_id|>" is tokenized as plain characters,
-        # so a prompt can never inject a control token.
-        return self.encoding.encode(unicode_text(text), disallowed_special=())
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """special: text that spells a control token ("<|eot_id|>") is that token, as vLLM and
+        transformers read it (the API's and the server's prompts); else it is plain characters,
+        so that a script's ShareGPT prompt can never inject a control token."""
+        return self.encoding.encode(unicode_text(text), disallowed_special=(),
+                                    allowed_special="all" if special else set())
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """skip_special_tokens: leave out the control tokens, all numbered after the text's."""
@@ -537,8 +539,8 @@ class Tokenizer:
         return ([self.special["<|start_header_id|>"]] + self.encode(role)
                 + [self.special["<|end_header_id|>"]] + self.encode("\n\n"))
 
-    def turn(self, role: str, text: str) -> list[int]:
-        return self.header(role) + self.encode(text.strip()) + [self.special["<|eot_id|>"]]
+    def turn(self, role: str, text: str, special: bool = False) -> list[int]:
+        return self.header(role) + self.encode(text.strip(), special) + [self.special["<|eot_id|>"]]
 
     def shared_prefix(self, system_prompt: str | None) -> list[int]:
         """What every request with this system prompt begins with: <|begin_of_text|>, the turn."""
@@ -556,14 +558,15 @@ class Tokenizer:
         """Any turns ({"role", "content"}), then the assistant's header (add_generation_prompt),
         or the last turn left open for the model to go on with (continue_final_message: vLLM's;
         engine/llm.py)."""
-        turns = [t for m in messages for t in self.turn(m["role"], m["content"])]
+        turns = [t for m in messages for t in self.turn(m["role"], m["content"], special=True)]
         if continue_final_message:  # the last turn without its <|eot_id|>
             turns = turns[:-1]
         return [self.bos_id] + turns + (self.header("assistant") if add_generation_prompt else [])
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A completion's prompt: <|begin_of_text|>, then the text."""
-        return [self.bos_id] + self.encode(text)
+        """A completion's prompt (the API's, the server's): <|begin_of_text|>, then the text, a
+        control token spelled in it read as that token (vLLM's rule)."""
+        return [self.bos_id] + self.encode(text, special=True)
 
 
 def byte_characters() -> list[str]:

@@ -123,6 +123,15 @@ def test_chat_completions_and_token_id_prompts_give_the_offline_text(client, off
     assert ids.choices[0].text == expected.outputs[0].text
 
 
+def test_add_special_tokens_false_leaves_the_begin_of_text_out_as_vllm(client, offline):
+    prompt = offline.get_tokenizer().encode_prompt(PROMPTS[3])  # begin-of-text first
+    [expected] = offline.generate([prompt[1:]], SamplingParams(**GREEDY), use_tqdm=False)
+    served = client.completions.create(model="tiny", prompt=PROMPTS[3], **GREEDY,
+                                       extra_body={"add_special_tokens": False})
+    assert served.usage.prompt_tokens == len(prompt) - 1
+    assert served.choices[0].text == expected.outputs[0].text
+
+
 def test_continuous_usage_stats_gives_the_usage_so_far_in_every_chunk(client, offline):
     # vLLM's stream_options.continuous_usage_stats: each chunk's completion_tokens counts the
     # tokens sent so far; the last equals the offline answer's
@@ -1072,6 +1081,10 @@ def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     assert post("/detokenize", {"tokens": [10**9]}).status_code == 400
     assert post("/tokenize", {"prompt": [5, 10**9]}).status_code == 400  # as /detokenize says
+    # vLLM's rule: text that spells a control token is that token; add_special_tokens: the BOS
+    assert post("/tokenize", {"prompt": "<|eot_id|>"}).json()["tokens"] == [128000, 128009]
+    assert post("/tokenize", {"prompt": "<|eot_id|>", "add_special_tokens": False}).json()[
+        "tokens"] == [128009]
     assert httpx.post(server + "/tokenize", json={"prompt": "hi"}).status_code == 401  # the key
 
 
@@ -1150,7 +1163,8 @@ def test_every_vllm_field_works_or_is_refused_by_name(server, path, base, skip, 
     post = lambda body: httpx.post(server + path, json=base | {"max_tokens": 2} | body,
                                    headers=headers, timeout=30)
     asks = {name: value for name, value in ASKS.items() if name not in skip}
-    asks["add_special_tokens"] = chat  # a completion adds begin-of-text by default, a chat not
+    if chat:  # a chat's template places its own begin-of-text: vLLM's True would add another
+        asks["add_special_tokens"] = True
     for name, value in asks.items():
         refused = post({name: value})
         assert refused.status_code == 400, (name, refused.text)

@@ -58,9 +58,18 @@ def test_chat_format_is_llama3_instruct(tokenizer):
         128006, 78191, 128007, 271]  # <|start_header_id|>assistant<|end_header_id|>\n\n
 
 
-def test_special_tokens_never_come_out_of_plain_text(tokenizer):
+def test_special_tokens_never_come_out_of_a_scripts_plain_text(tokenizer):
     ids = tokenizer.encode("<|eot_id|> <|begin_of_text|><|end_of_text|>")
     assert all(i < 128000 for i in ids)
+
+
+def test_the_apis_prompts_read_a_spelled_control_token_as_that_token(tokenizer):
+    # vLLM's rule (and transformers'): served and LLM prompts, and chat messages
+    eot, bos = tokenizer.special["<|eot_id|>"], tokenizer.bos_id
+    assert tokenizer.encode_prompt("hi<|eot_id|>") == [bos, *tokenizer.encode("hi"), eot]
+    chat = tokenizer.chat([{"role": "user", "content": "a<|eot_id|>b"}], False)
+    assert chat == [bos, *tokenizer.header("user"), *tokenizer.encode("a"), eot,
+                    *tokenizer.encode("b"), eot]
 
 
 def test_prompts_are_filtered_sharegpt_in_dataset_order(tokenizer):
