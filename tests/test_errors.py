@@ -389,9 +389,10 @@ def first(mapping: dict):
     lambda r: r["requests"][0].update(arrival_seconds=-1.0),
     lambda r: r["requests"][0].update(token_seconds=[1e308]),
     lambda r: r["memory"].update(kv_pool_bytes=1e308),
+    lambda r: r["timeline"][0].update(seconds=float("nan")),
 ], ids=["arguments a string", "times as strings", "a bool step", "NaN bytes", "400 digits",
         "a negative pool", "negative fragmentation", "filled above reserved", "a negative step",
-        "a negative arrival", "1e308 seconds", "a 1e308-byte pool"])
+        "a negative arrival", "1e308 seconds", "a 1e308-byte pool", "a step of NaN seconds"])
 def test_the_plot_refuses_a_run_json_of_the_right_shape_with_wrong_values(change, one_run,
                                                                         tmp_path, capsys):
     bad = damaged(one_run / "run.json", tmp_path, change)

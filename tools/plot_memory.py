@@ -87,6 +87,9 @@ def meaningless(run: dict) -> str | None:
             and 0 <= fullest["unfilled_percent_of_reserved"] <= 100):
         return "a percentage lies outside 0 to 100"
     for point in run["timeline"]:
+        seconds = point.get("seconds", 0.0)  # the step's GPU time
+        if not (finite_number(seconds) and 0 <= seconds <= YEAR_SECONDS):
+            return f"step {point['step']}'s time is not a number of seconds from 0 to a year"
         if not all(whole(point[f]) for f in ("step", "running_requests", "waiting_requests")):
             return f"a step or a count of requests is not a whole number of at least 0: {point}"
         if not 0 <= point["filled_bytes"] <= point["reserved_bytes"]:
