@@ -91,55 +91,6 @@ class UnknownModel(BadRequest):
         super().__init__(f"The model `{name}` does not exist.", "model", 404)
 
 
-# --- Metrics: the engine's figures (features/engine_process.snapshot) in Prometheus text ------
-
-METRICS_HELP = {
-    "num_requests_running": ("gauge", "requests in the running batch"),
-    "num_requests_waiting": ("gauge", "requests queued for blocks"),
-    "kv_blocks_used": ("gauge", "KV blocks held by requests"),
-    "kv_blocks_free": ("gauge", "KV blocks on the free list"),
-    "kv_cache_usage_perc": ("gauge", "KV blocks used, a fraction of the pool (1 = full)"),
-    "kv_reserved_bytes": ("gauge", "bytes of blocks owned by running requests"),
-    "kv_filled_bytes": ("gauge", "of those, bytes holding a token's K and V"),
-    "kv_unfilled_bytes": ("gauge", "reserved minus filled: the fragmentation"),
-    "num_preemptions_total": ("counter", "running requests sent back to the queue"),
-    "prompt_tokens_total": ("counter", "prompt tokens of the requests taken"),
-    "generation_tokens_total": ("counter", "tokens generated"),
-    "request_success_total": ("counter", "sequences finished or aborted"),
-    "time_to_first_token_seconds": ("histogram", "from arrival at the engine to the first token"),
-    "inter_token_latency_seconds": ("histogram", "from a request's token to its next"),
-    "e2e_request_latency_seconds": ("histogram", "from arrival at the engine to the last token"),
-}
-
-
-# The figures vLLM exports too, under its names as well, so that its dashboards read them here
-VLLM_EQUALS = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-               "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-               "request_success_total", "time_to_first_token_seconds",
-               "inter_token_latency_seconds", "e2e_request_latency_seconds"}
-
-
-def prometheus_text(metrics: dict, model: str) -> str:
-    # A label's value escapes \\, " and newlines (Prometheus' text format): a model's name must
-    # not end the label, or the line, and begin a sample of its own
-    escaped = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    lines, label = [], f'model_name="{escaped}"'
-    for name, value in metrics.items():
-        kind, help_text = METRICS_HELP[name]
-        for prefix in ("llama3", "vllm") if name in VLLM_EQUALS else ("llama3",):
-            metric = f"{prefix}:{name}"
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
-            if kind != "histogram":
-                lines.append(f"{metric}{{{label}}} {value}")
-                continue
-            for bound, count in value["buckets"]:
-                lines.append(f'{metric}_bucket{{{label},le="{bound}"}} {count}')
-            lines += [f'{metric}_bucket{{{label},le="+Inf"}} {value["count"]}',
-                      f"{metric}_sum{{{label}}} {value['sum']}",
-                      f"{metric}_count{{{label}}} {value['count']}"]
-    return "\n".join(lines) + "\n"
-
-
 # --- Requests: OpenAI's JSON to the engine's prompt and SamplingParams ---------------------------
 
 def field(body: dict, name: str, kinds, default=None, check=None, why: str = ""):
@@ -462,17 +413,20 @@ def build_app(engine, model_name: str, api_key: str | None):
     from fastapi.responses import (JSONResponse, PlainTextResponse, Response,
                                    StreamingResponse)
     from starlette.exceptions import HTTPException
+    from prometheus_client import CONTENT_TYPE_LATEST
     from engine.engine_process import RequestFailed
+    from engine.metrics import ServerMetrics
 
     max_n = min(MAX_N, engine.info["max_num_seqs"])
     max_num_seqs, max_logprobs = engine.info["max_num_seqs"], engine.info["max_logprobs"]
 
     open_streams: set[asyncio.Queue] = set()  # the updates of every stream being sent
+    server_metrics = ServerMetrics(model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loop = asyncio.get_running_loop()
-        engine.attach(loop)
+        engine.attach(loop, server_metrics)
 
         def end_streams_in(seconds: float) -> None:
             """On a stop's signal: the streams still open that long after end with "abort"."""
@@ -809,8 +763,7 @@ def build_app(engine, model_name: str, api_key: str | None):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(engine.metrics, model_name),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(server_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -897,7 +850,7 @@ def main(argv=None) -> None:
         engine_flags.parse_args(engine_argv)
         if not 0 < args.port < 65536:
             raise UserError(f"--port {args.port}: expected 1 to 65535.")
-        require_packages(["fastapi", "uvicorn"], "the HTTP server")
+        require_packages(["fastapi", "uvicorn", "prometheus_client"], "the HTTP server")
         address = bound_socket(args.host, args.port)  # a port in use is said now, not after loading
         if open_to_others(args.host) and not args.api_key:
             print(f"Serving on {args.host}, beyond this machine, without --api-key: anyone who can "

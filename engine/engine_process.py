@@ -45,28 +45,6 @@ import traceback
 from plumbing.cli import UserError
 
 START_TIMEOUT_S = 1800  # loading 8B from a slow disk and compiling: minutes, not hours
-LATENCY_BOUNDS_S = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-INTER_TOKEN_BOUNDS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                        5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's buckets for this histogram
-
-
-class Histogram:
-    """A Prometheus histogram: how many observations fell at or below each bound, their sum and
-    their count (vLLM's /metrics serves time to first token and end-to-end latency so)."""
-
-    def __init__(self, bounds=LATENCY_BOUNDS_S):
-        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
-
-    def observe(self, seconds: float) -> None:
-        self.sum, self.count = self.sum + seconds, self.count + 1
-        for i, bound in enumerate(self.bounds):
-            if seconds <= bound:
-                self.counts[i] += 1
-
-    def export(self) -> dict:
-        return {"buckets": list(zip(self.bounds, self.counts)), "sum": self.sum, "count": self.count}
-
-
 class RequestFailed(Exception):
     """The engine failed at one request (a bug its content reached) and serves the others."""
 
@@ -122,13 +100,16 @@ def serve(engine, inbox: queue.Queue, results) -> None:
     # From a request's arrival at the engine's process to its first and last token on the host:
     # what tools/latency_sweep.py measures in one process, so that a client's time less these is
     # HTTP's own (tools/serve_bench.py prints both)
-    first_token, end_to_end = Histogram(), Histogram()
-    inter_token, timed = Histogram(INTER_TOKEN_BOUNDS_S), {}  # (request id, sample) -> times seen
+    # the latencies observed since the last message, which the server's histograms take once
+    observed = {"time_to_first_token_seconds": [], "inter_token_latency_seconds": [],
+                "e2e_request_latency_seconds": []}
+    timed = {}  # (request id, sample) -> its token times seen
 
     def metrics() -> dict:
-        return snapshot(engine) | {"time_to_first_token_seconds": first_token.export(),
-                                   "inter_token_latency_seconds": inter_token.export(),
-                                   "e2e_request_latency_seconds": end_to_end.export()}
+        figures = snapshot(engine) | {"observed": {k: list(v) for k, v in observed.items()}}
+        for seconds in observed.values():
+            seconds.clear()
+        return figures
     results.send(("step", [], metrics()))  # /metrics serves every figure from the start
     while True:
         took = take_commands(engine, inbox, results, block=not engine.has_unfinished(),
@@ -151,17 +132,19 @@ def serve(engine, inbox: queue.Queue, results) -> None:
                             s.finish_reason, on_the_wire(logprobs), prompt,
                             request.output_tokens[sent:]))
             if key not in sent_chars and request.token_times:
-                first_token.observe(request.token_times[0] - request.arrival_time)
+                observed["time_to_first_token_seconds"].append(
+                    request.token_times[0] - request.arrival_time)
             times = request.token_times  # each token's wait after the one before
-            for i in range(max(timed.get(key, 0), 1), len(times)):
-                inter_token.observe(times[i] - times[i - 1])
+            observed["inter_token_latency_seconds"] += [
+                times[i] - times[i - 1] for i in range(max(timed.get(key, 0), 1), len(times))]
             timed[key] = len(times)
             sent_chars[key] = len(text)
             if s.finish_reason is not None:
                 del sent_chars[key], sent_tokens[key], timed[key]
                 echoes.discard(s.request_id)
                 if request.token_times:
-                    end_to_end.observe(request.token_times[-1] - request.arrival_time)
+                    observed["e2e_request_latency_seconds"].append(
+                        request.token_times[-1] - request.arrival_time)
         if updates or took:  # one message a step, not one a request
             results.send(("step", updates, metrics()))
 
@@ -269,10 +252,10 @@ def snapshot(engine) -> dict:
         "kv_reserved_bytes": reserved * per_token,
         "kv_filled_bytes": (reserved - unfilled) * per_token,
         "kv_unfilled_bytes": unfilled * per_token,
-        "num_preemptions_total": engine.scheduler.num_preemptions,
-        "prompt_tokens_total": engine.num_prompt_tokens,
-        "generation_tokens_total": engine.num_generated_tokens,
-        "request_success_total": engine.num_finished,
+        "num_preemptions": engine.scheduler.num_preemptions,  # totals: Prometheus' counters
+        "prompt_tokens": engine.num_prompt_tokens,
+        "generation_tokens": engine.num_generated_tokens,
+        "request_success": engine.num_finished,
     }
 
 
@@ -294,7 +277,6 @@ class EngineClient:
         engine_commands.close()  # the engine's ends are the engine's: when it ends, ours see EOF
         engine_results.close()
         self.info = self._wait_until_ready()
-        self.metrics = {}
         self.failed = None  # what stopped the engine, if anything did
         self.added: dict[str, asyncio.Future] = {}  # request id -> its "added" answer
         self.listeners: dict[str, asyncio.Queue] = {}  # request id -> its handler's updates
@@ -322,8 +304,10 @@ class EngineClient:
             self.process.kill()
             self.process.join()
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def attach(self, loop: asyncio.AbstractEventLoop, metrics) -> None:
+        """Read the engine's messages on `loop`; each step's figures go to `metrics`
+        (engine/metrics.py's ServerMetrics)."""
+        self.loop, self.server_metrics = loop, metrics
         fd = self.results.fileno()
         loop.add_reader(fd, self._read)
         # uvloop (uvicorn's loop where installed) makes a watched descriptor non-blocking; a
@@ -392,7 +376,7 @@ class EngineClient:
             for request_id, *update in message[1]:
                 if request_id in self.listeners:
                     self.listeners[request_id].put_nowait(tuple(update))
-            self.metrics = message[2]
+            self.server_metrics.update(message[2])
         elif message[0] in ("added", "answered"):
             future = self.added.pop(message[1])
             if not future.done():
