@@ -65,11 +65,15 @@ class LLM:
                                 f"checkpoint folder or .gguf file that exists.")
             model, options = None, {"ckpt_dir": model} | options  # None: --model's default
         self.engine = LLMEngine(cache, model=model, **options)
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.tokenizer  # the engine's own (plumbing/)
+        self.transformers_tokenizer = None  # get_tokenizer's, made when first asked
 
     def get_tokenizer(self):
-        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""
-        return self.tokenizer
+        """vLLM's: the tokenizer prompts are encoded with, as transformers' tokenizer (its chat
+        template, special tokens, `convert_ids_to_tokens`, ...), built once when first asked."""
+        if self.transformers_tokenizer is None:
+            self.transformers_tokenizer = self.tokenizer.transformers()
+        return self.transformers_tokenizer
 
     def generate(self, prompts, sampling_params=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

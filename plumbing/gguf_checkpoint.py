@@ -169,6 +169,15 @@ class ChatMLTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def transformers(self):
+        """The same tokenizer as transformers' PreTrainedTokenizerFast (what vLLM's
+        LLM.get_tokenizer() gives), with the file's special tokens and chat template."""
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast(tokenizer_object=self.as_tokens,
+                                       bos_token=self.decode([self.bos_id]),
+                                       eos_token=self.decode([max(self.stop_ids)]),
+                                       chat_template=self.chat_template)
+
     def token_strs(self, ids) -> list[str]:
         """Each token as the vocabulary spells it (byte-level: "Ġ" is a space), as
         transformers' convert_ids_to_tokens gives it (vLLM's /tokenize return_token_strs)."""

@@ -482,6 +482,7 @@ SPECIAL_TOKENS = [
 
 class Tokenizer:
     def __init__(self, model_path: Path):
+        self.path = Path(model_path)
         try:
             ranks = load_tiktoken_bpe(str(model_path))
         except (OSError, ValueError) as e:  # base64 and int parsing fail with ValueError
@@ -527,6 +528,21 @@ class Tokenizer:
         "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content "
         "%}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
         "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+    def transformers(self):
+        """The same tokenizer as transformers' PreTrainedTokenizerFast (what vLLM's
+        LLM.get_tokenizer() gives): the file's ranks converted (transformers' TikTokenConverter,
+        about 2 s), Meta's special tokens and chat template."""
+        from tokenizers.processors import TemplateProcessing
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+        converted = TikTokenConverter(vocab_file=str(self.path), pattern=SPLIT_PATTERN,
+                                      extra_special_tokens=SPECIAL_TOKENS).converted()
+        # As Meta's tokenizer.json: a text's tokens after <|begin_of_text|> (encode_prompt's)
+        converted.post_processor = TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", self.bos_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|begin_of_text|>",
+                                       eos_token="<|eot_id|>", chat_template=self.chat_template)
 
     def token_strs(self, ids) -> list[str]:
         """Each token as Hugging Face's Llama 3 vocabulary spells it: its bytes in GPT-2's

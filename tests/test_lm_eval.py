@@ -73,7 +73,7 @@ def tiny_server():
 def test_lm_evals_multiple_choice_and_generation_get_the_offline_engines_answers(tiny_server,
                                                                                  tmp_path):
     offline = LLM(model="tiny", random_weights=True, device="cpu", dtype="fp32", block_size=16)
-    tokenizer = offline.get_tokenizer()
+    tokenizer = offline.tokenizer
     samples = evaluate(tiny_server, tmp_path, "tiny", "served_choice", chat=False)
     assert len(samples) == len(QUESTIONS)
     # each choice: (context, continuation) as lm-eval asked, and its answer
@@ -96,7 +96,7 @@ def test_lm_evals_multiple_choice_and_generation_get_the_offline_engines_answers
 @pytest.mark.slow
 def test_lm_evals_tasks_on_smollm2_get_transformers_answers(tmp_path, transformers_smollm2):
     model, theirs = transformers_smollm2
-    ours = LLM(model="smollm2", device="cpu").get_tokenizer()  # the file's, digits split
+    ours = LLM(model="smollm2", device="cpu").tokenizer  # the file's, digits split
     # lm-eval's request, sent as it sends it: token-id prompts, echo, logprobs 1, max_tokens 1
     id_lists = [ours.encode(q["question"] + " " + q["choices"][0]) for q in QUESTIONS]
     process, url = start_server("--api-key", KEY, "--max-num-seqs", "8", "--dtype", "fp32",

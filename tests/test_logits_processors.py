@@ -94,7 +94,7 @@ def test_min_tokens_holds_back_the_stop_tokens_and_then_lets_them_end(llm):
     params = SamplingParams(max_tokens=10, temperature=0, min_tokens=4, stop_token_ids=[first],
                             logit_bias={first: 3.0})
     got = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
-    stop_ids = {first} | llm.get_tokenizer().stop_ids
+    stop_ids = {first} | llm.tokenizer.stop_ids
     expected = reference(llm.engine.run.model, PROMPTS[0], params, stop_ids)
     assert len(got.token_ids) >= 4 and first not in got.token_ids[:4]
     # the stop token ends the answer and is kept in its token ids, as vLLM keeps it

@@ -71,7 +71,7 @@ def test_a_stop_token_stays_in_the_token_ids_scored_and_out_of_the_text(llm):
     sample = output.outputs[0]
     assert sample.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
     assert sample.finish_reason == "stop" and len(sample.logprobs) == len(sample.token_ids)
-    assert sample.text == llm.get_tokenizer().decode(sample.token_ids[:-1])
+    assert sample.text == llm.tokenizer.decode(sample.token_ids[:-1])
     assert_scored_as_one_pass(llm.engine.run.model, output, prompt_k=1, k=2)
 
 

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -124,7 +123,7 @@ def test_chat_completions_and_token_id_prompts_give_the_offline_text(client, off
 
 
 def test_add_special_tokens_false_leaves_the_begin_of_text_out_as_vllm(client, offline):
-    prompt = offline.get_tokenizer().encode_prompt(PROMPTS[3])  # begin-of-text first
+    prompt = offline.tokenizer.encode_prompt(PROMPTS[3])  # begin-of-text first
     [expected] = offline.generate([prompt[1:]], SamplingParams(**GREEDY), use_tqdm=False)
     served = client.completions.create(model="tiny", prompt=PROMPTS[3], **GREEDY,
                                        extra_body={"add_special_tokens": False})
@@ -502,31 +501,6 @@ def wait_until(condition, seconds: float = 20) -> bool:
     return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_killed_server_takes_its_engine_process_with_it():
-    """SIGKILL leaves no time to clean up: the engine ends on its own when the pipe closes, and
-    does not hold the GPU's memory as an orphan."""
-    process, url = start_server()
-    engine = engine_pid(process)
-    process.kill()
-    process.wait(timeout=30)
-    assert wait_until(lambda: not alive(engine)), "the engine outlived its server"
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_an_engine_that_dies_makes_the_server_say_so():
-    """/health answers 503 and a request an OpenAI error with status 500, not a hang."""
-    process, url = start_server()
-    try:
-        os.kill(engine_pid(process), signal.SIGKILL)
-        assert wait_until(lambda: httpx.get(url + "/health").status_code == 503)
-        response = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
-        assert response.status_code == 500 and "engine" in response.json()["error"]["message"]
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
 def test_a_streamed_answer_never_shows_the_start_of_its_stop_string(client, offline):
     """A stop string that begins in one token's text and ends in the next: the first token's
     text must not be streamed before the second shows it is the stop string's start (vLLM holds
@@ -741,40 +715,6 @@ def test_a_missing_package_is_named_in_one_paragraph_before_anything_starts(scri
     assert "Traceback" not in done.stderr and "KV pool" not in done.stdout  # nothing loaded
 
 
-def test_a_port_in_use_is_said_in_one_paragraph_before_the_engine_loads():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        done = subprocess.run([sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port",
-                               str(taken.getsockname()[1])], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "another program holds it" in done.stderr and "Traceback" not in done.stderr
-    assert "KV pool" not in done.stdout  # said before the engine loaded
-
-
-def test_of_two_servers_started_together_on_one_port_the_second_exits_at_once():
-    # Both used to bind (SO_REUSEADDR lets two sockets that do not listen share a port) and both
-    # said "Serving"; only the first listened, and the second never served nor exited.
-    port = free_port()
-    command = [sys.executable, str(ROOT / "serve.py"), *ENGINE, "--port", str(port)]
-    both = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]
-    try:
-        assert wait_until(lambda: any(p.poll() is not None for p in both), 60), "neither exited"
-        [second], [first] = ([p for p in both if p.poll() is not None],
-                             [p for p in both if p.poll() is None])
-        out, err = second.communicate()
-        assert second.returncode == 2 and "another program holds it" in err, out + err
-        assert "Serving" not in out
-        # The first serves: a client that connected while it loaded waits, then is answered
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=120).status_code == 200
-    finally:
-        for process in both:
-            process.kill()
-            process.wait(timeout=30)
-
-
 def test_generate_shows_a_bar_of_prompts_done_unless_told_not_to(offline, capsys):
     greedy = SamplingParams(max_tokens=4, temperature=0)
     with_bar = offline.generate(PROMPTS[:3], greedy)
@@ -829,6 +769,21 @@ def test_a_bad_keyword_of_the_api_raises_with_the_flag_not_exits(options, says):
     from plumbing.cli import UserError
     with pytest.raises(UserError, match=says):  # not SystemExit: a notebook goes on
         LLM(model="tiny", random_weights=True, device="cpu", **options)
+
+
+def test_get_tokenizer_is_transformers_tokenizer_of_the_engines_tokens_and_template(offline):
+    # vLLM's LLM.get_tokenizer(): tok("Hello"), apply_chat_template, eos_token_id, len(), ...
+    from transformers import PreTrainedTokenizerFast
+    tokenizer, ours = offline.get_tokenizer(), offline.tokenizer
+    assert isinstance(tokenizer, PreTrainedTokenizerFast) and offline.get_tokenizer() is tokenizer
+    for text in [*PROMPTS[:16], "a<|eot_id|>b", "  x\n\n1234 "]:
+        assert tokenizer(text).input_ids == ours.encode_prompt(text), text
+        assert tokenizer.decode(ours.encode_prompt(text)[1:]) == text  # after begin-of-text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                         tokenize=True)["input_ids"] == ours.chat(chat)
+    assert tokenizer.eos_token_id in ours.stop_ids and len(tokenizer) == ours.n_vocab
+    assert tokenizer.convert_ids_to_tokens(ours.encode(" world")) == ["Ġworld"]
 
 
 def test_a_generate_that_raises_leaves_nothing_running_for_the_next(offline):
@@ -976,65 +931,6 @@ def test_metrics_count_a_requests_prompt_tokens_once_whatever_its_n(server, clie
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 6
 
 
-def test_sigterm_drains_what_runs_refuses_what_comes_and_exits_0():
-    # As uvicorn drains: a service manager's stop (SIGTERM, sent to every process of the service:
-    # the engine's process leaves the stopping to the server) lets the answer in flight finish,
-    # takes no new connection, says so, and ends with exit 0 (it was 143, the answer cut).
-    import signal
-    process, url = start_server()
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
-            lines = answer.iter_lines()
-            first = next(line for line in lines if line)
-            process.send_signal(signal.SIGTERM)
-            refused = False
-            for _ in range(50):  # the listening socket closes at once
-                try:
-                    httpx.get(url + "/health", timeout=1)
-                except httpx.TransportError:
-                    refused = True
-                    break
-                time.sleep(0.1)
-            rest = [line for line in lines if line]
-        assert refused, "a new connection was taken while draining"
-        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
-        assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert process.wait(timeout=60) == 0
-        output = process.stdout.read()
-        assert "SIGTERM: no new requests" in output and "Traceback" not in output
-    finally:
-        process.kill()
-        process.wait()
-
-
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
-def test_a_stop_ends_each_stream_still_open_with_abort_and_done(sig, code):
-    # They used to end without [DONE], a finish_reason or an error: a client could not tell
-    # the answer was cut. Now, the drain's time up, each ends as vLLM ends an aborted request.
-    process, url = start_server("--timeout-graceful-shutdown", "2")
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "ignore_eos": True,
-            "stream": True, "n": 2}
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
-            lines = answer.iter_lines()
-            first = next(line for line in lines if line)
-            process.send_signal(sig)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]", rest[-3:]
-        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
-        ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
-                if c["choices"][0]["finish_reason"]}
-        assert ends == {0: "abort", 1: "abort"}
-        assert process.wait(timeout=60) == code
-        output = process.stdout.read()
-        assert f"{sig.name}: no new requests" in output and '"abort"' in output
-        assert "Traceback" not in output
-    finally:
-        process.kill()
-        process.wait()
-
-
 def test_openapi_describes_each_request_body_as_the_server_checks_it(server, client):
     # A schema-driven tool reads /openapi.json: each bound it gives must be the server's. Every
     # ranged field's value just past its bound gets a 400 naming it; the bound itself, a 200.
@@ -1112,7 +1008,7 @@ def test_stop_token_ids_end_an_answer_and_a_stop_string_may_stay_in_it(server, o
     cut = offline.generate(PROMPTS[:1], SamplingParams(**greedy, stop_token_ids=[stop_id]),
                            use_tqdm=False)[0].outputs[0]
     assert cut.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
-    assert cut.text == offline.get_tokenizer().decode(cut.token_ids[:-1])
+    assert cut.text == offline.tokenizer.decode(cut.token_ids[:-1])
     assert cut.finish_reason == "stop"
     stop = free.text[len(free.text) // 2:][:3]
     kept = offline.generate(PROMPTS[:1], SamplingParams(**greedy, stop=[stop],
@@ -1195,29 +1091,10 @@ def test_every_vllm_field_works_or_is_refused_by_name(server, path, base, skip, 
     assert served.status_code == 200, served.text
 
 
-def test_an_unknown_field_is_served_and_logged_and_openais_local_no_ops_are_taken(offline):
-    # As vLLM: a field of no request model is ignored, with one log line; OpenAI's `store`
-    # (which the openai package and LangChain may send) and its kin mean nothing here.
-    process, url = start_server()
-    try:
-        body = {"prompt": PROMPTS[0], **GREEDY, "no_such_field": 1, "store": True,
-                "metadata": {"a": "b"}, "service_tier": "auto"}
-        served = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert served.status_code == 200, served.text
-        expected = offline.generate(PROMPTS[:1], SamplingParams(**GREEDY), use_tqdm=False)
-        assert served.json()["choices"][0]["text"] == expected[0].outputs[0].text
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    logged = [line for line in process.stdout.read().splitlines() if "ignored" in line]
-    assert logged == ["The following fields were present in the request but ignored: "
-                      "['no_such_field']"]
-
-
 # Log-probabilities (features/logprobs/logprobs.py), as lm-evaluation-harness asks for them: token-id
 # prompts in a list, echo, logprobs 1, max_tokens 1, temperature 0. Held to the offline LLM's.
 def test_a_batch_of_token_prompts_with_echo_gives_the_offline_prompt_logprobs(server, offline):
-    prompts = [offline.get_tokenizer().encode_prompt(p)[:20] for p in PROMPTS[:3]]
+    prompts = [offline.tokenizer.encode_prompt(p)[:20] for p in PROMPTS[:3]]
     served = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                         json={"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1,
                               "max_tokens": 1, "temperature": 0}, timeout=60).json()
@@ -1246,7 +1123,7 @@ def test_an_echoed_answer_that_ends_at_its_one_stop_token_scores_that_token(serv
     # lm-eval's loglikelihood: echo, logprobs, max_tokens 1, and it sums token_logprobs[ctxlen:-1].
     # When the one token drawn ends the answer (here a stop token id; end-of-text alike) it is
     # still the answer's token: in token_ids, the usage and the scored list, not in the text.
-    prompt = offline.get_tokenizer().encode_prompt(PROMPTS[2])[:17]
+    prompt = offline.tokenizer.encode_prompt(PROMPTS[2])[:17]
     free = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=1),
                             use_tqdm=False)[0].outputs[0]
     [stop_id] = free.token_ids
@@ -1260,7 +1137,7 @@ def test_an_echoed_answer_that_ends_at_its_one_stop_token_scores_that_token(serv
     scored = choice["logprobs"]["token_logprobs"]
     assert len(scored) == len(prompt) + 1
     assert scored[-1] == pytest.approx(free.logprobs[0][stop_id].logprob, abs=1e-5)
-    assert choice["text"] == offline.get_tokenizer().decode(prompt)  # the prompt, nothing after
+    assert choice["text"] == offline.tokenizer.decode(prompt)  # the prompt, nothing after
 
 
 def test_chat_logprobs_and_a_streamed_completions_logprobs_are_the_offline_ones(server, client,
@@ -1300,7 +1177,7 @@ def test_what_logprobs_do_not_combine_with_is_a_400_naming_the_field(server):
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm(server, client, offline):
-    ids = offline.get_tokenizer().encode_prompt(PROMPTS[3])
+    ids = offline.tokenizer.encode_prompt(PROMPTS[3])
     served = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
                                        extra_body={"truncate_prompt_tokens": 5})
     alone = offline.generate([ids[-5:]], SamplingParams(max_tokens=6, temperature=0),
@@ -1333,8 +1210,8 @@ def test_a_chat_goes_on_with_its_last_message_as_the_offline_chat(server, client
     post = lambda path, body: httpx.post(server + path, json=body,
                                          headers={"Authorization": f"Bearer {KEY}"})
     closed = post("/tokenize", {"messages": chat, "add_generation_prompt": False}).json()["tokens"]
-    opened = offline.get_tokenizer().chat(chat)  # Llama 3's template: ... <|eot_id|>, a header
-    assert opened[:len(closed)] == closed and closed[-1] == offline.get_tokenizer().special[
+    opened = offline.tokenizer.chat(chat)  # Llama 3's template: ... <|eot_id|>, a header
+    assert opened[:len(closed)] == closed and closed[-1] == offline.tokenizer.special[
         "<|eot_id|>"]
     assert alone.prompt_token_ids == closed[:-1]  # the last turn open: no <|eot_id|>
     both = post("/v1/chat/completions", {"messages": chat, "continue_final_message": True})
@@ -1342,7 +1219,7 @@ def test_a_chat_goes_on_with_its_last_message_as_the_offline_chat(server, client
 
 
 def test_return_token_ids_gives_the_offline_ids_whole_or_streamed(server, client, offline):
-    ids = offline.get_tokenizer().encode_prompt(PROMPTS[5])
+    ids = offline.tokenizer.encode_prompt(PROMPTS[5])
     greedy = SamplingParams(max_tokens=6, temperature=0)
     alone = offline.generate([ids], greedy, use_tqdm=False)[0].outputs[0]
     served = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
@@ -1354,7 +1231,7 @@ def test_return_token_ids_gives_the_offline_ids_whole_or_streamed(server, client
                                           temperature=0, stream=True,
                                           extra_body={"return_token_ids": True})
     chunks = [c.model_dump() for c in chat]
-    assert chunks[0]["prompt_token_ids"] == offline.get_tokenizer().chat(messages)
+    assert chunks[0]["prompt_token_ids"] == offline.tokenizer.chat(messages)
     streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
     assert streamed == offline.chat(messages, greedy, use_tqdm=False)[0].outputs[0].token_ids
     plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2).model_dump()

@@ -129,6 +129,12 @@ def test_the_apis_prompts_are_transformers_tokens_control_tokens_and_all(ours):
               != theirs(t, add_special_tokens=False).input_ids]
     assert not differ, f"{len(differ)} of {len(texts)} texts differ, e.g. {differ[:3]}"
     assert all(ours.decode(ours.encode_prompt(t)) == t for t in texts)
+    as_transformers = ours.transformers()  # LLM.get_tokenizer()'s
+    assert all(as_transformers(t).input_ids == ours.encode_prompt(t) for t in texts)
+    assert as_transformers.eos_token == theirs.eos_token == "<|im_end|>"
+    chat = [{"role": "user", "content": "Count to 3."}]
+    assert as_transformers.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) \
+        == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
 
 def expected_tokens(model, prompt_tokens: list[int], max_new_tokens: int, stop_id: int) -> list[int]:
@@ -204,7 +210,7 @@ def test_the_api_takes_the_checkpoint_path_and_answers_as_the_preset_that_names_
     answers = [llm.chat(question, greedy, use_tqdm=False)[0] for llm in (by_path, by_name)]
     assert answers[0].outputs[0].token_ids == answers[1].outputs[0].token_ids
     assert "capital of France" in answers[0].prompt
-    encode = lambda llm: llm.get_tokenizer().encode_prompt("Paris")
+    encode = lambda llm: llm.tokenizer.encode_prompt("Paris")
     assert encode(by_path) == encode(by_name)
     assert by_path.generate("Paris is", greedy, use_tqdm=False)[0].prompt == "Paris is"
     with pytest.raises(UserError, match="neither a preset .* nor a checkpoint"):
