@@ -89,7 +89,11 @@ class LLM:
                              f"{str(prompts)[:80]}")
         texts = [p.get("prompt") if isinstance(p, dict) else p if isinstance(p, str) else None
                  for p in prompts]
-        return self._run([self._token_ids(p) for p in prompts], sampling_params, use_tqdm, texts)
+        try:
+            token_lists = [self._token_ids(p) for p in prompts]
+        except ValueError as e:  # a text the tokenizer cannot take: said of the argument
+            raise ValueError(f"prompts: {e}") from None
+        return self._run(token_lists, sampling_params, use_tqdm, texts)
 
     def _token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
@@ -114,8 +118,11 @@ class LLM:
                              "add_generation_prompt=False with it")
         if conversations and isinstance(conversations[0], dict):  # one conversation
             conversations = [conversations]
-        token_lists = [self.tokenizer.chat(chat_messages(c), add_generation_prompt,
-                                           continue_final_message) for c in conversations]
+        try:
+            token_lists = [self.tokenizer.chat(chat_messages(c), add_generation_prompt,
+                                               continue_final_message) for c in conversations]
+        except ValueError as e:  # a malformed message, or text the tokenizer cannot take
+            raise ValueError(f"messages: {e}") from None
         texts = [self.tokenizer.decode(tokens) for tokens in token_lists]  # the templated prompt
         return self._run(token_lists, sampling_params, use_tqdm, texts)
 

@@ -897,8 +897,10 @@ def test_the_api_takes_vllms_prompt_and_conversation_shapes(offline):
     (lambda llm: llm.generate([{"text": "hi"}]), "a prompt is a text"),
     (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=2.5)), "max_tokens = 2.5"),
     (lambda llm: llm.generate(["hi"], SamplingParams(n=True)), "n = True"),
-    (lambda llm: llm.generate(["a\ud800"]), "lone UTF-16 surrogate (U+D800 at character 1)"),
-    (lambda llm: llm.chat([{"role": "user", "content": "\udfff"}]), "lone UTF-16 surrogate"),
+    (lambda llm: llm.generate(["a\ud800"]),
+     "prompts: the text holds a lone UTF-16 surrogate (U+D800 at character 1)"),
+    (lambda llm: llm.chat([{"role": "user", "content": "\udfff"}]),
+     "messages: the text holds a lone UTF-16 surrogate"),
 ])
 def test_a_malformed_prompt_or_parameter_is_a_value_error_that_names_it(offline, call, says):
     with pytest.raises(ValueError, match=re.escape(says)):
