@@ -64,8 +64,8 @@ class LLM:
                 raise UserError(f"model={model!r} is neither a preset ({', '.join(MODELS)}) nor a "
                                 f"checkpoint folder or .gguf file that exists.")
             model, options = None, {"ckpt_dir": model} | options  # None: --model's default
-        self.engine = LLMEngine(cache, model=model, **options)
-        self.tokenizer = self.engine.tokenizer  # the engine's own (plumbing/)
+        self.llm_engine = LLMEngine(cache, model=model, **options)
+        self.tokenizer = self.llm_engine.tokenizer  # the engine's own (plumbing/)
         self.transformers_tokenizer = None  # get_tokenizer's, made when first asked
 
     def get_tokenizer(self):
@@ -136,21 +136,21 @@ class LLM:
                              f"one for all, or one each")
         outputs: dict[str, RequestOutput] = {}  # by request id, in the prompts' order
         pending = deque(enumerate(token_lists))
-        generated_before, start = self.engine.num_generated_tokens, time.perf_counter()
+        generated_before, start = self.llm_engine.num_generated_tokens, time.perf_counter()
         bar = tqdm(total=len(token_lists), desc="Processed prompts", unit="prompt",
                    disable=not use_tqdm)
         try:
-            while pending or self.engine.has_unfinished():
+            while pending or self.llm_engine.has_unfinished():
                 self._add_while_rows_are_free(pending, params, outputs, texts)
-                for sequence in self.engine.step():
+                for sequence in self.llm_engine.step():
                     if sequence.finish_reason is not None and self._keep(sequence, outputs):
-                        generated = self.engine.num_generated_tokens - generated_before
+                        generated = self.llm_engine.num_generated_tokens - generated_before
                         rate = generated / (time.perf_counter() - start)
                         bar.set_postfix_str(f"output {rate:,.0f} tokens/s", refresh=False)
                         bar.update()
         except BaseException:  # a bad prompt, Ctrl-C: this call's requests end with it, so that
             for request_id in outputs:  # none is left running for the next call to find
-                self.engine.abort(request_id)
+                self.llm_engine.abort(request_id)
             raise
         finally:
             bar.close()
@@ -162,22 +162,22 @@ class LLM:
         while pending:
             i, tokens = pending[0]
             try:
-                request_id = self.engine.add_request(tokens, params[i], f"offline-{i}")
+                request_id = self.llm_engine.add_request(tokens, params[i], f"offline-{i}")
             except QueueFull:
                 return
             pending.popleft()
             outputs[request_id] = RequestOutput(request_id, texts[i],
-                                                self.engine.truncated(tokens, params[i]),
+                                                self.llm_engine.truncated(tokens, params[i]),
                                                 [None] * params[i].n)
 
     def _keep(self, sequence: Sequence, outputs: dict) -> bool:
         """An ended sample's output, in its request's place; whether the request is done."""
         output, tokens = outputs[sequence.request_id], list(sequence.request.output_tokens)
-        logprobs = self.engine.logprobs_of(sequence)
+        logprobs = self.llm_engine.logprobs_of(sequence)
         cumulative = (None if logprobs is None else
                       sum(chosen[t].logprob for chosen, t in zip(logprobs, tokens)))
         output.outputs[sequence.index] = CompletionOutput(
             sequence.index, sequence.text, tokens, sequence.finish_reason, logprobs, cumulative)
         if output.prompt_logprobs is None:
-            output.prompt_logprobs = self.engine.prompt_logprobs_of(sequence)
+            output.prompt_logprobs = self.llm_engine.prompt_logprobs_of(sequence)
         return output.finished

@@ -37,7 +37,7 @@ import llama3_paged as lesson
 from block_manager import to_device
 from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
 from engine.scheduler import RequestTooLarge, Scheduler
-from engine.sequence import ServedRequest, Status
+from engine.request import ServedRequest, Status
 from engine.swap import HostBlocks
 from engine.config import Config
 from engine.loader import load
@@ -304,13 +304,13 @@ class LLMEngine:
         # the per-row sampler (a graph would have recorded one path for every row forever).
         # Chosen as each step is launched, which with overlapped steps is a step ahead of the
         # one `step` returns.
-        self.engine = make_engine(self.run, model_forward(self.run, progress), self.cache,
+        self.runner = make_engine(self.run, model_forward(self.run, progress), self.cache,
                                   self.manager, self.sampler, max_num_seqs, progress,
                                   arrivals=True,  # a client's, or the server's
                                   graph_sampler=greedy, eager_when=self.sampler.runs_eagerly,
                                   served=True)
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [], served=True)
-        self.engine.serve(max_num_seqs)
+        self.runner.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row
         self.tokenizer, self.max_seq_len = self.run.tokenizer, self.context_the_pool_holds()
@@ -381,7 +381,7 @@ class LLMEngine:
         if any(t >= vocab_size for t in params.logit_bias or {}):
             raise ValueError(f"a logit_bias token id is outside the vocabulary of {vocab_size:,}")
         asked = [k for k in (params.logprobs, params.prompt_logprobs) if k is not None]
-        if asked and (not self.engine.logprobs or max(asked) > self.run.args.max_logprobs):
+        if asked and (not self.runner.logprobs or max(asked) > self.run.args.max_logprobs):
             raise ValueError(f"logprobs and prompt_logprobs may ask for at most "
                              f"{self.run.args.max_logprobs} top tokens here (--max-logprobs)")
         if params.n > len(self.free_rows):
@@ -410,10 +410,10 @@ class LLMEngine:
             for index, request in enumerate(requests):
                 self.sampler.set_row(request.row, params, index, seed, prompt_token_ids,
                                      self.held_back_by_min_tokens(params))
-                if self.engine.logprobs:
-                    self.engine.logprobs.set_row(request.row, params.logprobs,
+                if self.runner.logprobs:
+                    self.runner.logprobs.set_row(request.row, params.logprobs,
                                                  params.prompt_logprobs)
-                self.engine.set_last_token(request.row, last_token[0])
+                self.runner.set_last_token(request.row, last_token[0])
                 self.sequences[request.row] = Sequence(request, request_id, index, params)
         except BaseException as e:  # the request leaves no trace: its rows are free again
             for row in rows:
@@ -460,8 +460,8 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return []
         if self._steps is None:
-            self._steps = self.engine.steps(self.scheduler, frozenset())  # stops: checked here
-        self.engine.time_next_step()
+            self._steps = self.runner.steps(self.scheduler, frozenset())  # stops: checked here
+        self.runner.time_next_step()
         try:
             step = next(self._steps)
         except StopIteration:
@@ -518,7 +518,7 @@ class LLMEngine:
             return
         sequence.finish_reason, request = reason, sequence.request
         if request.status == Status.RUNNING:
-            self.engine.let_go(request, self.scheduler)
+            self.runner.let_go(request, self.scheduler)
         elif request in self.scheduler.waiting:
             self.scheduler.drop(request)
         self._release(sequence)
@@ -530,8 +530,8 @@ class LLMEngine:
     def _release_row(self, row: int) -> None:
         self.sequences.pop(row, None)
         self.sampler.release(row)
-        if self.engine.logprobs:
-            self.engine.logprobs.release(row)
+        if self.runner.logprobs:
+            self.runner.logprobs.release(row)
         self.free_rows.append(row)
 
     def logprobs_of(self, sequence: Sequence, start: int = 0) -> list[dict] | None:

@@ -35,7 +35,7 @@ import torch
 from block_manager import to_device
 from engine.kv_cache import CachedPrefillBatch
 from engine.scheduler import Step
-from engine.sequence import ServedRequest, Status, append_tokens_at
+from engine.request import ServedRequest, Status, append_tokens_at
 from features.longest_first import longest_first
 from llama3_paged import DecodeBatch, PrefillBatch, packed_passes
 from plumbing import cli

@@ -44,7 +44,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from engine.sequence import ServedRequest, Status
+from engine.request import ServedRequest, Status
 from engine.swap import HostBlocks
 from plumbing.inputs import TOKENS_PER_PASS
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from block_manager import to_device
 from engine.scheduler import Step
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from engine.pools import shares_blocks
 from plumbing.cli import format_bytes, torchrun_process, write_json
 

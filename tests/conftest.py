@@ -125,7 +125,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     each decode step's rows longest first (features/longest_first.py); `compiled`: the model's
     layers compiled (engine/model_runner.py's ModelForward; the cache made `compiled` too)."""
     from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
-    from engine.sequence import ServedRequest
+    from engine.request import ServedRequest
     from engine.scheduler import Scheduler
     from engine.swap import HostBlocks
     from features.sharing.block_manager import SharingBlockManager
@@ -151,7 +151,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
 
 def request(row: int, n: int, first: int = 0):
     """A request of n distinct prompt tokens, for the block manager's tests."""
-    from engine.sequence import ServedRequest
+    from engine.request import ServedRequest
     return ServedRequest(row, tokens(n, first), max_new_tokens=1)
 
 

@@ -10,7 +10,7 @@ import torch
 from block_manager import BlockManager
 from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from engine.model_runner import greedy
 from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix

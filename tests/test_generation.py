@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from conftest import engine_model, generate, random_ids, request

@@ -739,11 +739,11 @@ def test_launching_a_prefill_never_waits_for_the_gpu(eager):
     engine.step()  # its prefill recorded, its first decode step in flight
     engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
     step = engine.scheduler.schedule()
-    assert step.kind == "prefill" and engine.engine.in_flight is not None
+    assert step.kind == "prefill" and engine.runner.in_flight is not None
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():  # as LLMEngine.step launches it
-            engine.engine.launch(step, engine.scheduler)
+            engine.runner.launch(step, engine.scheduler)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -779,7 +779,7 @@ def test_logprobs_from_cuda_graphs_are_the_eager_steps_and_change_no_token():
     runs = {}
     for eager in (False, True):
         llm = LLM(**options, eager=eager)
-        assert (llm.engine.engine.logprobs.graphs is None) == eager
+        assert (llm.llm_engine.runner.logprobs.graphs is None) == eager
         runs[eager] = llm.generate(prompts, asked, use_tqdm=False)
         plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                      ignore_eos=True), use_tqdm=False)

@@ -60,7 +60,7 @@ def test_bias_and_penalties_are_the_references_beside_rows_that_ask_for_nothing(
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = llm.generate(PROMPTS, plain, use_tqdm=False)
     together = llm.generate(PROMPTS + PROMPTS, [PENALIZED] * 3 + [plain] * 3, use_tqdm=False)
-    model = llm.engine.run.model
+    model = llm.llm_engine.run.model
     for prompt, output in zip(PROMPTS, together[:3]):
         assert output.outputs[0].token_ids == reference(model, prompt, PENALIZED)
     assert [o.outputs[0].token_ids for o in together[3:]] == [
@@ -82,9 +82,9 @@ def test_penalties_count_the_tokens_of_recomputed_and_chunked_requests():
               max_batched_tokens=16)
     params = SamplingParams(**vars(PENALIZED) | {"max_tokens": 16})
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     for prompt, output in zip(PROMPTS, outputs):
-        assert output.outputs[0].token_ids == reference(llm.engine.run.model, prompt, params)
+        assert output.outputs[0].token_ids == reference(llm.llm_engine.run.model, prompt, params)
 
 
 def test_min_tokens_holds_back_the_stop_tokens_and_then_lets_them_end(llm):
@@ -95,7 +95,7 @@ def test_min_tokens_holds_back_the_stop_tokens_and_then_lets_them_end(llm):
                             logit_bias={first: 3.0})
     got = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     stop_ids = {first} | llm.tokenizer.stop_ids
-    expected = reference(llm.engine.run.model, PROMPTS[0], params, stop_ids)
+    expected = reference(llm.llm_engine.run.model, PROMPTS[0], params, stop_ids)
     assert len(got.token_ids) >= 4 and first not in got.token_ids[:4]
     # the stop token ends the answer and is kept in its token ids, as vLLM keeps it
     assert got.token_ids == expected[:expected.index(first) + 1] and got.finish_reason == "stop"
@@ -106,7 +106,7 @@ def test_min_p_draws_only_tokens_within_it_of_the_likeliest(llm):
     for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
         ids = prompt + output.outputs[0].token_ids
         for at in range(len(prompt), len(ids)):
-            logits = last_logits(llm.engine.run.model, ids[:at])[None]
+            logits = last_logits(llm.llm_engine.run.model, ids[:at])[None]
             kept = MinPLogitsWarper(0.9)(torch.tensor([ids[:at]]), logits)[0]
             assert kept[ids[at]] > -float("inf"), f"token {at} is below min_p"
 

@@ -52,7 +52,7 @@ def test_prompt_and_generated_logprobs_are_one_whole_pass_and_change_no_token(ll
                            prompt_logprobs=2)
     outputs = llm.generate(PROMPTS, asked, use_tqdm=False)
     for output in outputs:
-        assert_scored_as_one_pass(llm.engine.run.model, output, prompt_k=2, k=3)
+        assert_scored_as_one_pass(llm.llm_engine.run.model, output, prompt_k=2, k=3)
     plain = llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
@@ -72,7 +72,7 @@ def test_a_stop_token_stays_in_the_token_ids_scored_and_out_of_the_text(llm):
     assert sample.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
     assert sample.finish_reason == "stop" and len(sample.logprobs) == len(sample.token_ids)
     assert sample.text == llm.tokenizer.decode(sample.token_ids[:-1])
-    assert_scored_as_one_pass(llm.engine.run.model, output, prompt_k=1, k=2)
+    assert_scored_as_one_pass(llm.llm_engine.run.model, output, prompt_k=1, k=2)
 
 
 def test_chunked_and_preempted_prompts_are_scored_as_one_pass():
@@ -81,9 +81,9 @@ def test_chunked_and_preempted_prompts_are_scored_as_one_pass():
     llm = LLM(**MODEL | {"num_blocks": 5}, max_num_seqs=3, no_sharing=True, max_batched_tokens=16)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
                                                    logprobs=1, prompt_logprobs=1), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     for output in outputs:
-        assert_scored_as_one_pass(llm.engine.run.model, output, prompt_k=1, k=1)
+        assert_scored_as_one_pass(llm.llm_engine.run.model, output, prompt_k=1, k=1)
 
 
 def test_sampled_tokens_are_scored_before_temperature_and_each_sample_scores_the_prompt(llm):
@@ -94,11 +94,11 @@ def test_sampled_tokens_are_scored_before_temperature_and_each_sample_scores_the
     for sample in output.outputs:
         one = type(output)(output.request_id, None, output.prompt_token_ids, [sample],
                            output.prompt_logprobs)
-        assert_scored_as_one_pass(llm.engine.run.model, one, prompt_k=0, k=0)
+        assert_scored_as_one_pass(llm.llm_engine.run.model, one, prompt_k=0, k=0)
         assert all(len(d) == 1 for d in sample.logprobs)  # logprobs=0: the token's own alone
 
 
 def test_more_top_logprobs_than_max_logprobs_are_refused(llm):
     with pytest.raises(ValueError, match=r"at most 20 top tokens here \(--max-logprobs\)"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.llm_engine.has_unfinished()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from block_manager import BlockManager
 from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from engine.model_runner import greedy
 from engine.scheduler import Scheduler
 from engine.model_runner import ModelRunner

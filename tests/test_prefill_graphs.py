@@ -140,7 +140,7 @@ def test_the_served_engine_gives_the_same_tokens_through_each_cache_with_prefill
     def served_tokens(cache) -> dict:
         engine = LLMEngine(cache, len(prompts), model="tiny", random_weights=True, kv_budget_gb=0.5,
                            max_seq_len=1024)
-        assert isinstance(engine.engine.prefill_graphs, GraphPrefill)
+        assert isinstance(engine.runner.prefill_graphs, GraphPrefill)
         finished = {}
         for prompt in prompts + [None] * 100:  # then steps until every request is done
             if prompt is not None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from conftest import engine_model, generate, random_ids
 from engine.scheduler import RequestTooLarge, Scheduler
 from features.sharing.block_manager import SharingBlockManager

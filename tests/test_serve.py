@@ -181,7 +181,7 @@ def test_n_samples_share_their_prompts_blocks_and_draw_the_unshared_samples_toke
     tokens = lambda llm: [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], params)]
     answers = tokens(shared)
     assert answers == tokens(unshared)
-    assert shared.engine.manager.num_shared > 0, "the forks took the prompt's blocks"
+    assert shared.llm_engine.manager.num_shared > 0, "the forks took the prompt's blocks"
     assert len({tuple(t) for t in answers[0]}) > 1, "four samples, not one copied"
 
 
@@ -557,7 +557,7 @@ def test_a_served_requests_latency_counts_from_its_arrival_at_the_engines_proces
     that a client's time to first token less the server's is HTTP's alone."""
     import queue
     from engine.engine_process import take_commands
-    engine, inbox, answers = offline.engine, queue.Queue(), []
+    engine, inbox, answers = offline.llm_engine, queue.Queue(), []
     command = ("add", "waited", {"ids": [1, 2, 3]}, {"max_tokens": 2, "temperature": 0})
     inbox.put((command, time.perf_counter() - 0.5))
     assert take_commands(engine, inbox, type("Results", (), {"send": answers.append}), block=False,
@@ -600,7 +600,7 @@ def test_max_tokens_past_the_context_is_refused_by_the_api_as_by_the_server():
     with pytest.raises(ValueError, match=r"max_tokens is too large: 1,000,000,000,000\. The "
                                          r"context is 64 tokens") as refused:
         llm.generate("hi", SamplingParams(max_tokens=10**12), use_tqdm=False)
-    assert "request" not in str(refused.value) and not llm.engine.has_unfinished()
+    assert "request" not in str(refused.value) and not llm.llm_engine.has_unfinished()
     whole = llm.generate("hi", SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
                          use_tqdm=False)[0]  # None: the context left, as vLLM's None
     assert len(whole.prompt_token_ids) + len(whole.outputs[0].token_ids) == 64
@@ -618,7 +618,7 @@ def test_the_context_is_fitted_to_the_pool_and_the_default_answer_fills_what_is_
     assert answer.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match=r"context is 129 tokens \(what the KV pool holds"):
         llm.generate("hi", SamplingParams(max_tokens=200), use_tqdm=False)
-    assert llm.engine.manager.num_used_blocks == 0  # the whole pool was the answer's, and is back
+    assert llm.llm_engine.manager.num_used_blocks == 0  # the whole pool was the answer's, and is back
 
 
 def test_what_generate_cannot_read_is_refused_by_name(offline):
@@ -628,7 +628,7 @@ def test_what_generate_cannot_read_is_refused_by_name(offline):
     with pytest.raises(ValueError, match="sampling_params is a SamplingParams"):
         offline.generate(["hi"], {"max_tokens": 2}, use_tqdm=False)
     done = offline.generate("hi", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
-    assert len(done[0].outputs[0].token_ids) == 2 and not offline.engine.has_unfinished()
+    assert len(done[0].outputs[0].token_ids) == 2 and not offline.llm_engine.has_unfinished()
 
 
 def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, monkeypatch):
@@ -637,7 +637,7 @@ def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, 
     failed, its rows are free again, and the request after it runs."""
     import queue
     from engine.engine_process import take_commands
-    engine, inbox, answers = offline.engine, queue.Queue(), []
+    engine, inbox, answers = offline.llm_engine, queue.Queue(), []
     free_rows, set_row = len(engine.free_rows), engine.sampler.set_row
 
     def fails_at_seed_13(row, params, sample, *rest):
@@ -661,7 +661,7 @@ def test_a_request_the_engine_fails_at_fails_alone_and_leaves_no_trace(offline, 
 def test_the_served_engine_runs_the_model_in_inference_mode(offline, monkeypatch):
     """As the scripts' Engine.generate and the CUDA graphs' capture: in another mode, compiled
     layers would compile again for it."""
-    modes = forward_modes(offline.engine.run.model, monkeypatch)
+    modes = forward_modes(offline.llm_engine.run.model, monkeypatch)
     offline.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert modes and all(modes)
 
@@ -794,7 +794,7 @@ def test_a_generate_that_raises_leaves_nothing_running_for_the_next(offline):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         offline.generate([PROMPTS[5], PROMPTS[6], [10**9]],
                          [SamplingParams(max_tokens=2), greedy, greedy], use_tqdm=False)
-    assert not offline.engine.has_unfinished()
+    assert not offline.llm_engine.has_unfinished()
     again = offline.generate(PROMPTS[3:4], greedy, use_tqdm=False)
     assert again[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
@@ -905,7 +905,7 @@ def test_the_api_takes_vllms_prompt_and_conversation_shapes(offline):
 def test_a_malformed_prompt_or_parameter_is_a_value_error_that_names_it(offline, call, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         call(offline)
-    assert not offline.engine.has_unfinished()
+    assert not offline.llm_engine.has_unfinished()
 
 
 def test_content_as_text_parts_is_read_as_vllm_reads_it_and_other_parts_get_a_400(server, client,

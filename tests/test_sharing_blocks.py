@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from block_manager import OutOfBlocks
 from conftest import tokens
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from llama3_paged import Request
 from features.sharing.block_manager import SharingBlockManager
 

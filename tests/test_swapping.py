@@ -9,7 +9,7 @@ import torch
 from block_manager import BlockManager
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from engine.model_runner import greedy
 from engine.scheduler import Scheduler
 from engine.swap import HostBlocks

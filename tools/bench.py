@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from engine.sequence import ServedRequest, append_tokens_at
+from engine.request import ServedRequest, append_tokens_at
 from engine.model_runner import greedy
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch, Llama
@@ -171,7 +171,7 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     for every running request (a new block only at a boundary), then the blocks of those that
     finish back to the pool. Requests wait in the queue to take their places, so that `running`
     stay running. On the CPU, as the scripts do it between two GPU steps. Recording each
-    request's new token (engine/sequence.py's append_tokens_at) happens between the two and is not counted."""
+    request's new token (engine/request.py's append_tokens_at) happens between the two and is not counted."""
     rng = np.random.default_rng(0)
     n = 4 * running
     prompt_lens, limits = rng.integers(1, 1000, n), rng.integers(1, 1000, n)

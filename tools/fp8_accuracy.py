@@ -66,7 +66,7 @@ def run_cache(run, model, cache_class, prompts, steps, forced=None) -> ForcedSam
     from block_manager import BlockManager
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
-    from engine.sequence import ServedRequest
+    from engine.request import ServedRequest
     block_size = 16
     blocks_each = max(len(p) for p in prompts) // block_size + steps // block_size + 2
     num_blocks = blocks_each * len(prompts)

@@ -32,7 +32,7 @@ import torch
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache
 from engine.model_runner import ModelForward
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from llama3_paged import FlashAttention
 from llama3_paged import Decoder
 from plumbing.inputs import random_model

@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 import llama3_virtual
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from engine.model_runner import greedy
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, device, first_paragraph, fraction, gigabytes,

@@ -45,7 +45,7 @@ from block_manager import BlockManager
 from engine.scheduler import Step
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache
-from engine.sequence import ServedRequest
+from engine.request import ServedRequest
 from engine.swap import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
