@@ -25,11 +25,11 @@ class FP8VirtualKVCache(Float8Writes, EngineVirtualKVCache):
     """Rows of float8 K and V, with a scale for each per layer."""
 
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
-                 layout: str, compiled: bool = False):
-        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout,
-                         compiled=compiled)
+                 layout: str):
+        super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
         self.init_scales(args.n_layers, device)
 
+    @torch.compiler.disable  # left out of compiled layers (engine/kv_cache.py)
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in float8, then attend."""
         slots = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # [rows * row_tokens, ...]

@@ -12,7 +12,8 @@
 - **A spare slot** past the pool's last block, in no block, where the padding rows of a CUDA
   graph (features/cuda_graphs.py, features/prefill_graphs.py) write the K/V that no one reads.
 - **Left out of compiled layers** (engine/compiled_layers.py): the cache's writes and the
-  attention kernel run as they are, between the layers' two compiled graphs.
+  attention kernel run as they are, between the layers' two compiled graphs. Declared on the
+  method, so it holds for every cache of the engine; run eagerly, it costs about 1 us a call.
 
 Attention is the seam of the backends: `attend_with` is where features/cascade/attention.py puts its
 two-part attention around the backend chosen at start-up, once a system prompt's blocks are known.
@@ -44,14 +45,11 @@ class CachedPrefillBatch:
 
 class EngineKVCache(lesson.KVCache):
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention,
-                 spare_slot: bool = False, compiled: bool = False):
-        """spare_slot: one slot more, for CUDA graphs' padding rows. compiled: the layers around
-        this cache are compiled, and its attention is left out of their graphs."""
+                 spare_slot: bool = False):
+        """spare_slot: one slot more, for CUDA graphs' padding rows."""
         self.has_spare_slot = spare_slot
         super().__init__(args, num_blocks, block_size, dtype, device, attention)
         self.spare_slot = self.num_slots  # the slot past the last block, if allocated
-        if compiled:
-            self.attention = torch.compiler.disable(self.attention)
 
     def slots_shape(self, args) -> tuple[int, ...]:
         return (args.n_layers, self.num_slots + self.has_spare_slot, args.n_kv_heads, args.head_dim)
@@ -64,6 +62,7 @@ class EngineKVCache(lesson.KVCache):
         """Attention through `backend` from now on (features/cascade/attention.py's)."""
         self.attention_backend = backend
 
+    @torch.compiler.disable
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         """The lesson's, with the write in one kernel on CUDA and prompts after cached tokens."""
         self.write(layer, k, v, batch)

@@ -33,7 +33,6 @@ from collections import deque
 import numpy as np
 import torch
 
-import llama3_paged as lesson
 from block_manager import to_device
 from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
 from engine.scheduler import RequestTooLarge, Scheduler
@@ -111,8 +110,8 @@ def make_scheduler(run, cache, manager, requests: list[ServedRequest],
             f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
             f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
             f"--max-new-tokens.", OUT_OF_MEMORY) from e
-    if args.script == "llama3_virtual.py":  # its page managers may map the next prompts'
-        manager.watch_queue(scheduler.waiting)  # pages ahead (features/virtual/mapping_ahead.py)
+    if args.cache == "virtual":  # its page managers may map the next prompts' pages ahead
+        manager.watch_queue(scheduler.waiting)  # (features/virtual/mapping_ahead.py)
     return scheduler
 
 

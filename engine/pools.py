@@ -40,14 +40,13 @@ def sampling_peak_bytes(run) -> int:
 def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     """The engine's pool (engine/kv_cache.py); with CUDA graphs, one spare slot more, for the
     graphs' padding rows."""
-    compiled = bool(run.args.compile)
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         if run.kv_cache_dtype is not None:
             from features.fp8.cache import FP8KVCache
             return FP8KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
-                              run.attention, compiled=compiled)
+                              run.attention)
         return EngineKVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
-                             run.attention, spare_slot=decodes_with_graphs(run), compiled=compiled)
+                             run.attention, spare_slot=decodes_with_graphs(run))
 
 
 def decodes_with_graphs(run: Run) -> bool:
@@ -63,7 +62,7 @@ def shares_blocks(run: Run, served: bool = False) -> bool:
     cache would find next to nothing (1% of W2's prompt tokens), and the lesson's block manager
     runs. The engine asks this of the flags, not of the manager's class."""
     args = run.args
-    return (args.script == "llama3_paged.py" and not args.no_sharing
+    return (args.cache == "paged" and not args.no_sharing
             and (served or args.samples > 1 or args.beam_width > 1 or caches_prefix(run)))
 
 
@@ -71,7 +70,7 @@ def caches_prefix(run: Run) -> bool:
     """Whether later prompts find a system prompt's blocks in the pool
     (features/sharing/prefix_cache.py)."""
     args = run.args
-    return (args.script == "llama3_paged.py" and not args.no_sharing
+    return (args.cache == "paged" and not args.no_sharing
             and run.system_prompt is not None and not args.no_prefix_cache)
 
 

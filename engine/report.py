@@ -90,7 +90,7 @@ def memory_report(run, cache, manager, generation) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token,
         "kv_pool_bytes": cache.nbytes,
         "kv_pool_blocks": manager.num_blocks,
-        "kv_pool_unit": "pages" if run.args.script == "llama3_virtual.py" else "blocks",
+        "kv_pool_unit": "pages" if run.args.cache == "virtual" else "blocks",
         "block_size_tokens": manager.block_size,
         "peak_allocated_bytes": (torch.cuda.max_memory_allocated(run.device)
                                  if run.device.type == "cuda" else None),

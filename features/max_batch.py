@@ -124,7 +124,7 @@ def lengths_known(run) -> bool:
     """Whether a replay can say what a batch needs: the paged script's static batch, random
     weights (each request grows to its reply's length, inputs.new_token_budgets), and each prompt
     its own blocks (no samples, beams or prefix cache sharing them)."""
-    return (run.args.script == "llama3_paged.py" and run.args.random_weights
+    return (run.args.cache == "paged" and run.args.random_weights
             and run.num_sequences == len(run.prompts) and run.system_prompt is None)
 
 

@@ -202,7 +202,7 @@ def test_compiled_layers_leave_short_prefill_passes_eager():
     from engine.kv_cache import EngineKVCache
     from engine.model_runner import ModelForward
     model = random_model(Llama, "tiny", "cpu", torch.float32, 256, seed=5)
-    cache = EngineKVCache(model.args, 16, 16, torch.float32, "cpu", TorchAttention(), compiled=True)
+    cache = EngineKVCache(model.args, 16, 16, torch.float32, "cpu", TorchAttention())
     tokens = torch.arange(40) % 100 + 1
     batch = PrefillBatch(torch.arange(40), torch.tensor([0, 25, 40], dtype=torch.int32), [0, 25, 40], 25)
     positions = torch.cat([torch.arange(25), torch.arange(15)])

@@ -83,7 +83,7 @@ def generate_on_gpu(model, prompts, budgets, num_blocks, block_size, graphs=Fals
     # Compiled, the model's layers are compiled for good: a test compiles a model of its own.
     cache_class = cache_class or functools.partial(EngineKVCache, spare_slot=True)
     cache = cache_class(model.args, num_blocks, block_size, model.output.weight.dtype, "cuda",
-                        attention(), compiled=compiled)
+                        attention())
     max_blocks = math.ceil(MAX_SEQ_LEN / block_size)
     manager = (SharingBlockManager(cache, n, max_blocks, prefix_caching=True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks, "cuda"))

@@ -34,7 +34,7 @@ def engine_with_blocks(model, cache_class, attention, prompts, block_size, devic
     """An engine whose pool holds blocks for `prompts` (rows 0..B-1), none computed yet."""
     num_blocks = sum(math.ceil(len(p) / block_size) for p in prompts) + 4
     cache = cache_class(model.args, num_blocks, block_size, model.output.weight.dtype, device,
-                        attention, compiled=compiled)
+                        attention)
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size),
                            device)
     for row, prompt in enumerate(prompts):

@@ -59,12 +59,12 @@ def parse_arguments(argv=None):
     return p.parse_args(argv)
 
 
-def one_pool(model, largest_batch: int, context: int, device, compiled: bool):
+def one_pool(model, largest_batch: int, context: int, device):
     """A pool holding `largest_batch` requests of `context` random tokens each. One pool for every
     batch size, so that compiled layers compile once (around this cache's attention)."""
     blocks_each = -(-(context + 1) // BLOCK_SIZE)
     cache = EngineKVCache(model.args, largest_batch * blocks_each, BLOCK_SIZE, torch.bfloat16,
-                          device, FlashAttention(), spare_slot=True, compiled=compiled)
+                          device, FlashAttention(), spare_slot=True)
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(largest_batch * blocks_each, BLOCK_SIZE, largest_batch, blocks_each, device)
     for r in range(largest_batch):
@@ -88,7 +88,7 @@ def measure(a) -> dict:
     model = random_model(Llama, "8b", device, torch.bfloat16, a.context_tokens + 1, seed=0)
     per_token, weights = decode_flops_per_token(model.args), weight_bytes_read_per_step(model)
     kv_per_token = model.args.kv_bytes_per_token(torch.bfloat16)
-    cache, manager = one_pool(model, max(a.batches), a.context_tokens, device, a.compile)
+    cache, manager = one_pool(model, max(a.batches), a.context_tokens, device)
     forward = ModelForward(model, compiled=a.compile)
     decoder, rows = Decoder(forward, cache, manager.block_table), []
     with torch.inference_mode():

@@ -116,13 +116,13 @@ class Float8Writes:
 class FP8KVCache(Float8Writes, EngineKVCache):
     """The pool in float8, with a spare slot for CUDA graphs' padding rows (used or not)."""
 
-    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention,
-                 compiled: bool = False):
+    def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention):
         super().__init__(args, num_blocks, block_size, FP8, device, attention,  # float8, any dtype
-                         spare_slot=True, compiled=compiled)
+                         spare_slot=True)
         self.init_scales(args.n_layers, device)
         self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
 
+    @torch.compiler.disable  # left out of compiled layers, as the engine's cache
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         self.write_float8(layer, k, v, batch, self.k[layer], self.v[layer])
         if isinstance(batch, CachedPrefillBatch):  # some prompts begin with cached tokens

@@ -12,13 +12,12 @@ from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager
 
 
 class EngineVirtualKVCache(llama3_virtual.VirtualKVCache):
-    def __init__(self, *args, compiled: bool = False):
-        """compiled: the layers around this cache are compiled (engine/compiled_layers.py), and
-        its attention is left out of their graphs."""
+    def __init__(self, *args):
         super().__init__(*args)
         self._rows_batch = self._rows = None  # the last decode batch's rows (rows_of)
-        if compiled:
-            self.attention = torch.compiler.disable(self.attention)
+
+    # Left out of compiled layers (engine/compiled_layers.py), as the engine's paged cache
+    attention = torch.compiler.disable(llama3_virtual.VirtualKVCache.attention)
 
     def rows_of(self, batch) -> torch.Tensor:
         """The lesson's, once per step rather than once per layer (two small kernels less in
@@ -51,8 +50,7 @@ def allocate_kv_cache(run, cache_class=EngineVirtualKVCache):
     args = run.args
     sync = args.sync_mapping or args.find_max_batch
     cache, manager = llama3_virtual.allocate_kv_cache(
-        run, cache_class, MappingInTheLoop if sync else mapping_ahead_manager,
-        compiled=bool(args.compile))
+        run, cache_class, MappingInTheLoop if sync else mapping_ahead_manager)
     if sync:
         return cache, manager
     seconds = manager.map_empty_rows()

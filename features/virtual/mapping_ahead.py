@@ -42,7 +42,7 @@ import torch
 from block_manager import BlockManager
 from engine.swap import consecutive_runs
 from plumbing.inputs import TOKENS_PER_PASS
-from virtual_pages import PageManager
+from virtual_pages import OutOfPages
 
 LOOKAHEAD_STEPS = 10  # vAttention's: pages are mapped up to 10 decode steps before they are needed
 MAP_RUN_TOKENS = 64  # a row found short gets pages for this many tokens more, in one call: 4 pages
@@ -127,7 +127,10 @@ class BackgroundMapper:
 
 
 class MappingAheadManager(BlockManager):
-    _check_free = PageManager._check_free  # out of pages, not blocks
+    def _check_free(self, needed: int) -> None:
+        """Out of pages, not blocks: the error the lesson's page manager raises."""
+        if needed > self.num_free_blocks:
+            raise OutOfPages(needed, self.num_free_blocks, self.num_blocks, self.block_size)
 
     def __init__(self, num_pages: int, tokens_per_page: int, max_requests: int,
                  pages_per_row: int, mapper: BackgroundMapper, device="cpu"):
