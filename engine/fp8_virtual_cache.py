@@ -25,9 +25,9 @@ class FP8VirtualKVCache(Float8Writes, EngineVirtualKVCache):
     """Rows of float8 K and V, with a scale for each per layer."""
 
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
-                 layout: str):
+                 layout: str, split_heads: bool = False):
         super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
-        self.init_scales(args.n_layers, device)
+        self.init_scales(args.n_layers, device, split_heads)
 
     @torch.compiler.disable  # left out of compiled layers (engine/kv_cache.py)
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:

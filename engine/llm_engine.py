@@ -23,6 +23,7 @@ What serving adds to the scripts' runs:
 """
 
 import dataclasses
+import functools
 import gc
 import itertools
 import math
@@ -60,7 +61,8 @@ def allocate_kv_cache(run: Run, served: bool = False):
         if run.kv_cache_dtype is None:
             return virtual.allocate_kv_cache(run)
         from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
-        return virtual.allocate_kv_cache(run, FP8VirtualKVCache)
+        return virtual.allocate_kv_cache(run, functools.partial(FP8VirtualKVCache,
+                                                                split_heads=run.split))
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 

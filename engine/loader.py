@@ -43,7 +43,7 @@ def use_fp8_weights(run: Run) -> None:
     """--quantization fp8: the loaded model's projections in float8 (features/fp8/weights.py),
     before the KV budget is taken from what the GPU has left: the pool gets what they free."""
     from features.fp8.weights import quantize_weights
-    before, after = quantize_weights(run.model)
+    before, after = quantize_weights(run.model, run.split)
     fixed = run.args.kv_budget_gb or run.device.type != "cuda"
     print(f"FP8 weights (--quantization fp8): the projections in float8, weights "
           f"{format_bytes(after)} where {str(run.dtype).removeprefix('torch.')} takes "

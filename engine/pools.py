@@ -44,7 +44,7 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
         if run.kv_cache_dtype is not None:
             from features.fp8.cache import FP8KVCache
             return FP8KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
-                              run.attention)
+                              run.attention, split_heads=run.split)
         return EngineKVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
                              run.attention, spare_slot=decodes_with_graphs(run))
 

@@ -713,6 +713,7 @@ class Run:
     num_sequences: int  # what the scheduler runs: a request per prompt, or per sample or beam
     system_prompt: str | None = None  # the system turn every request begins with, if any
     kv_cache_dtype: torch.dtype | None = None  # the pool's, where not the model's (fp8)
+    split: bool = False  # the model split over torchrun's processes (features/tensor_parallel.py)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -775,7 +776,7 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
                         f"tokenizer's {tokenizer.n_vocab:,}: they do not belong together.")
     return Run(args, device, dtype, model, attention, tokenizer, prompts,
-               len(prompts) * sequences_per_prompt, system_prompt)
+               len(prompts) * sequences_per_prompt, system_prompt, split=split)
 
 
 def new_token_budgets(run: Run) -> list[int]:

@@ -143,12 +143,12 @@ def reference_matmul(x8, x_scale, w8, w_scale) -> torch.Tensor:
     return (x8.float() @ w8.float().t()) * x_scale * w_scale
 
 
-def quantize_weights(model) -> tuple[int, int]:
+def quantize_weights(model, split: bool = False) -> tuple[int, int]:
     """Every projection of every layer in float8, each replaced as it is quantized, so that the
     16-bit copy of one matrix at most is alive beside the float8 ones. Returns the weights'
-    bytes before and after (tied weights counted once)."""
+    bytes before and after (tied weights counted once). split: the model is split over
+    torchrun's processes (features/tensor_parallel.py), so o and down hold input slices."""
     before = sum(p.nbytes for p in model.parameters())
-    split = dist.is_initialized()  # torchrun's processes: o and down hold input slices
     for layer in model.layers:
         # o and down write the residual stream: under torchrun their inputs are sliced, and their
         # few output columns split K at a decode step's rows
