@@ -106,7 +106,7 @@ def field(body: dict, name: str, kinds, default=None, check=None, why: str = "")
 
 def sampling_params(body: dict, max_n: int, default_max_tokens: int, max_logprobs: int = 20,
                     chat: bool = False) -> dict:
-    """features/sampling.py's SamplingParams, by name (the engine's process builds it). Without
+    """engine/sampler.py's SamplingParams, by name (the engine's process builds it). Without
     max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
     default_max_tokens: None, the context left (vLLM's defaults). One past the context left is
     refused by the engine, as by vLLM's server. Log-probabilities: a completion's `logprobs`
@@ -142,7 +142,7 @@ def sampling_params(body: dict, max_n: int, default_max_tokens: int, max_logprob
 
 
 def penalties(body: dict) -> dict:
-    """vLLM's logits processors' fields (features/sampling.py's RowProcessing), with OpenAI's
+    """vLLM's logits processors' fields (engine/sampler.py's RowProcessing), with OpenAI's
     ranges; logit_bias's token ids come as JSON's string keys."""
     number = lambda name, default, low, high: float(field(
         body, name, (int, float), default, lambda v: low <= v <= high,

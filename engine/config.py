@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import llama3_paged as lesson
+from engine.seams import plug
 from plumbing import inputs
 from plumbing.cli import (UserError, add_pool_arguments, argument_parser, fraction, gigabytes,
                           kv_cache_dtype, positive_int, refuse_output_over_input, request_rate,
@@ -353,7 +354,7 @@ def parser_with_features(cache: str, served: bool = False) -> argparse.ArgumentP
     the others never touch CUDA's virtual memory."""
     if cache == "virtual":
         import llama3_virtual as script
-        from features.virtual.kv_cache import add_layout_arguments as add_pool_flags
+        add_pool_flags = plug("virtual memory", "add_layout_arguments")
     else:
         import llama3_naive
         script, add_pool_flags = ((lesson, add_paged_feature_arguments) if cache == "paged"

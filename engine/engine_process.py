@@ -163,7 +163,7 @@ def take_commands(engine, inbox: queue.Queue, results, block: bool, echoes: set)
     """Add and abort what the server asked for since the last step; wait for work when idle.
     echoes: the ids of requests whose first updates carry their prompt's text (`echo`)."""
     from engine.llm_engine import QueueFull
-    from features.sampling import SamplingParams
+    from engine.sampler import SamplingParams
     took = False
     while True:
         try:

@@ -16,12 +16,14 @@ length). Prefill attends over the fresh 16-bit K/V, as in the paged FP8 cache.
 
 import torch
 
-from features.fp8.cache import FP8, Float8Writes
-from features.virtual.kv_cache import EngineVirtualKVCache
+from engine.seams import plug
 from llama3_paged import PrefillBatch
 
+FP8 = plug("FP8 K/V", "FP8")
 
-class FP8VirtualKVCache(Float8Writes, EngineVirtualKVCache):
+
+class FP8VirtualKVCache(plug("FP8 K/V", "Float8Writes"),
+                        plug("virtual memory", "EngineVirtualKVCache")):
     """Rows of float8 K and V, with a scale for each per layer."""
 
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,

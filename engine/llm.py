@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine, QueueFull, Sequence
-from features.sampling import SamplingParams, is_whole_number
+from engine.sampler import SamplingParams, is_whole_number
 from plumbing.cli import MODELS, UserError, chat_messages
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -15,9 +15,9 @@ What serving adds to the scripts' runs:
 - A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
   paged cache: the samples after the first fork (features/sharing/block_manager.py), as
   `--samples` does.
-- Each request samples with its own parameters (features/sampling.py's `RowSampler`), and ends at
+- Each request samples with its own parameters (engine/sampler.py's `RowSampler`), and ends at
   its own stop strings, at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are
-  checked here, on the host, between steps. On CUDA steps overlap (engine/model_runner.py) as in the
+  checked here, on the host, between steps. On CUDA steps overlap (engine/engine_core.py) as in the
   scripts' runs: the next step is in flight when a request is found to end, so the engine lets it
   go (`let_go`) and throws away the token that step draws for it, as it does for a stop token.
 """
@@ -35,15 +35,17 @@ import numpy as np
 import torch
 
 from block_manager import to_device
+from engine.engine_core import EngineCore
 from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
 from engine.scheduler import RequestTooLarge, Scheduler
+from engine.seams import plug
 from engine.request import ServedRequest, Status
 from engine.swap import HostBlocks
 from engine.config import Config
 from engine.loader import load
 from engine import pools
 from engine.pools import allocate_naive, allocate_paged, decodes_with_graphs
-from features.sampling import RowSampler, SamplingParams, make_sampler
+from engine.sampler import RowSampler, SamplingParams, make_sampler
 from plumbing import inputs
 from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
                           torchrun_process)
@@ -57,12 +59,11 @@ def allocate_kv_cache(run: Run, served: bool = False):
     differ. The virtual script is imported for its own runs only: the others never touch CUDA's
     virtual memory. served: a served engine's, whose requests may ask for n samples."""
     if run.args.cache == "virtual":
-        from features.virtual import kv_cache as virtual
+        allocate_virtual = plug("virtual memory", "allocate_kv_cache")
         if run.kv_cache_dtype is None:
-            return virtual.allocate_kv_cache(run)
+            return allocate_virtual(run)
         from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
-        return virtual.allocate_kv_cache(run, functools.partial(FP8VirtualKVCache,
-                                                                split_heads=run.split))
+        return allocate_virtual(run, functools.partial(FP8VirtualKVCache, split_heads=run.split))
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 
@@ -82,8 +83,7 @@ def arrival_times(args, n: int) -> list[float]:
     --request-rate."""
     if math.isinf(args.request_rate):
         return [0.0] * n
-    from features.arrivals import poisson_arrival_times
-    return poisson_arrival_times(n, args.request_rate, args.seed).tolist()
+    return plug("arrivals")(n, args.request_rate, args.seed).tolist()
 
 
 def make_scheduler(run, cache, manager, requests: list[ServedRequest],
@@ -158,14 +158,12 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
     log-probabilities (up to --max-logprobs), as a script's every row does with --logprobs."""
     cascade = None
     if pools.caches_prefix(run) and run.args.cascade != "off":  # a system prompt, cached
-        from features.cascade.attention import cascade_for
-        cascade = cascade_for(run, cache, manager)  # before the graphs record attention
+        cascade = plug("cascade attention", "cascade_for")(run, cache, manager)  # before the graphs record attention
     graphs = None
     if decodes_with_graphs(run):
-        from features.cuda_graphs import GraphDecoder
         start = time.perf_counter()
         recorded = SamplingDecoder(forward, cache, manager.block_table, graph_sampler or sampler)
-        graphs = GraphDecoder(recorded, largest_batch, eager_when)
+        graphs = plug("decode graphs")(recorded, largest_batch, eager_when)
         if progress:
             print(f"Captured {len(graphs.buckets)} CUDA graphs of a decode step, batch 1 to "
                   f"{graphs.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
@@ -182,13 +180,13 @@ def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_bat
     engine = ModelRunner(forward, cache, manager, sampler, graphs, cascade, overlap=overlap,
                          longest_first=run.device.type == "cuda", logprobs=logprobs)
     if arrivals and decodes_with_graphs(run):
-        from features.prefill_graphs import BUCKETS, supports_prefill_graphs
-        if supports_prefill_graphs(cache):
+        if plug("prefill graphs", "supports_prefill_graphs")(cache):
+            buckets = plug("prefill graphs", "BUCKETS")
             start = time.perf_counter()
             engine.capture_prefill_graphs()
             if progress:
-                print(f"Captured {len(BUCKETS)} CUDA graphs of a prefill pass, {BUCKETS[0]} to "
-                      f"{BUCKETS[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
+                print(f"Captured {len(buckets)} CUDA graphs of a prefill pass, {buckets[0]} to "
+                      f"{buckets[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
     return engine
 
 
@@ -196,15 +194,14 @@ def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, 
                   eager_when):
     """The decode step that gives log-probabilities (features/logprobs/), eager and, where the
     plain step has CUDA graphs, as graphs of its own in their memory pool."""
-    from features.logprobs.logprobs import LogprobDecoder, Logprobs
+    LogprobDecoder = plug("log-probabilities")
     table, width = manager.block_table, run.args.max_logprobs
     logprob_graphs = None
     if graphs is not None:
-        from features.cuda_graphs import GraphDecoder
         recorded = LogprobDecoder(forward, cache, table, graph_sampler, width)
-        logprob_graphs = GraphDecoder(recorded, largest_batch, eager_when, pool=graphs.pool)
+        logprob_graphs = plug("decode graphs")(recorded, largest_batch, eager_when, pool=graphs.pool)
     every_row = -1 if run.args.logprobs is None else run.args.logprobs
-    return Logprobs(len(table), LogprobDecoder(forward, cache, table, sampler, width),
+    return plug("log-probabilities", "Logprobs")(len(table), LogprobDecoder(forward, cache, table, sampler, width),
                     logprob_graphs, every_row)
 
 
@@ -216,16 +213,15 @@ def generate(run, cache, manager, progress: bool = True):
     scheduler = make_scheduler(run, cache, manager, requests)
     largest_batch = min(len(requests), args.max_running or len(requests))
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    engine = make_engine(run, model_forward(run, progress), cache, manager, sampler, largest_batch,
+    runner = make_engine(run, model_forward(run, progress), cache, manager, sampler, largest_batch,
                          progress, arrivals=not math.isinf(args.request_rate))
-    return engine.generate(scheduler, stop_ids, progress)
+    return EngineCore(runner, scheduler, stop_ids).generate(progress)
 
 
 def make_beam_engine(run, cache, manager) -> ModelRunner:
     """--beam-width K: the engine the flags choose, drawing K beams per prompt (a search is one
     static batch, run by features/beam_search.py's own loop: no overlap, no mixed steps)."""
-    from features.beam_search import BeamSampler
-    sampler = BeamSampler(run.args.beam_width)
+    sampler = plug("beam search")(run.args.beam_width)
     return make_engine(run, model_forward(run, progress=True), cache, manager, sampler,
                        len(run.prompts) * run.args.beam_width, progress=True)
 
@@ -311,13 +307,13 @@ class LLMEngine:
                                   graph_sampler=greedy, eager_when=self.sampler.runs_eagerly,
                                   served=True)
         self.scheduler = make_scheduler(self.run, self.cache, self.manager, [], served=True)
+        self.core = EngineCore(self.runner, self.scheduler)  # stops: judged here, in _collect
         self.runner.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row
         self.tokenizer, self.max_seq_len = self.run.tokenizer, self.context_the_pool_holds()
         self.stop_ids = self.tokenizer.stop_ids
         self.num_prompt_tokens = self.num_generated_tokens = self.num_finished = 0
-        self._steps = None
         self._ids = itertools.count()
         if self.run.args.compile:
             start = time.perf_counter()
@@ -458,17 +454,12 @@ class LLMEngine:
         no autograd, and compiled layers meet the mode they were compiled in (a step in another
         would compile the layers again: on an H200 a server at 64 requests/s stalled so when
         its batch first outgrew the graphs' 512 rows)."""
-        if not self.scheduler.has_work():
-            return []
-        if self._steps is None:
-            self._steps = self.runner.steps(self.scheduler, frozenset())  # stops: checked here
         self.runner.time_next_step()
-        try:
-            step = next(self._steps)
-        except StopIteration:
-            self._steps = None
-            return []
-        return self._collect(step.requests)
+        while self.core.has_work():  # with overlap, the first step is launched, not recorded
+            step = self.core.step()
+            if step is not None:
+                return self._collect(step.requests)
+        return []
 
     def _collect(self, requests: list[ServedRequest]) -> list[Sequence]:
         """The step's requests that took a token or finished: stop tokens and strings, text."""
@@ -519,7 +510,7 @@ class LLMEngine:
             return
         sequence.finish_reason, request = reason, sequence.request
         if request.status == Status.RUNNING:
-            self.runner.let_go(request, self.scheduler)
+            self.core.let_go(request)
         elif request in self.scheduler.waiting:
             self.scheduler.drop(request)
         self._release(sequence)
@@ -542,7 +533,7 @@ class LLMEngine:
         k, request = sequence.params.logprobs, sequence.request
         if k is None:
             return None
-        from features.logprobs.logprobs import as_vllm_logprobs
+        as_vllm_logprobs = plug("log-probabilities", "as_vllm_logprobs")
         rows = request.logprobs[start:len(request.output_tokens)]
         return [as_vllm_logprobs(row, k, self.tokenizer) for row in rows]
 
@@ -552,6 +543,6 @@ class LLMEngine:
         k, request = sequence.params.prompt_logprobs, sequence.request
         if k is None:
             return None
-        from features.logprobs.logprobs import as_vllm_logprobs
+        as_vllm_logprobs = plug("log-probabilities", "as_vllm_logprobs")
         return [None] + [as_vllm_logprobs(request.prompt_logprobs[i], k, self.tokenizer)
                          for i in range(1, len(request.prompt_tokens))]

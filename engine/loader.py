@@ -8,6 +8,7 @@ import torch
 import llama3_paged as lesson
 from engine.config import Config
 from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
+from engine.seams import plug
 from plumbing import inputs
 from plumbing.cli import (UserError, format_bytes, importable, read_text_input,
                           torchrun_process)
@@ -19,9 +20,8 @@ def load(config: Config) -> Run:
     tensor_parallel.py), the attention, compiled layers' default, then the model."""
     model_class, split = lesson.Llama, torchrun_process() is not None
     if split:  # torchrun's processes split the model
-        from features import tensor_parallel
-        config = tensor_parallel.start(config)
-        model_class = tensor_parallel.SplitLlama
+        config = plug("tensor parallelism", "start")(config)
+        model_class = plug("tensor parallelism", "SplitLlama")
     decode_kernel = config.decode_kernel
     if config.kv_cache_dtype == "fp8" and config.device.type == "cuda" and (
             config.attn == "flash" or config.attn == "auto" and importable("flash_attn")):
@@ -34,16 +34,14 @@ def load(config: Config) -> Run:
     if config.quantization == "fp8":
         use_fp8_weights(run)
     if config.kv_cache_dtype == "fp8":
-        from features.fp8.cache import FP8
-        run = dataclasses.replace(run, kv_cache_dtype=FP8)
+        run = dataclasses.replace(run, kv_cache_dtype=plug("FP8 K/V", "FP8"))
     return run
 
 
 def use_fp8_weights(run: Run) -> None:
     """--quantization fp8: the loaded model's projections in float8 (features/fp8/weights.py),
     before the KV budget is taken from what the GPU has left: the pool gets what they free."""
-    from features.fp8.weights import quantize_weights
-    before, after = quantize_weights(run.model, run.split)
+    before, after = plug("FP8 weights")(run.model, run.split)
     fixed = run.args.kv_budget_gb or run.device.type != "cuda"
     print(f"FP8 weights (--quantization fp8): the projections in float8, weights "
           f"{format_bytes(after)} where {str(run.dtype).removeprefix('torch.')} takes "
@@ -94,12 +92,10 @@ def choose_attention(name: str, device: torch.device, decode_kernel: str = "flas
         if not importable("triton"):
             raise UserError("--attn triton: Triton is not installed (it comes with PyTorch's CUDA "
                             "builds); use --attn torch.")
-        from features.triton_attention import TritonAttention
-        return TritonAttention()
+        return plug("Triton attention")()
     if not importable("flash_attn"):
         raise UserError("--attn flash: flash-attn is not installed. Install it after torch with "
                         "`pip install flash-attn --no-build-isolation`, or use --attn triton.")
     if decode_kernel == "triton":
-        from features.triton_attention import TritonDecode
-        return TritonDecode()
+        return plug("Triton attention", "TritonDecode")()
     return FlashAttentionAfterPrefix()

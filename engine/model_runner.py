@@ -1,28 +1,15 @@
-"""The engine's loop over the lesson's model and pool: steps queued on the device and overlapped.
+"""The engine's model runner: a step's inputs prepared and the model run over the lesson's parts.
 
-It holds the lesson's Llama, KVCache and BlockManager and overrides none of its loop. The
-lesson's loop (llama3_paged.py's Engine) copies each request's last token to the device at
-every decode step, waits for the step's tokens, records them, lets the finished requests go,
-schedules the next step and only then queues it: all that time the GPU has nothing to do. Here:
-
-- Each request's last token stays on the device (`last_tokens`, by row), where the next step
-  reads it, and every copy to the device is from pinned memory, queued like a kernel
-  (block_manager.py's `to_device`): a step's inputs never wait for the host.
-- A step is *launched* (its forward pass, its tokens stored as last tokens and copied to pinned
-  host memory, a CUDA event after them) and later *waited for*. With `overlap` (on CUDA by
-  default; --no-overlap) the host launches step t+1 before it waits for step t's tokens, so the
-  GPU finds the next step queued when it finishes one.
-- With overlap the scheduler runs one step behind: when it schedules step t+1 it has not seen
-  step t's tokens. That matters only for who is done. A request whose token in flight is its
-  last (its max_new_tokens) is let go before step t+1 is scheduled. One that draws a stop token
-  at step t is found out only once step t+1 is queued: it runs one step too many, whose token is
-  thrown away. vLLM's and SGLang's overlapped schedulers do the same. Blocks freed while a step
-  is in flight can go to the next step at once: the GPU runs the steps in order, so the
-  in-flight step's writes into them come first.
-- A prompt whose first tokens are cached (a fork, a system prompt's blocks, a request back from
-  the host pool, a mixed step's later chunk) computes only the rest (`prefill_from`).
-- Each step's GPU time is read from CUDA events once at the end, so timing adds no sync, and the
-  time between steps is time the GPU waited for the host.
+It holds the lesson's Llama, KVCache and BlockManager and overrides none of its loop. Where the
+lesson copies each request's last token to the device at every decode step and waits for every
+step's tokens, here each request's last token stays on the device (`last_tokens`, by row), every
+copy to the device is from pinned memory, queued like a kernel (block_manager.py's `to_device`),
+and a step is *launched* (its forward pass, its tokens stored as last tokens and copied to
+pinned host memory, a CUDA event after them) to be waited for later: engine/engine_core.py's
+loop overlaps the two. A prompt whose first tokens are cached (a fork, a system prompt's blocks,
+a request back from the host pool, a mixed step's later chunk) computes only the rest
+(`prefill_from`). Each step's GPU time is read from CUDA events once at the end, so timing adds
+no sync, and the time between steps is time the GPU waited for the host.
 """
 
 import contextlib
@@ -35,10 +22,9 @@ import torch
 from block_manager import to_device
 from engine.kv_cache import CachedPrefillBatch
 from engine.scheduler import Step
-from engine.request import ServedRequest, Status, append_tokens_at
-from features.longest_first import longest_first
+from engine.request import ServedRequest
+from engine.seams import plug
 from llama3_paged import DecodeBatch, PrefillBatch, packed_passes
-from plumbing import cli
 from plumbing.inputs import TOKENS_PER_PASS
 
 
@@ -79,7 +65,7 @@ class ModelForward:
 
 def greedy(logits, rows, lengths) -> torch.Tensor:
     """The likeliest token, [B, vocab] -> [B]: the sampler of a run that samples nothing. A
-    sampler (features/sampling.py) reads each row and its length, to seed its draw."""
+    sampler (engine/sampler.py) reads each row and its length, to seed its draw."""
     return logits.argmax(-1)
 
 
@@ -211,14 +197,14 @@ def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
 
 
 class ModelRunner:
-    """The engine's loop over the lesson's parts: it holds the model, the pool and its block
-    manager, and subclasses none of the lesson's loop (a change there cannot change this)."""
+    """Prepares and runs one step over the lesson's parts: it holds the model, the pool and its
+    block manager, and subclasses none of the lesson's loop (a change there cannot change this)."""
 
     def __init__(self, model, cache, manager, sampler=greedy, graphs=None, cascade=None,
                  overlap: bool = False, longest_first: bool = False,
                  tokens_per_pass: int | None = None, logprobs=None):
         """model: the lesson's Llama, or the ModelForward that calls it (compiled layers).
-        sampler: how tokens are drawn (features/sampling.py, features/beam_search.py). graphs:
+        sampler: how tokens are drawn (engine/sampler.py, features/beam_search.py). graphs:
         decode steps as CUDA graphs (features/cuda_graphs.py's GraphDecoder; short prefill passes as
         graphs come with `capture_prefill_graphs`). cascade: the two-part attention of a cached
         system prompt (features/cascade/attention.py's CascadeAttention), already in the cache.
@@ -234,15 +220,12 @@ class ModelRunner:
         self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
         self.graphs, self.cascade, self.prefill_graphs = graphs, cascade, None
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
-        self.in_flight: StepInFlight | None = None  # overlap: the step the GPU is computing
-        self.stopped = set()  # requests let go of while in flight: their next token is dropped
         self.logprobs, self.prompt_parts = logprobs, []  # this step's prompt log-probabilities
 
     def capture_prefill_graphs(self) -> None:
         """Short prefill passes replayed as CUDA graphs (features/prefill_graphs.py), for
         requests that arrive over time: most of their passes are a prompt or two."""
-        from features.prefill_graphs import GraphPrefill
-        self.prefill_graphs = GraphPrefill(self)
+        self.prefill_graphs = plug("prefill graphs")(self)
 
     def decode(self, step: Step, last_tokens: torch.Tensor, logprobs: bool) -> torch.Tensor:
         slots = self.manager.slots(step.rows, step.positions)  # [B]: as prefill finds them
@@ -299,62 +282,28 @@ class ModelRunner:
         self.timer = StepTimer(self.device)
         del self.timeline[:-1]
 
-    @torch.inference_mode()  # as the lesson's generate, and the mode CUDA graphs are captured
-    # in: without it autograd tracks every op and compiled layers compile for that mode too (on
-    # an H200, W2's prefill took 1.1-1.6 s longer on the host: docs/layout.md)
-    def generate(self, scheduler, stop_ids=frozenset(), progress: bool = True) -> ServedGeneration:
-        # Each request's last token, by row, on the device: its next decode step's input.
+    def start_run(self, requests: list[ServedRequest]) -> None:
+        """A script's run (engine/engine_core.py's generate): each request's last token, by row,
+        on the device (its next decode step's input), and a fresh timer and timeline."""
         self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,
                                        device=self.device)
-        rows = np.array([r.row for r in scheduler.waiting], dtype=np.int64)
-        last = np.array([r.tokens[-1] for r in scheduler.waiting], dtype=np.int64)
+        rows = np.array([r.row for r in requests], dtype=np.int64)
+        last = np.array([r.tokens[-1] for r in requests], dtype=np.int64)
         self.last_tokens[to_device(rows, self.device)] = to_device(last, self.device)
-        self.timer, prefilled_before = StepTimer(self.device), self.num_prefilled
-        scheduler.start_clock()
-        requests, self.timeline, seconds = list(scheduler.waiting), [], [0.0, 0.0]
-        with cli.decode_progress(scheduler, self.manager, progress) as advance_the_bar:
-            start = time.perf_counter()
-            for step in self.steps(scheduler, stop_ids):
-                decodes = step.kind != "prefill"  # mixed steps do both
-                seconds[decodes] += time.perf_counter() - start  # [in prefill, in decode]
-                start = time.perf_counter()
-                if decodes:
-                    advance_the_bar()
+        self.timer, self.timeline = StepTimer(self.device), []
+
+    def generation(self, requests, prefill_seconds: float, decode_seconds: float,
+                   num_prefilled_tokens: int, scheduler) -> ServedGeneration:
+        """What the run gave, with each step's GPU time read from its events (one sync)."""
         gpu_seconds = self.timer.seconds()
         decoding = [s for s, decodes in zip(gpu_seconds, self.timer.decodes) if decodes]
         for snapshot, step_seconds in zip(self.timeline, decoding):
             snapshot.seconds = step_seconds
         return ServedGeneration(
-            requests, *seconds, self.timeline,
-            num_prefilled_tokens=self.num_prefilled - prefilled_before,
-            most_running=scheduler.most_running, scheduler=scheduler,
-            gpu_idle_seconds=self.timer.idle_seconds(), num_steps=len(gpu_seconds),
-            prefill_gpu_seconds=sum(gpu_seconds) - sum(decoding))
-
-    def steps(self, scheduler, stop_ids):
-        """Launch a step and record its tokens; with overlap, launch step t+1 first and then
-        wait for step t's. Yields each step once its tokens are recorded."""
-        self.stopped, self.in_flight = set(), None
-        while scheduler.has_work() or self.in_flight:
-            if not self.overlap:
-                waited = self.launch(scheduler.schedule(), scheduler)
-            else:
-                waited = self.in_flight  # step t, which step t+1 is launched behind
-                if waited:
-                    scheduler.finish(self._last_token_in_flight(waited))
-                self.in_flight = (self.launch(scheduler.schedule(), scheduler)
-                                  if scheduler.has_work() else None)
-            if waited:
-                self._record(waited, scheduler, stop_ids)
-                yield waited.step
-
-    def let_go(self, request, scheduler) -> None:
-        """The host ends a running request between steps (engine/llm_engine.py: an abort, a stop
-        string): its blocks are free at once, and the token the step in flight draws for it,
-        if any, is thrown away."""
-        scheduler.finish([request])
-        if self.in_flight and request in self.in_flight.requests:
-            self.stopped.add(request)
+            requests, prefill_seconds, decode_seconds, self.timeline,
+            num_prefilled_tokens=num_prefilled_tokens, most_running=scheduler.most_running,
+            scheduler=scheduler, gpu_idle_seconds=self.timer.idle_seconds(),
+            num_steps=len(gpu_seconds), prefill_gpu_seconds=sum(gpu_seconds) - sum(decoding))
 
     def launch(self, step, scheduler) -> StepInFlight:
         """Queue one step on the device: its forward pass, its tokens stored as the requests'
@@ -362,7 +311,7 @@ class ModelRunner:
         if step.kind != "prefill":
             self.note_the_cache(scheduler)
         if step.kind == "decode" and self.decode_longest_first:
-            step = longest_first(step)
+            step = plug("longest first")(step)
         self.timer.start(step.kind != "prefill")
         rows = to_device(step.rows, self.device)  # [B]
         logprobs = self.logprobs is not None and self.logprobs.any(step.rows)
@@ -474,35 +423,3 @@ class ModelRunner:
         takes = step.takes_a_token()
         taking = to_device(np.flatnonzero(takes), self.device)
         return [r for r, t in zip(step.requests, takes) if t], rows[taking], next_tokens[taking]
-
-    @staticmethod
-    def _last_token_in_flight(in_flight: StepInFlight) -> list:
-        """The requests that the step in flight gives their last allowed token."""
-        return [r for r in in_flight.requests if r.status is Status.RUNNING
-                and len(r.output_tokens) + 1 >= r.max_new_tokens]
-
-    def _record(self, in_flight: StepInFlight, scheduler, stop_ids) -> None:
-        """Append the step's tokens, but those drawn after the host let go of their request, and
-        let go of the requests that are done."""
-        tokens, drawing = self.wait_for_tokens(in_flight), in_flight.requests
-        scored = None if in_flight.logprobs is None else in_flight.logprobs.numpy()
-        for request, first, part in in_flight.prompt_logprobs:
-            request.prompt_logprobs.update(zip(range(first, first + len(part)), part.numpy()))
-        if self.stopped:
-            kept = [i for i, r in enumerate(drawing) if r not in self.stopped]
-            self.stopped.difference_update(drawing)  # stopped while this step ran: done with
-            tokens, drawing = tokens[kept], [drawing[i] for i in kept]
-            scored = None if scored is None else scored[kept]
-        before = None if scored is None else [len(r.output_tokens) for r in drawing]
-        finished = append_tokens_at(drawing, tokens, stop_ids, scheduler.now())
-        if scored is not None:  # a row for each token taken (a stop token is not)
-            for request, count, row in zip(drawing, before, scored):
-                if len(request.output_tokens) > count and self.logprobs.k[request.row] >= 0:
-                    request.logprobs.append(row)
-        for request in finished:
-            if request.status is Status.FINISHED:
-                continue  # its last token: let go of already
-            if request.status is Status.WAITING:  # preempted while its stop token was in flight
-                scheduler.drop(request)
-            else:
-                self.let_go(request, scheduler)

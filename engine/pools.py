@@ -9,7 +9,8 @@ import torch
 import llama3_naive
 import llama3_paged as lesson
 from engine.kv_cache import EngineKVCache
-from features.sampling import GREEDY_BELOW, ROWS_AT_ONCE, make_sampler
+from engine.seams import plug
+from engine.sampler import GREEDY_BELOW, ROWS_AT_ONCE, make_sampler
 from plumbing import inputs
 from plumbing.cli import torchrun_process
 from plumbing.inputs import Run
@@ -18,8 +19,7 @@ from plumbing.inputs import Run
 def kv_budget_bytes(run: Run) -> float:
     budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
     if torchrun_process() is not None:  # every process sizes the same pool
-        from features import tensor_parallel
-        budget = tensor_parallel.least_over_processes(budget)
+        budget = plug("tensor parallelism", "least_over_processes")(budget)
     return budget
 
 
@@ -42,8 +42,7 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     graphs' padding rows."""
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         if run.kv_cache_dtype is not None:
-            from features.fp8.cache import FP8KVCache
-            return FP8KVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
+            return plug("FP8 K/V")(run.model.args, num_blocks, block_size, run.dtype, run.device,
                               run.attention, split_heads=run.split)
         return EngineKVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
                              run.attention, spare_slot=decodes_with_graphs(run))
@@ -83,8 +82,7 @@ def allocate_paged(run: Run, samples: bool = False):
     if not shares_blocks(run, served=samples):
         return cache, lesson.BlockManager(num_blocks, block_size, run.num_sequences, max_blocks,
                                           run.device)
-    from features.sharing.block_manager import SharingBlockManager
-    return cache, SharingBlockManager(cache, run.num_sequences, max_blocks, caches_prefix(run))
+    return cache, plug("sharing blocks")(cache, run.num_sequences, max_blocks, caches_prefix(run))
 
 
 def allocate_naive(run: Run):

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from engine.pools import shares_blocks
-from plumbing.cli import format_bytes, per_token, torchrun_process, write_json
+from engine.seams import plug
+from plumbing.cli import format_bytes, per_token, write_json
 from plumbing.inputs import device_total_bytes, lengths_note, print_answers
 
 
@@ -22,17 +23,15 @@ def report(run, cache, manager, generation) -> None:
     that a reader who stops reading the output early (`| head`) still gets it."""
     args = run.args
     memory = memory_report(run, cache, manager, generation)
-    split = torchrun_process() is not None  # the model split over torchrun's processes
-    if split:
-        from features.tensor_parallel import report_line, summed_over_processes
-        memory["summed_over_processes"] = summed_over_processes(memory, run.device)
+    if run.split:  # the model split over torchrun's processes
+        summed = plug("tensor parallelism", "summed_over_processes")(memory, run.device)
+        memory["summed_over_processes"] = summed
     throughput = throughput_report(generation)
     scheduling = scheduling_report(generation, args.continuous)
     sharing = sharing_report(run, manager, generation)
     latency = None
     if args.continuous:  # requests that wait in a queue: how long they waited for their tokens
-        from features.arrivals import latency_report
-        latency = latency_report(generation.requests)
+        latency = plug("arrivals", "latency_report")(generation.requests)
     if args.json:
         samples = [(p, k) for p in run.prompts for k in range(args.samples)]  # one per sequence
         write_json(args, {
@@ -50,8 +49,8 @@ def report(run, cache, manager, generation) -> None:
     print_answers(run.prompts, generation.output_tokens, run.tokenizer, args.show_all, args.samples)
     print_report(args.script, memory, throughput, scheduling, sharing, latency,
                  lengths_note(run, generation.requests))
-    if split:
-        print(report_line(memory, run.model))
+    if run.split:
+        print(plug("tensor parallelism", "report_line")(memory, run.model))
 
 
 def logprobs_record(request, k: int | None) -> dict:
@@ -59,7 +58,7 @@ def logprobs_record(request, k: int | None) -> dict:
     log-probability] (features/logprobs/'s rows)."""
     if k is None:
         return {}
-    from features.logprobs.logprobs import top_of
+    top_of = plug("log-probabilities", "top_of")
     return {"logprobs": [{"logprob": float(row[1]), "rank": int(row[2]),
                           "top": [list(pair) for pair in top_of(row, k)]}
                          for row in request.logprobs]}

@@ -5,7 +5,7 @@ llama3_paged.py is the lesson: a static batch, greedy, decoded kernel by kernel,
 A script hands its command line here when it names a flag the lesson does not define. The engine
 built here runs three features by default on CUDA: decode steps replayed as CUDA graphs
 (features/cuda_graphs.py; --eager turns them off), compiled layers (engine/compiled_layers.py;
---no-compile) and steps scheduled while the GPU computes the one before (engine/model_runner.py;
+--no-compile) and steps scheduled while the GPU computes the one before (engine/engine_core.py;
 --no-overlap); llama3_virtual.py's pages are mapped ahead on a thread (features/virtual/).
 """
 
@@ -21,6 +21,7 @@ from engine.config import Config, cache_of, parser_with_features
 from engine.loader import load
 from engine.llm_engine import allocate_kv_cache, generate, make_beam_engine, make_requests
 from engine.report import report
+from engine.seams import plug
 from plumbing import inputs
 from plumbing.cli import (DRIVER_ERROR, OUT_OF_MEMORY, UserError, add_pool_arguments,
                           needs_features, one_paragraph_errors)
@@ -68,14 +69,13 @@ def run_virtual(run: Run) -> None:
     """llama3_virtual.py's run: a driver call that fails on the mapping thread ends it in one
     paragraph, as one in the loop does (virtual_pages.py's DriverError); the thread stops with
     the run."""
-    from features.virtual.kv_cache import mapping_report
-    from features.virtual.mapping_ahead import MappingFailed
+    MappingFailed = plug("pages mapped ahead", "MappingFailed")
     manager = None  # a driver call may fail at start-up, while the rows are mapped
     try:
         cache, manager = allocate_kv_cache(run)  # where the three scripts differ
         generation = generate(run, cache, manager)
         report(run, cache, manager, generation)
-        print(mapping_report(cache, manager, len(generation.timeline)))
+        print(plug("virtual memory", "mapping_report")(cache, manager, len(generation.timeline)))
     except MappingFailed as e:
         raise UserError(f"A driver call mapping a KV page on the background thread failed ({e}), "
                         f"so the run cannot go on: its next tokens would be written to unmapped "
@@ -90,15 +90,14 @@ def run_virtual(run: Run) -> None:
 def run_beam_search(run, cache, manager) -> None:
     """--beam-width K (features/beam_search.py), loaded only when asked for: its engine, and each
     prompt's budget of new tokens."""
-    from features.beam_search import search_and_report
+    search_and_report = plug("beam search", "search_and_report")
     budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
     search_and_report(run, make_beam_engine(run, cache, manager), budgets)
 
 
 def find_max_batch(run: Run) -> None:
     """--find-max-batch (features/max_batch.py), loaded only when asked for."""
-    from features import max_batch
-    max_batch.find_max_batch(run, allocate_kv_cache, generate)
+    plug("largest batch")(run, allocate_kv_cache, generate)
 
 
 def command_line(script: str, argv: list[str]) -> None:

@@ -124,6 +124,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     scheduled before the last one's tokens are recorded; `longest_first`:
     each decode step's rows longest first (features/longest_first.py); `compiled`: the model's
     layers compiled (engine/model_runner.py's ModelForward; the cache made `compiled` too)."""
+    from engine.engine_core import EngineCore
     from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
     from engine.request import ServedRequest
     from engine.scheduler import Scheduler
@@ -144,9 +145,9 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
         from features.cuda_graphs import GraphDecoder
         recorded = GraphDecoder(SamplingDecoder(forward, cache, manager.block_table, sampler),
                                 max_running or len(requests))
-    engine = ModelRunner(forward, cache, manager, sampler, recorded, overlap=overlap,
+    runner = ModelRunner(forward, cache, manager, sampler, recorded, overlap=overlap,
                          longest_first=longest_first, tokens_per_pass=chunk_tokens)
-    return engine.generate(scheduler, set(stop_ids), progress=False)
+    return EngineCore(runner, scheduler, set(stop_ids)).generate(progress=False)
 
 
 def request(row: int, n: int, first: int = 0):

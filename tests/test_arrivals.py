@@ -14,6 +14,7 @@ from engine.request import ServedRequest
 from engine.model_runner import greedy
 from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler
+from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
 from test_scheduler import MAX_SEQ_LEN, random_prompts, run
 
@@ -99,8 +100,8 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=24 if mixed else 8192,
                           mixed=mixed)
-    engine = ModelRunner(model, cache, manager, greedy)
-    result = engine.generate(scheduler, progress=False)
+    runner = ModelRunner(model, cache, manager, greedy)
+    result = EngineCore(runner, scheduler).generate(progress=False)
     assert result.output_tokens == static.output_tokens
     for r in requests:
         assert r.admitted_at >= r.arrival_time and r.token_times[0] > r.arrival_time

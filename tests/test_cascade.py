@@ -11,6 +11,7 @@ import torch
 
 from engine.request import ServedRequest
 
+from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import greedy
@@ -88,8 +89,8 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, max_running=4, token_budget=64,
                           shares_blocks=True)
-    engine = ModelRunner(model, cache, manager, greedy, cascade=cascade)
-    return engine.generate(scheduler, progress=False), cascade
+    runner = ModelRunner(model, cache, manager, greedy, cascade=cascade)
+    return EngineCore(runner, scheduler).generate(progress=False), cascade
 
 
 @pytest.mark.parametrize("block_size", [4, 8])  # 8: the same path as 4 over fewer, longer blocks

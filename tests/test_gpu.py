@@ -23,7 +23,7 @@ from plumbing.inputs import random_model
 from llama3_paged import Llama
 from llama3_paged import DecodeBatch, PrefillBatch
 from virtual_pages import PageManager
-from features.sampling import Sampler
+from engine.sampler import Sampler
 
 if importable("triton"):
     from features.triton_attention import TritonAttention
@@ -739,7 +739,7 @@ def test_launching_a_prefill_never_waits_for_the_gpu(eager):
     engine.step()  # its prefill recorded, its first decode step in flight
     engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
     step = engine.scheduler.schedule()
-    assert step.kind == "prefill" and engine.runner.in_flight is not None
+    assert step.kind == "prefill" and engine.core.in_flight is not None
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():  # as LLMEngine.step launches it
@@ -751,7 +751,7 @@ def test_launching_a_prefill_never_waits_for_the_gpu(eager):
 def test_adding_a_request_never_waits_for_the_gpu():
     """A request's sampling parameters and last token go to the device as queued copies: with
     overlapped steps one is added while a step runs, and a synchronous copy would wait for it
-    (features/sampling.py's RowSampler.set_row). CUDA's sync debug mode raises at any such wait."""
+    (engine/sampler.py's RowSampler.set_row). CUDA's sync debug mode raises at any such wait."""
     from engine.llm import SamplingParams
     from engine.llm_engine import LLMEngine
     engine = LLMEngine("paged", 4, model="tiny", random_weights=True, eager=True)
@@ -820,7 +820,7 @@ def test_the_logprobs_kernel_matches_float64(dtype):
 
 
 def test_penalties_with_graphs_and_overlapped_steps_are_the_plain_eager_runs():
-    """features/sampling.py's RowProcessing counts each row's tokens on the device, as they are
+    """engine/sampler.py's RowProcessing counts each row's tokens on the device, as they are
     drawn: with overlapped steps the host learns a token a step late. Against the same requests
     kernel by kernel without overlap; the rows that ask for nothing still replay the graphs and
     give the tokens of a run where nobody asks."""

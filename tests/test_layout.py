@@ -18,10 +18,12 @@ def project_modules() -> dict:
     return {".".join(f.relative_to(ROOT).with_suffix("").parts): f for f in files}
 
 
-def imports_of(path, modules: dict) -> set:
+def imports_of(path, modules: dict, through_seams: bool = True) -> set:
     """Every project module that `path` imports, at any depth of its code: a function's lazy
     import too, and its `__main__` block's (a script hands a feature's command line to the
-    engine's program by name, plumbing/cli.py's hand_to_the_engine, importing none of it)."""
+    engine's program by name, plumbing/cli.py's hand_to_the_engine, importing none of it), and,
+    with `through_seams`, a feature's module that it asks engine/seams.py's `plug` for."""
+    from engine.seams import FEATURES
     found = set()
 
     def visit(node):
@@ -31,6 +33,8 @@ def imports_of(path, modules: dict) -> set:
                 names = [a.name for a in child.names]
             elif isinstance(child, ast.ImportFrom) and child.module:
                 names = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+            elif through_seams and plugged(child):
+                names = [FEATURES[child.args[0].value].module]
             found.update(n for n in names if n in modules)
             visit(child)
 
@@ -215,3 +219,78 @@ def test_no_class_of_the_engine_or_a_feature_subclasses_the_lessons_loop():
                 if lesson_class in LESSON_LOOP_CLASSES:
                     found.append(f"{name}.{node.name}({lesson_class})")
     assert not found, found
+
+
+def plugged(node) -> bool:
+    """Whether `node` is a call plug("feature", ...) of engine/seams.py."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "plug" and node.args and isinstance(node.args[0], ast.Constant))
+
+
+def test_the_seam_table_of_the_docs_is_the_engines():
+    from engine.seams import FEATURES
+    text = (ROOT / "docs" / "layout.md").read_text()
+    section = text[text.index("### Seams"):text.index("### Glossary")]
+    rows = [[cell.strip(" `") for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == ["feature", "seam", "where"]
+    assert rows[1:] == [[name, f.seam, f.module.replace(".", "/") + ".py"]
+                        for name, f in FEATURES.items()]
+
+
+def test_every_file_of_features_belongs_to_a_feature_at_a_seam():
+    # Its own row, or its folder's: features/fp8/split_k.py is FP8 weights' kernel
+    from engine.seams import FEATURES
+    declared = {f.module for f in FEATURES.values()}
+    folders = {m.rsplit(".", 1)[0] for m in declared if m.count(".") == 2}
+    modules = [m for m in project_modules() if m.startswith("features.")]
+    assert modules and not [m for m in modules
+                            if m not in declared and m.rsplit(".", 1)[0] not in folders]
+
+
+def test_the_engine_reaches_a_feature_only_through_its_seam():
+    # No file outside features/ imports one: the engine asks plug, and every plug it asks for
+    # is one the feature declares and defines
+    from engine.seams import FEATURES
+    modules = project_modules()
+    direct = {name: sorted(m for m in imports_of(path, modules, through_seams=False)
+                           if m.startswith("features"))
+              for name, path in modules.items()
+              if not name.startswith(("features.", "tools."))}
+    assert not {name: found for name, found in direct.items() if found}
+    asked = [(node.args[0].value, node.args[1].value if len(node.args) > 1 else None)
+             for name, path in modules.items() if not name.startswith("features.")
+             for node in ast.walk(ast.parse(path.read_text())) if plugged(node)]
+    assert len(asked) > 20
+    for feature, name in asked:
+        plugs = FEATURES[feature].plugs
+        assert name is None or name in plugs, (feature, name)
+    for feature in FEATURES.values():
+        tree = ast.parse(modules[feature.module].read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}
+        assert set(feature.plugs) <= defined, (feature.module, set(feature.plugs) - defined)
+
+
+def test_what_plugs_into_a_seam_answers_what_the_seam_asks():
+    import importlib
+    import inspect
+    from engine.seams import FEATURES, PROTOCOLS, plug
+    checked = []
+    for name, feature in FEATURES.items():
+        if feature.seam not in PROTOCOLS:
+            continue  # a function of the model, the processes or a run: no methods to ask
+        try:
+            importlib.import_module(feature.module)
+        except ImportError:  # Triton's kernels, on a machine without it
+            continue
+        answer = plug(name)
+        if not inspect.isclass(answer):
+            continue  # longest first: a function of the step, called where the step launches
+        asked = [m for m, value in vars(PROTOCOLS[feature.seam]).items()
+                 if inspect.isfunction(value) and (not m.startswith("_") or m == "__call__")]
+        missing = [m for m in asked if not callable(getattr(answer, m, None))]
+        assert not missing, (name, missing)
+        checked.append((name, asked))
+    assert len(checked) >= 8, checked

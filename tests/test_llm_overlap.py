@@ -29,7 +29,7 @@ def test_stop_strings_and_samples_give_the_same_outputs_overlapped_or_not():
     sampled = SamplingParams(max_tokens=10, temperature=0.8, top_k=5, seed=3, n=2)
     assert outputs(overlapped, sampled) == outputs(plain, sampled)
     engine = overlapped.llm_engine
-    assert not engine.runner.stopped, "every thrown-away token's request is forgotten"
+    assert not engine.core.stopped, "every thrown-away token's request is forgotten"
     assert engine.manager.num_used_blocks == 0 and len(engine.free_rows) == 4
 
 
@@ -52,5 +52,5 @@ def test_an_abort_while_a_step_is_in_flight_frees_its_request_and_spares_the_oth
     assert overlapped == plain and "abort" not in {reason for _, reason in plain.values()}
     assert len(overlapped) == 3, "the aborted request is not reported as finished by a step"
     assert engine.manager.num_used_blocks == 0 and len(engine.free_rows) == 4
-    assert not engine.runner.stopped
+    assert not engine.core.stopped
 

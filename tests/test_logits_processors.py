@@ -1,4 +1,4 @@
-"""vLLM's logits processors (features/sampling.py's RowProcessing and min_p) held to a reference
+"""vLLM's logits processors (engine/sampler.py's RowProcessing and min_p) held to a reference
 that recomputes every step from scratch: one float64 causal pass over the whole sequence, the
 penalties by transformers' processors and OpenAI's documented formula. Greedy, in one batch
 and in 16-token mixed steps with preemption (so the counts survive recomputation), beside rows

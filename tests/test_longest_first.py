@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
-from engine import model_runner
+import features.longest_first
 from engine.config import parse_script_arguments
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import ModelForward
@@ -58,7 +58,7 @@ def test_rows_longest_first_give_the_batch_orders_tokens(model, monkeypatch, kin
         assert (np.diff(sorted_step.positions) <= 0).all()
         reordered.append(sorted_step.rows.tolist() != step.rows.tolist())
         return sorted_step
-    monkeypatch.setattr(model_runner, "longest_first", spied)
+    monkeypatch.setattr(features.longest_first, "longest_first", spied)  # where plug finds it
     longest = run(model, prompts, num_blocks, kind, longest_first=True, **scheduling)
     assert longest.output_tokens == in_order.output_tokens
     assert any(reordered), "some decode step's rows changed order"

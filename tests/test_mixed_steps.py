@@ -15,6 +15,7 @@ from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.request import ServedRequest
 from engine.model_runner import greedy
 from engine.scheduler import Scheduler
+from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
 from features.sharing.block_manager import SharingBlockManager
 from test_scheduler import MAX_SEQ_LEN, FakeCache, preemption_workload
@@ -32,8 +33,8 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
     requests = [ServedRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = StepRecorder(manager, requests, True, max_running, max_batched_tokens, mixed=True)
-    engine = ModelRunner(model, cache, manager, greedy)
-    return engine.generate(scheduler, progress=False), manager, scheduler.steps
+    runner = ModelRunner(model, cache, manager, greedy)
+    return EngineCore(runner, scheduler).generate(progress=False), manager, scheduler.steps
 
 
 class StepRecorder(Scheduler):

@@ -14,7 +14,8 @@ from engine.run import command_line
 from block_manager import BlockManager
 from conftest import engine_model, forward_modes, generate
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.model_runner import ModelForward, ModelRunner, StepTimer
+from engine.engine_core import EngineCore
+from engine.model_runner import ModelForward, StepTimer
 from features.virtual.mapping_ahead import BackgroundMapper
 from engine.config import parse_script_arguments
 from features.sharing.block_manager import SharingBlockManager
@@ -101,13 +102,13 @@ def test_a_request_preempted_while_its_stop_token_is_in_flight_leaves_the_queue(
     free = run(model, prompts, num_blocks=200).output_tokens
     stops = {out[4] for out in free if len(out) > 4}
     left_the_queue = []
-    record = ModelRunner._record
+    record = EngineCore._record
 
-    def counted(self, launched, scheduler, stop_ids):
-        waiting = set(scheduler.waiting)
-        record(self, launched, scheduler, stop_ids)
+    def counted(self, launched):
+        waiting = set(self.scheduler.waiting)
+        record(self, launched)
         left_the_queue.extend(r for r in waiting if r.status.value == "finished")
-    monkeypatch.setattr(ModelRunner, "_record", counted)
+    monkeypatch.setattr(EngineCore, "_record", counted)
     core = run(model, prompts, 11, stop_ids=stops, continuous=True)
     overlapped = run(model, prompts, 11, stop_ids=stops, continuous=True, overlap=True)
     assert overlapped.output_tokens == core.output_tokens

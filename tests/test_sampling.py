@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from features.sampling import Sampler
+from engine.sampler import Sampler
 
 DRAWS = 40_000
 

@@ -9,7 +9,7 @@ from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from conftest import engine_model, generate, random_ids
 from features.sharing.block_manager import SharingBlockManager
-from features.sampling import Sampler
+from engine.sampler import Sampler
 
 MAX_SEQ_LEN = 160
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
+from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.request import ServedRequest
@@ -57,8 +58,8 @@ def run_swapping(model, num_blocks, swap_blocks, mixed_budget=None):
     requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,
                           mixed=mixed_budget is not None, host=HostBlocks(cache, swap_blocks))
-    engine = ModelRunner(model, cache, manager, greedy)
-    result = engine.generate(scheduler, progress=False)
+    runner = ModelRunner(model, cache, manager, greedy)
+    result = EngineCore(runner, scheduler).generate(progress=False)
     assert manager.num_free_blocks == num_blocks and not manager.owned_blocks
     assert sorted(scheduler.host.free) == list(range(swap_blocks)), "every host block back"
     return result, scheduler

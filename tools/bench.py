@@ -48,6 +48,7 @@ import torch
 
 from block_manager import BlockManager
 from engine.request import ServedRequest, append_tokens_at
+from engine.engine_core import EngineCore
 from engine.model_runner import greedy
 from plumbing.inputs import TOKENS_PER_PASS
 from llama3_paged import DecodeBatch, Llama
@@ -356,7 +357,7 @@ def bench(a) -> dict:
     weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(setup, served=True)  # as a served engine's pool
-    engine = make_engine(setup, model_forward(setup), cache, manager, greedy,
+    runner = make_engine(setup, model_forward(setup), cache, manager, greedy,
                          min(len(setup.prompts), a.max_running or len(setup.prompts)),
                          arrivals=not math.isinf(a.request_rate))
     prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)
@@ -365,7 +366,7 @@ def bench(a) -> dict:
         arrivals = arrivals or [0.0] * len(prompts)
         requests = [ServedRequest(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
                     for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
-        return engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
+        return EngineCore(runner, make_scheduler(setup, cache, manager, requests)).generate(False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds
     # nothing of its own in the prefix cache.
     say("Warming up: each kind of pass once (compiling the layers: tens of seconds on a first run) ...")
@@ -436,7 +437,7 @@ def bench(a) -> dict:
         "device": torch.cuda.get_device_name(setup.device),
         "copy_bandwidth_bytes_per_second": bandwidth,
         "matmul_flops_per_second": matmul_rate,
-        "cuda_graphs": engine.graphs is not None,
+        "cuda_graphs": runner.graphs is not None,
         "num_prompt_tokens": sum(len(r.prompt_tokens) for r in result.requests),
         "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,
@@ -457,7 +458,7 @@ def bench(a) -> dict:
         "decode_steps": len(result.timeline),
         "gpu_wait_seconds_per_decode_step": gpu_wait_seconds_per_step(result),
         "gpu_idle_seconds_per_step": result.gpu_idle_seconds / max(result.num_steps, 1),
-        "overlap": engine.overlap,
+        "overlap": runner.overlap,
         "median_step": {"step": median_step, "seconds": step_seconds,
                         "running_requests": result.timeline[median_step].running_requests,
                         "weight_bytes": weights_read,
@@ -523,7 +524,7 @@ def print_table(r: dict) -> None:
              f", {r['num_prefilled_tokens']:,} tokens (recomputed or cached: not the prompts')"))
     print(f"  decode              {r['decode_steps']} steps in {r['decode_seconds']:.2f} s; between "
           f"steps the GPU idles {r['gpu_idle_seconds_per_step'] * 1e3:.3f} ms per step "
-          f"({'overlapped' if r['overlap'] else 'not overlapped'}: engine/model_runner.py)")
+          f"({'overlapped' if r['overlap'] else 'not overlapped'}: engine/engine_core.py)")
     if r["latency"]:
         mean_p99 = lambda key: (f"{r['latency'][key]['mean'] * 1e3:,.1f} ms (p99 "
                                 f"{r['latency'][key]['p99'] * 1e3:,.1f} ms)")

@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 import llama3_virtual
 from engine.request import ServedRequest
+from engine.engine_core import EngineCore
 from engine.model_runner import greedy
 from features.arrivals import latency_report
 from plumbing.cli import (HelpFormatter, device, first_paragraph, fraction, gigabytes,
@@ -67,7 +68,7 @@ from engine.config import Config
 from engine.loader import choose_attention, load
 from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_engine, make_requests,
                                make_scheduler, model_forward, warm_up)
-from features.sampling import SamplingParams
+from engine.sampler import SamplingParams
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
 # the longest a request may grow, Oracle exactly what each will use. Every request of
@@ -223,10 +224,10 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         cache, manager = allocate_kv_cache(setup, served=True)  # as a served engine's pool
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
-        engine = make_engine(setup, model_forward(setup), cache, manager, greedy, largest_batch,
+        runner = make_engine(setup, model_forward(setup), cache, manager, greedy, largest_batch,
                              arrivals=True)
-        warm_up_engine(engine, setup, cache, manager)
-        serve = lambda rate, n: run_point(engine, setup, cache, manager, rate, n)
+        warm_up_engine(runner, setup, cache, manager)
+        serve = lambda rate, n: run_point(runner, setup, cache, manager, rate, n)
     try:
         curve = {"description": f"{CURVES[name][2]}; attention: {setup.attention.name}",
                  "kv_cache_bytes": cache.nbytes, "points": []}
@@ -247,21 +248,21 @@ def run_curve(base, name: str, a, bar, save) -> dict:
             manager.close()
 
 
-def warm_up_engine(engine, setup, cache, manager) -> None:
+def warm_up_engine(runner, setup, cache, manager) -> None:
     """Kernels chosen and compiled before anything is timed, on prompts no point uses."""
     def run_pass(prompts):
         requests = [ServedRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
-        engine.generate(make_scheduler(setup, cache, manager, requests), progress=False)
+        EngineCore(runner, make_scheduler(setup, cache, manager, requests)).generate(False)
     warm_up(run_pass, setup.args.compile, cache, manager, setup.args.max_seq_len, 8)
 
 
-def run_point(engine, setup, cache, manager, rate: float, num_requests: int) -> dict:
+def run_point(runner, setup, cache, manager, rate: float, num_requests: int) -> dict:
     """The first num_requests prompts arriving at `rate`, as `llama3_<script>.py num_requests
     --continuous --request-rate rate` would serve them."""
     point = arriving_at(setup, rate, num_requests)
     start = time.perf_counter()
-    result = engine.generate(make_scheduler(point, cache, manager, make_requests(point)),
-                             progress=False)
+    scheduler = make_scheduler(point, cache, manager, make_requests(point))
+    result = EngineCore(runner, scheduler).generate(progress=False)
     return point_record(point, start, result.requests, result.num_generated_tokens,
                         result.most_running, scheduling_report(result, True)["preemptions"])
 

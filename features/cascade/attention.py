@@ -109,7 +109,6 @@ class CascadeAttention:
     def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int,
                  table=None):
         self.backend, self.name, self.table = backend, backend.name, table
-        self.prefill, self.prefill_after_prefix = backend.prefill, backend.prefill_after_prefix
         self.prefix_blocks, self.prefix_tokens = prefix_blocks, prefix_blocks * block_size
         self.parts = (FlashParts(self.prefix_tokens, device) if backend.name == "flash"
                       else TorchParts())
@@ -142,6 +141,12 @@ class CascadeAttention:
             yield
         finally:
             self.active = True
+
+    def prefill(self, q, k, v, batch):
+        return self.backend.prefill(q, k, v, batch)
+
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch):
+        return self.backend.prefill_after_prefix(q, key_blocks, value_blocks, batch)
 
     def decode(self, q, key_blocks, value_blocks, batch):
         if not self.active or len(q) < self.min_batch:
