@@ -1,23 +1,10 @@
 """An OpenAI-compatible server over the paged engine: watch the block pool fill as requests come and go.
 
     python serve.py --model tiny --random-weights --device cpu      # http://127.0.0.1:8000
-    curl -N localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+    curl -N localhost:8000/v1/completions -H 'Content-Type: application/json' \
          -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 16, "stream": true}'
 
-POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not), GET
-/v1/models, /health and /metrics (Prometheus text: requests, blocks, the KV cache's reserved,
-filled and unfilled bytes, live; histograms of the time to first token, between tokens and to
-the last; vLLM's names too where it has an equal), and vLLM's /tokenize, /detokenize,
-/tokenizer_info and /version. The engine
-runs continuous batching in a process of its own (engine/engine_process.py: engine/llm_engine.py's
-LLMEngine, stepped without waiting for HTTP); the handlers only send it requests and read their
-tokens. A client that goes away before its answer ends, streamed or not, has its request
-aborted: its blocks and row are free at the next step. Every flag the scripts take for the
-model, cache and pool (--model, --random-weights, --block-size, ...) works here too. Log-
-probabilities come as vLLM gives them (`logprobs`, `echo` and a list of prompts in one
-completion request, as lm-evaluation-harness asks; `logprobs`/`top_logprobs` in chat;
-`prompt_logprobs`). OpenAI's and vLLM's fields the engine does not implement (penalties,
-tools, ...) get a 400 naming the field when set (docs/errors.md).
+More in docs/engine-notes.md.
 """
 
 if __name__ == "__main__":  # first of all: Ctrl-C from here on ends in one line, exit 130
@@ -43,7 +30,7 @@ from plumbing.cli import (CHAT_ROLES, HelpFormatter, UserError, chat_messages, f
 LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them (its default)
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
 MAX_N = 16  # samples per request
-VERSION = "0.70.0"  # /version: this server's protocol, as of issue 70 (vLLM's fields and shapes)
+VERSION = "0.70.0"  # /version: this server's protocol (vLLM's fields and shapes)
 # An idle connection is closed by the client first: the openai package's pool (httpx) drops one
 # after 5 s, uvicorn's default, so a request sent at 5 s could meet the server's close
 # ("Server disconnected without sending a response", seen once in CI). nginx's default.

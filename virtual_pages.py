@@ -2,7 +2,7 @@
 maps pages under each request's row in the loop, as the request grows.
 
 The API separates memory from its addresses: reserve a range of addresses with nothing behind it
-(cuMemAddressReserve), create physical pages (cuMemCreate; 2 MB on the H100), map a page at any
+(cuMemAddressReserve), create physical pages (cuMemCreate; 2 MB here), map a page at any
 address of the range (cuMemMap) and let the GPU read and write it there (cuMemSetAccess);
 unmapping (cuMemUnmap) keeps the page for another address. The page manager is block_manager.py's,
 but request r's page j is always page (r + 1) * pages_per_row + j of the rows, so that its tokens

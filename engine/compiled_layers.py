@@ -8,35 +8,7 @@ whole activation, and at these sizes each costs a few microseconds whatever it d
 the next RMSNorm, SiLU with its multiply; RoPE's casts and rotation become one kernel of ours
 (below). nano-vllm compiles the same pieces.
 
-RoPE needs a twin. The lesson rotates each pair as one complex multiplication, and inductor
-generates no code for complex numbers: it would run the multiply as its own kernels, between two
-fused ones. Written in real arithmetic, inductor fuses it but loads each number of a pair apart,
-at 0.23 to 0.27 TB/s on an H200 (engine/rope_kernel.py). So the compiler traces a Triton kernel of
-its own wherever the lesson calls apply_rope (torch.compiler.substitute_in_graph): the same
-arithmetic, the same bytes. An eager call still runs the lesson's, so --eager and --no-compile
-are unchanged.
-
-The attention call itself is left out (engine/kv_cache.py's cache, made `compiled`, wraps it in
-`torch.compiler.disable`): the cache's writes and the flash-attn or Triton kernel run as they
-are, and a layer compiles into two graphs, the work before attention and the work after it. All
-layers share those two (compile_layers); batch sizes are dynamic, so one compilation serves
-every CUDA-graph bucket (features/cuda_graphs.py warms each bucket up before capturing it, so
-that nothing compiles during a capture).
-
-Short passes launched from Python run eagerly (where requests arrive over time, they are CUDA
-graphs of the compiled layers instead: features/prefill_graphs.py). A compiled call costs more host
-time than the eager kernels' launches: on an H200 (random 8B), launching a prefill pass of 32 to
-1,000 tokens took 23 to 36 ms compiled and 11 to 18 ms eager, and up to a few hundred tokens the
-GPU waited for it. From about 1,000 tokens on the GPU's time is the longer, and the fused kernels
-win it back (1,000 tokens: 25.9 ms compiled, 28.1 eager; docs/serving-under-load.md). A decode step
-that no CUDA graph replays is launched from Python too: a batch past the largest graph's 512 rows,
-or any step of the API's with a sampling row. `python tools/graph_cost.py --compile` (H200) timed
-it compiled at 22.4 to 23.4 ms from 256 to 600 rows, host-bound, and eager at 11.7 ms at 256 rows,
-21.3 at 520 and 23.6 at 600; so decode steps of fewer than 600 rows run eagerly. Decode steps that
-CUDA graphs record stay compiled at every batch size: a replay launches nothing from Python.
-
-Fused kernels round in other places than the eager ones (inductor keeps intermediates in
-float32), so in bf16 tokens can differ from the eager path's; in float32 they agree.
+More in docs/engine-notes.md.
 """
 
 import warnings
@@ -71,14 +43,13 @@ def apply_rope_compiled(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tenso
 
 def compile_layers(model) -> None:
     """Compile each transformer layer of `model` in place (engine/model_runner.py's ModelForward,
-    made `compiled`). Its cache, made `compiled` too, leaves the attention call out."""
+    made `compiled`). The engine's caches leave the attention call out of the graphs."""
     # The rotations still enter the compiled code as complex numbers, handed whole to the RoPE
     # kernel, yet inductor warns that it runs complex code slowly.
     warnings.filterwarnings("ignore", "Torchinductor does not support code generation for complex")
     # Every layer runs the same code and differs only in its weights and its index (which
     # layer's K/V it attends). Dynamo makes an int attribute a constant and guards it: each layer
-    # would compile again for its own index (8B, W with FP8 weights from a cold cache on an H200:
-    # 99 graphs, the command 147 s). Read as an input, one graph serves all (6 graphs, 56 s).
+    # would compile again for its own index (docs/speed.md). Read as an input, one graph serves all.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     # Each other model compiled in the same process (a dtype, FP8 weights, a cache) adds graphs,
     # and past dynamo's limit (8) it would run the layers eagerly, with one warning.

@@ -2,14 +2,7 @@
 LLMEngine.step). Every run of the engine drives `step`: a script's feature run through
 `generate`, the Python API and the server through engine/llm_engine.py's LLMEngine.
 
-With `overlap` (on CUDA by default; --no-overlap) the host launches step t+1 before it waits for
-step t's tokens, so the GPU finds the next step queued when it finishes one. The scheduler then
-runs one step behind: when it schedules step t+1 it has not seen step t's tokens. That matters
-only for who is done. A request whose token in flight is its last (its max_new_tokens) is let go
-before step t+1 is scheduled; one that draws a stop token at step t is found out once step t+1
-is queued, and the token that step draws for it is thrown away (vLLM's and SGLang's overlapped
-schedulers do the same). Blocks freed while a step is in flight can go to the next step at once:
-the GPU runs the steps in order, so the in-flight step's writes into them come first.
+More in docs/engine-notes.md.
 """
 
 import time
@@ -51,8 +44,8 @@ class EngineCore:
         return waited.step
 
     @torch.inference_mode()  # as the lesson's generate, and the mode CUDA graphs are captured
-    # in: without it autograd tracks every op and compiled layers compile for that mode too (on
-    # an H200, W2's prefill took 1.1-1.6 s longer on the host: docs/layout.md)
+    # in: without it autograd tracks every op and compiled layers compile for that mode too
+    # (W2's prefill took seconds longer on the host: docs/layout.md)
     def generate(self, progress: bool = True) -> ServedGeneration:
         """Every request queued, stepped to its end: a script's run."""
         runner, scheduler = self.runner, self.scheduler

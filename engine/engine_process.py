@@ -3,33 +3,10 @@ and the engine's loop no longer take turns on one interpreter lock.
 
 Why a process and not a thread: Python runs one thread at a time. With the engine on a thread
 of the server, every step waited while the event loop parsed requests and wrote server-sent
-events, and the event loop waited while the engine launched kernels: measured on an H200 (random
-8B), the HTTP path gave 0.84x the in-process tokens per second at capacity and a median time to
-first token of 238 ms against 21 ms in process. Here each has a core of its own: with overlapped
-steps too, 1.00x at 32 requests/s (docs/serving-under-load.md has the figures).
+events, and the event loop waited while the engine launched kernels. Here each has a core of its
+own (docs/serving-under-load.md measures the two).
 
-Two pipes carry pickled messages, small and few:
-
-    server -> engine   ("add", request_id, prompt, params)   prompt: {"text"|"messages"|"ids": ...}
-                       ("abort", request_id)
-    engine -> server   ("ready", info)                       once, after the model and the pool
-                       ("exit", code)                        the engine could not start (said why)
-                       ("added", request_id, prompt_token_ids, error_kind, message)
-                                                             error_kind: None, "full" (no free
-                                                             row), "bad" (the input's fault) or
-                                                             "failed" (ours: this request only)
-                       ("step", updates, metrics)            one message a step: each sample's
-                                                             new text, tokens so far, finish,
-                                                             new tokens' log-probabilities and,
-                                                             in its first, the prompt's (if
-                                                             asked), new token ids
-                       ("failed", message)                   the engine stopped
-
-The engine side tokenizes (the server never loads the model's files) and detokenizes, as
-engine/llm_engine.py's LLMEngine does in process; a thread of the engine's process drains the
-server's pipe into a queue, so that the server never waits for a step to end to send. The
-server's event loop reads the engine's pipe when it has data (no thread: a thread would wait up
-to Python's switch interval, 5 ms, for the event loop to let it run).
+More in docs/engine-notes.md.
 """
 
 import asyncio

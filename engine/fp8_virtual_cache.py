@@ -7,11 +7,7 @@ Half the bytes per token also doubles the tokens a 2 MB page holds: for Llama 3 
 every layer (per-token layout) or 2,048 tokens of one layer's K (per-layer), so the page manager
 grows a request half as often.
 
-flash-attn's non-paged kernel, the 16-bit virtual cache's decode, cannot read float8. The Triton
-kernel (its attention backend's `paged_decode`: TritonDecode, engine/loader.py) can, and it reads blocks through a block table: a request's
-row is one contiguous run of virtual memory, so it is read as a single block of `row_tokens`,
-and its table has one entry, the row (no tile can cross into another block, whatever the row's
-length). Prefill attends over the fresh 16-bit K/V, as in the paged FP8 cache.
+More in docs/engine-notes.md.
 """
 
 import torch

@@ -1,22 +1,6 @@
 """The engine's KV cache: the lesson's pool, and the three things the engine's steps ask more of it.
 
-- **Prefill after cached tokens.** The lesson prefills every prompt of its static batch from the
-  first token. The engine has prompts that begin cached: a fork shares its parent's blocks and a
-  prompt finds its system prompt's blocks (features/sharing/block_manager.py), a swapped request
-  comes back with its K/V (engine/swap.py), a mixed step computes a prompt in chunks
-  (engine/scheduler.py).
-  Such a prompt packs only its new tokens (engine/model_runner.py's `prefill_from`), and its
-  attention reads every token, cached and new, from the pool through the block table:
-  flash-attn's varlen kernel takes the block table too, and the reference gathers the prompt's
-  blocks as decode does.
-- **A spare slot** past the pool's last block, in no block, where the padding rows of a CUDA
-  graph (features/cuda_graphs.py, features/prefill_graphs.py) write the K/V that no one reads.
-- **Left out of compiled layers** (engine/compiled_layers.py): the cache's writes and the
-  attention kernel run as they are, between the layers' two compiled graphs. Declared on the
-  method, so it holds for every cache of the engine; run eagerly, it costs about 1 us a call.
-
-Attention is the seam of the backends: `attend_with` is where features/cascade/attention.py puts its
-two-part attention around the backend chosen at start-up, once a system prompt's blocks are known.
+More in docs/engine-notes.md.
 """
 
 import math

@@ -1,32 +1,13 @@
-"""The one place an engine with features is assembled from the lesson's parts, and `LLMEngine`,
-the Python API's engine that takes requests one at a time (vLLM's LLMEngine).
+"""`LLMEngine`, the Python API's engine that takes requests one at a time (vLLM's LLMEngine):
+engine/llm.py's `LLM` and serve.py's engine process drive it. It is built where every engine is
+(engine/build.py) and steps the same EngineCore, so a served request runs through the same
+continuous batching, CUDA graphs and cache as `llama3_paged.py N --continuous`.
 
-From the flags (engine/config.py's Config) and a pool (engine/pools.py), `make_scheduler` and
-`make_engine` choose the engine's parts and the features' that plug into them.
-Everything that runs requests builds through them: the scripts' feature runs (`generate`, which
-engine/run.py calls), tools/bench.py and tools/latency_sweep.py, and `LLMEngine`, which
-engine/llm.py's `LLM` and serve.py's engine process drive. So a served request runs through
-the same continuous batching, CUDA graphs and cache as `llama3_paged.py N --continuous`.
-
-What serving adds to the scripts' runs:
-- Rows come back. A script's request r owns row r of the block table for the whole run; a server
-  sees requests without end. Here a request takes a free row when it is added and gives it back
-  when it finishes or is aborted, as its blocks go back to the free list.
-- A request's n samples (and any requests with the same prompt) share the prompt's blocks in the
-  paged cache: the samples after the first fork (features/sharing/block_manager.py), as
-  `--samples` does.
-- Each request samples with its own parameters (engine/sampler.py's `RowSampler`), and ends at
-  its own stop strings, at end-of-text unless `ignore_eos`, or at `max_tokens`. The first two are
-  checked here, on the host, between steps. On CUDA steps overlap (engine/engine_core.py) as in the
-  scripts' runs: the next step is in flight when a request is found to end, so the engine lets it
-  go (`let_go`) and throws away the token that step draws for it, as it does for a stop token.
+More in docs/engine-notes.md.
 """
 
 import dataclasses
-import functools
-import gc
 import itertools
-import math
 import random
 import time
 from collections import deque
@@ -35,195 +16,16 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from engine.engine_core import EngineCore
-from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
-from engine.scheduler import RequestTooLarge, Scheduler
-from engine.seams import plug
-from engine.request import ServedRequest, Status
-from engine.swap import HostBlocks
+from engine.build import allocate_kv_cache, make_runner, make_scheduler, model_forward, warm_up
 from engine.config import Config
+from engine.engine_core import EngineCore
 from engine.loader import load
-from engine import pools
-from engine.pools import allocate_naive, allocate_paged, decodes_with_graphs
-from engine.sampler import RowSampler, SamplingParams, make_sampler
-from plumbing import inputs
-from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
-                          torchrun_process)
-from plumbing.inputs import Run
-
-SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
-
-
-def allocate_kv_cache(run: Run, served: bool = False):
-    """The pool and block manager of the run's script, llama3_<cache>.py: where the three
-    differ. The virtual script is imported for its own runs only: the others never touch CUDA's
-    virtual memory. served: a served engine's, whose requests may ask for n samples."""
-    if run.args.cache == "virtual":
-        allocate_virtual = plug("virtual memory", "allocate_kv_cache")
-        if run.kv_cache_dtype is None:
-            return allocate_virtual(run)
-        from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
-        return allocate_virtual(run, functools.partial(FP8VirtualKVCache, split_heads=run.split))
-    return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
-
-
-def make_requests(run: Run) -> list[ServedRequest]:
-    """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
-    each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""
-    args, requests = run.args, []
-    arrivals = arrival_times(args, len(run.prompts))
-    for prompt, arrival, budget in zip(run.prompts, arrivals, inputs.new_token_budgets(run)):
-        requests += [ServedRequest(len(requests) + k, prompt.prompt_tokens, budget,
-                                    arrival_time=float(arrival)) for k in range(args.samples)]
-    return requests
-
-
-def arrival_times(args, n: int) -> list[float]:
-    """When each of n prompts arrives, in seconds from the start: all at once unless
-    --request-rate."""
-    if math.isinf(args.request_rate):
-        return [0.0] * n
-    return plug("arrivals")(n, args.request_rate, args.seed).tolist()
-
-
-def make_scheduler(run, cache, manager, requests: list[ServedRequest],
-                   served: bool = False) -> Scheduler:
-    """Static batching, or with --continuous a stream with preemption (recomputing, or swapping
-    with --preemption swap), in mixed steps with --max-batched-tokens. served: LLMEngine's, whose
-    paged pool shares blocks for a request's n samples."""
-    args = run.args
-    shares_blocks = pools.shares_blocks(run, served)
-    if args.continuous and args.max_batched_tokens and shares_blocks:
-        raise UserError("--max-batched-tokens does not combine with shared blocks yet "
-                        "(--samples above 1, or a system prompt's prefix cache): add "
-                        "--no-sharing, or drop --max-batched-tokens.")
-    swaps = args.continuous and args.preemption == "swap"
-    host = host_blocks(run, cache, shares_blocks) if swaps else None
-    try:
-        scheduler = Scheduler(manager, requests, args.continuous, args.max_running,
-                              args.max_batched_tokens or inputs.TOKENS_PER_PASS,
-                              mixed=bool(args.continuous and args.max_batched_tokens), host=host,
-                              shares_blocks=shares_blocks)
-    except RequestTooLarge as e:
-        prompt = len(e.request.prompt_tokens)
-        raise UserError(
-            f"Request {e.request.row} can grow to {e.largest_tokens:,} tokens ({prompt:,} prompt + "
-            f"{e.request.max_new_tokens:,} new), {e.blocks:,} blocks of {e.block_size:,}: more "
-            f"than the whole pool of {e.num_blocks:,}, so it could never finish. Give the KV "
-            f"cache more memory (--kv-budget-gb, --gpu-memory-utilization) or lower "
-            f"--max-new-tokens.", OUT_OF_MEMORY) from e
-    if args.cache == "virtual":  # its page managers may map the next prompts' pages ahead
-        manager.watch_queue(scheduler.waiting)  # (features/virtual/mapping_ahead.py)
-    return scheduler
-
-
-def host_blocks(run, cache, shares_blocks: bool) -> HostBlocks:
-    """--preemption swap: a pool of host blocks of --swap-space, checked before it is made."""
-    if run.args.cache == "virtual" or shares_blocks:  # the virtual rows are no blocks to copy
-        raise UserError("--preemption swap copies a request's own blocks of the paged or naive "
-                        "cache; it does not combine with shared blocks (--samples, a system "
-                        "prompt's prefix cache: add --no-sharing) or llama3_virtual.py yet.")
-    block_bytes = cache.block_size * run.kv_bytes_per_token
-    swap_space = run.args.swap_space or SWAP_SPACE_GB
-    swap_blocks = int(swap_space * GB // block_bytes)
-    if swap_blocks == 0:
-        raise UserError(f"--swap-space {swap_space:g} GB holds no block of "
-                        f"{format_bytes(block_bytes)}: raise it.")
-    check_host_memory(swap_blocks * block_bytes, "--swap-space", "Lower --swap-space.")
-    return HostBlocks(cache, swap_blocks)
-
-
-def model_forward(run, progress: bool = False) -> ModelForward:
-    """The model as the engine calls it: its layers compiled unless --no-compile or --eager (on
-    CUDA)."""
-    if run.args.compile and progress:
-        print("Compiling the layers' small kernels (torch.compile) on their first step: "
-              "8B takes about a minute on a machine's first run (H200), cached after; "
-              "--no-compile skips it")
-    return ModelForward(run.model, compiled=bool(run.args.compile))
-
-
-def make_engine(run, forward: ModelForward, cache, manager, sampler, largest_batch: int,
-                progress: bool = False, arrivals: bool = False, graph_sampler=None,
-                eager_when=lambda rows: False, served: bool = False) -> ModelRunner:
-    """The engine's loop, with the parts the flags choose: decode steps of up to `largest_batch`
-    rows as CUDA graphs where they can run (CUDA, an attention that reads its lengths on the
-    GPU; not --eager), a cascade with a cached system prompt (--cascade, the paged script's),
-    steps overlapped (--overlap, the default on CUDA) where the run allows it. With `arrivals`
-    (requests come over time, so most prefill passes are a prompt or two), short prefill passes
-    as CUDA graphs too: a static batch's prompts are packed into long passes, which a graph would
-    not speed up. graph_sampler, eager_when: what the graphs record, if not `sampler`, and the
-    rows they leave to the kernels launched from Python (LLMEngine's: the graphs decode
-    greedily, and a step with a row that samples runs eagerly). served: rows may ask for
-    log-probabilities (up to --max-logprobs), as a script's every row does with --logprobs."""
-    cascade = None
-    if pools.caches_prefix(run) and run.args.cascade != "off":  # a system prompt, cached
-        cascade = plug("cascade attention", "cascade_for")(run, cache, manager)  # before the graphs record attention
-    graphs = None
-    if decodes_with_graphs(run):
-        start = time.perf_counter()
-        recorded = SamplingDecoder(forward, cache, manager.block_table, graph_sampler or sampler)
-        graphs = plug("decode graphs")(recorded, largest_batch, eager_when)
-        if progress:
-            print(f"Captured {len(graphs.buckets)} CUDA graphs of a decode step, batch 1 to "
-                  f"{graphs.buckets[-1]}, in {time.perf_counter() - start:.1f} s")
-    logprobs = None
-    if run.args.logprobs is not None or served and run.args.max_logprobs:
-        logprobs = make_logprobs(run, forward, cache, manager, graph_sampler or sampler, sampler,
-                                 graphs, largest_batch, eager_when)
-    overlap = run.args.overlap
-    if overlap is None:
-        overlap = run.device.type == "cuda"
-    if overlap:  # an explicit --overlap the run cannot have was refused in Config
-        overlap = run.args.why_not_overlapped() is None
-    # The attention kernel's programs, longest first: its last wave short (longest_first.py).
-    engine = ModelRunner(forward, cache, manager, sampler, graphs, cascade, overlap=overlap,
-                         longest_first=run.device.type == "cuda", logprobs=logprobs)
-    if arrivals and decodes_with_graphs(run):
-        if plug("prefill graphs", "supports_prefill_graphs")(cache):
-            buckets = plug("prefill graphs", "BUCKETS")
-            start = time.perf_counter()
-            engine.capture_prefill_graphs()
-            if progress:
-                print(f"Captured {len(buckets)} CUDA graphs of a prefill pass, {buckets[0]} to "
-                      f"{buckets[-1]:,} tokens, in {time.perf_counter() - start:.1f} s")
-    return engine
-
-
-def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, largest_batch,
-                  eager_when):
-    """The decode step that gives log-probabilities (features/logprobs/), eager and, where the
-    plain step has CUDA graphs, as graphs of its own in their memory pool."""
-    LogprobDecoder = plug("log-probabilities")
-    table, width = manager.block_table, run.args.max_logprobs
-    logprob_graphs = None
-    if graphs is not None:
-        recorded = LogprobDecoder(forward, cache, table, graph_sampler, width)
-        logprob_graphs = plug("decode graphs")(recorded, largest_batch, eager_when, pool=graphs.pool)
-    every_row = -1 if run.args.logprobs is None else run.args.logprobs
-    return plug("log-probabilities", "Logprobs")(len(table), LogprobDecoder(forward, cache, table, sampler, width),
-                    logprob_graphs, every_row)
-
-
-def generate(run, cache, manager, progress: bool = True):
-    """Every request of the run through `cache`, with the parts the flags choose: what the
-    scripts call."""
-    args, requests = run.args, make_requests(run)
-    sampler = make_sampler(args)
-    scheduler = make_scheduler(run, cache, manager, requests)
-    largest_batch = min(len(requests), args.max_running or len(requests))
-    stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    runner = make_engine(run, model_forward(run, progress), cache, manager, sampler, largest_batch,
-                         progress, arrivals=not math.isinf(args.request_rate))
-    return EngineCore(runner, scheduler, stop_ids).generate(progress)
-
-
-def make_beam_engine(run, cache, manager) -> ModelRunner:
-    """--beam-width K: the engine the flags choose, drawing K beams per prompt (a search is one
-    static batch, run by features/beam_search.py's own loop: no overlap, no mixed steps)."""
-    sampler = plug("beam search")(run.args.beam_width)
-    return make_engine(run, model_forward(run, progress=True), cache, manager, sampler,
-                       len(run.prompts) * run.args.beam_width, progress=True)
+from engine.model_runner import greedy
+from engine.request import ServedRequest, Status
+from engine.sampler import RowSampler, SamplingParams
+from engine.scheduler import RequestTooLarge
+from engine.seams import plug
+from plumbing.cli import UserError, torchrun_process
 
 
 @dataclasses.dataclass(eq=False)
@@ -254,25 +56,6 @@ class QueueFull(Exception):
     """Every row is taken: serve.py answers 503 with Retry-After."""
 
 
-def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_tokens: int) -> None:
-    """Each of warm_up_prompts' passes through `run_pass(prompts)`, which runs them to their end.
-    Then an FP8 cache forgets the scales the first of them set: a token repeated is not the data
-    they are for (features/fp8/cache.py)."""
-    from engine.compiled_layers import warm_up_prompts  # here: it loads the compiler
-    for prompts in warm_up_prompts(compiled, manager, max_seq_len, new_tokens):
-        run_pass(prompts)
-    if cache.k[0].dtype == torch.float8_e4m3fn:  # an FP8 cache, paged or virtual
-        cache.forget_scales()
-    # Compiling and capturing leave half a million long-lived objects (graphs, guards, kernels)
-    # that every full pass of the garbage collector walks again: on an H200 such a pass took
-    # 0.29 s inside a timed run of W (docs/fp8.md). Collected once now and kept out of later
-    # passes (gc.freeze; vLLM does the same). Unfrozen first, so that an engine built after
-    # another collects what the first one left behind.
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-
-
 class LLMEngine:
     """Requests in, tokens out, one step at a time (serve.py's engine process calls `step`)."""
 
@@ -301,7 +84,7 @@ class LLMEngine:
         # the per-row sampler (a graph would have recorded one path for every row forever).
         # Chosen as each step is launched, which with overlapped steps is a step ahead of the
         # one `step` returns.
-        self.runner = make_engine(self.run, model_forward(self.run, progress), self.cache,
+        self.runner = make_runner(self.run, model_forward(self.run, progress), self.cache,
                                   self.manager, self.sampler, max_num_seqs, progress,
                                   arrivals=True,  # a client's, or the server's
                                   graph_sampler=greedy, eager_when=self.sampler.runs_eagerly,
@@ -452,8 +235,8 @@ class LLMEngine:
         """Run one step; return the sequences that changed (new tokens or finished). In
         inference mode, as the scripts' Engine.generate runs and the CUDA graphs were captured:
         no autograd, and compiled layers meet the mode they were compiled in (a step in another
-        would compile the layers again: on an H200 a server at 64 requests/s stalled so when
-        its batch first outgrew the graphs' 512 rows)."""
+        would compile the layers again, stalling a server when its batch first outgrows the
+        graphs' 512 rows: docs/serving-under-load.md)."""
         self.runner.time_next_step()
         while self.core.has_work():  # with overlap, the first step is launched, not recorded
             step = self.core.step()

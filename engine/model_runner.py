@@ -1,15 +1,6 @@
 """The engine's model runner: a step's inputs prepared and the model run over the lesson's parts.
 
-It holds the lesson's Llama, KVCache and BlockManager and overrides none of its loop. Where the
-lesson copies each request's last token to the device at every decode step and waits for every
-step's tokens, here each request's last token stays on the device (`last_tokens`, by row), every
-copy to the device is from pinned memory, queued like a kernel (block_manager.py's `to_device`),
-and a step is *launched* (its forward pass, its tokens stored as last tokens and copied to
-pinned host memory, a CUDA event after them) to be waited for later: engine/engine_core.py's
-loop overlaps the two. A prompt whose first tokens are cached (a fork, a system prompt's blocks,
-a request back from the host pool, a mixed step's later chunk) computes only the rest
-(`prefill_from`). Each step's GPU time is read from CUDA events once at the end, so timing adds
-no sync, and the time between steps is time the GPU waited for the host.
+More in docs/engine-notes.md.
 """
 
 import contextlib

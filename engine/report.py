@@ -12,7 +12,7 @@ import statistics
 import numpy as np
 import torch
 
-from engine.pools import shares_blocks
+from engine.build import shares_blocks
 from engine.seams import plug
 from plumbing.cli import format_bytes, per_token, write_json
 from plumbing.inputs import device_total_bytes, lengths_note, print_answers

@@ -3,11 +3,9 @@
 The lesson rotates each adjacent pair (x[2i], x[2i+1]) of a head by its position's angle, as one
 complex multiplication (llama3_paged.py's apply_rope). Given the same rotation in real arithmetic,
 inductor generates a kernel that loads each number of a pair apart, at every other address:
-loads the GPU cannot merge into wide ones. On an H200 that kernel moved 0.23 to 0.27 TB/s for 8B's
-q and k at 128 to 16,384 tokens, and took a tenth of an FP8 prefill (docs/speed.md). Here one
-program takes one token's heads, eight at a time: it loads them as whole rows, splits each row
-into its even and odd numbers in registers, rotates the pairs in float32 and joins them back:
-1.7 to 3.8 TB/s. The arithmetic is apply_rope's, in its order; tests/test_gpu.py holds the bytes
+loads the GPU cannot merge into wide ones. Here one program takes one token's heads, eight at a
+time: it loads them as whole rows, splits each row into its even and odd numbers in registers,
+rotates the pairs in float32 and joins them back, some ten times as fast (docs/speed.md). The arithmetic is apply_rope's, in its order; tests/test_gpu.py holds the bytes
 equal.
 """
 

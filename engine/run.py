@@ -19,7 +19,8 @@ import llama3_naive
 import llama3_paged as lesson
 from engine.config import Config, cache_of, parser_with_features
 from engine.loader import load
-from engine.llm_engine import allocate_kv_cache, generate, make_beam_engine, make_requests
+from engine.build import (allocate_kv_cache, generate, make_beam_runner, make_requests,
+                          shares_blocks)
 from engine.report import report
 from engine.seams import plug
 from plumbing import inputs
@@ -92,7 +93,7 @@ def run_beam_search(run, cache, manager) -> None:
     prompt's budget of new tokens."""
     search_and_report = plug("beam search", "search_and_report")
     budgets = [r.max_new_tokens for r in make_requests(run)]  # random weights: reply lengths
-    search_and_report(run, make_beam_engine(run, cache, manager), budgets)
+    search_and_report(run, make_beam_runner(run, cache, manager), budgets, shares_blocks(run))
 
 
 def find_max_batch(run: Run) -> None:

@@ -9,8 +9,7 @@ is a hash of (seed, s, p), computed on the device, inside the CUDA graphs, with 
 One uniform number per row is enough: inverse-CDF sampling walks the cumulative probabilities to
 the first token whose running total passes it.
 
-The scripts' runs sample every row alike (`Sampler`, from the flags). A served engine's rows each
-follow their own request's `SamplingParams` (`RowSampler`; vLLM's names and defaults).
+More in docs/engine-notes.md.
 """
 
 import dataclasses
@@ -321,7 +320,7 @@ class RowSampler:
                 prompt: list[int], stop_ids) -> None:
         # From pinned memory (to_device), queued behind the step in flight: a Python number
         # written into a GPU tensor is a copy the host waits for, and it waits for that step to
-        # end first (2 ms an added request on an H200, each stalling the overlapped steps).
+        # end first, stalling the overlapped steps.
         device = self.temperature.device
         self.temperature[row], self.top_p[row] = to_device(
             np.array([params.temperature, params.top_p]), device, torch.float32)

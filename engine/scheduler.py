@@ -2,38 +2,9 @@
 
 The lesson's Scheduler (llama3_paged.py) admits every request at the first step. This one does
 that too, and what a server needs, each chosen once from the flags; a class of the engine's own
-(not the lesson's, nor a chain of subclasses), returning the engine's own Step:
+(not the lesson's, nor a chain of subclasses), returning the engine's own Step.
 
-- `continuous` (--continuous): a first-come-first-served queue. The request at the head joins as
-  soon as the blocks its tokens fill are free, keeping a watermark of blocks spare (vLLM's name
-  for it) so that a request admitted now is not preempted a few steps later; at most
-  `max_running` run at once. Without it, the lesson's static batch: all admitted at once, and a
-  batch that does not fit ends the run (OutOfBlocks).
-- `token_budget`: the most tokens a step computes. A step either prefills requests just admitted
-  (from a quarter of the budget to all of it, while others run) or decodes one token for every
-  running request, never both, unless
-- `mixed` (--max-batched-tokens; Sarathi-Serve, OSDI 2024, and vLLM V1's scheduler, which has "no
-  decoding phase nor prefill phase"): each step takes one token for every running request whose
-  prompt is computed, then fills the rest of the budget with prompt chunks, first of requests
-  partly prefilled, then of requests admitted from the head of the queue. A long prompt is split
-  across steps; a chunk that does not end its prompt draws no token.
-- Arrivals: a request joins no sooner than its `arrival_time` (features/arrivals.py spreads them
-  over time). With nothing running and nothing arrived, the scheduler sleeps until the next one.
-- Preemption: a decode step gives every running request a slot for its next token. If that needs
-  more new blocks than are free, the most recently admitted request is preempted: all its blocks
-  go back to the pool (all or nothing, as in the PagedAttention paper, section 4.5) and it returns
-  to the head of the queue. With `host` None it is recomputed when readmitted: its prompt and
-  every token it had generated are prefilled again, and it continues exactly where it stopped.
-  With `host`, a pool of host blocks (engine/swap.py, --preemption swap), its K/V are copied there
-  and back, and it rejoins the decode batch with no prefill; one halfway through its prompt, or
-  finding the host pool full, is recomputed.
-- Prefix-cache hits: tokens the block manager finds cached (`shares_blocks`,
-  features/sharing/block_manager.py) are not computed again; a fork whose every token but the last
-  is cached joins the decode batch directly, which computes that token.
-
-Mixed steps do not share blocks yet: sharing lists a prompt's full blocks in the prefix cache
-when they are allocated, and a request preempted halfway through its chunked prompt would leave
-blocks there that were never written.
+More in docs/engine-notes.md.
 """
 
 import sys

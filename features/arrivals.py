@@ -4,12 +4,9 @@ The PagedAttention paper serves requests that arrive as a Poisson process at a g
 judges a system by its normalized latency: each request's end-to-end latency divided by its
 output length, averaged. A Poisson process has independent, exponentially distributed gaps
 between arrivals, of mean 1 / rate. engine/scheduler.py admits no request before its
-arrival time; this file draws those times, and measures per request:
+arrival time; this file draws those times, and measures how long each request waited.
 
-- time to first token (TTFT): from its arrival to its first token on the host;
-- time between tokens (TBT): the gaps between its consecutive tokens, pooled over all requests;
-- end-to-end latency: from its arrival to its last token;
-- normalized latency: end-to-end latency / output tokens, in seconds per token.
+More in docs/engine-notes.md.
 """
 
 import math

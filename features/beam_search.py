@@ -9,10 +9,7 @@ every block gains or loses holders at every step, and a block no beam holds any 
 pool. The last, part-full block is copied on write when two children both write into it. Without
 sharing (--no-sharing) each beam holds its own blocks, and a child's are copied from its parent.
 
-The rules are transformers' `generate(num_beams=K, do_sample=False, length_penalty=0.0)`, which
-the tests hold us to: a beam ends at a stop token (kept among the finished if it ranks in the
-top K candidates) or at its length limit; a prompt is done when K beams have finished and no
-running beam scores above the worst of them (log-probabilities only fall, so none ever could).
+More in docs/engine-notes.md.
 """
 
 from dataclasses import dataclass, field
@@ -24,7 +21,6 @@ from tqdm import tqdm
 from block_manager import to_device
 from engine.scheduler import Step
 from engine.request import ServedRequest
-from engine.pools import shares_blocks
 from plumbing.cli import format_bytes, torchrun_process, write_json
 
 
@@ -115,7 +111,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     """Search K = width beams for each prompt, all prompts in one batch (static: every prompt's
     blocks are taken at the start). Prompt p's beams run in rows p*K .. p*K + K-1; engine's
     sampler must be BeamSampler(width). shares: the engine's block manager shares blocks
-    (features/sharing/block_manager.py's, as engine/pools.py's `shares_blocks` chooses)."""
+    (features/sharing/block_manager.py's)."""
     manager, cache = engine.manager, engine.cache
     searches = [Prompt(p, np.arange(i * width, (i + 1) * width), n)
                 for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
@@ -177,14 +173,14 @@ def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty
 PAPER = "the paper measures 44.3%-66.3% for beam search on ShareGPT, 37.6%-55.2% on Alpaca"
 
 
-def search_and_report(run, engine, budgets: list[int]) -> None:
-    """--beam-width K (engine/llm_engine.py builds the engine as the flags choose, and
-    engine/run.py the budgets): the search over the first N prompts, its best beams, and the
-    KV memory that sharing saved."""
+def search_and_report(run, engine, budgets: list[int], shares: bool) -> None:
+    """--beam-width K (engine/build.py builds the runner as the flags choose, and engine/run.py
+    the budgets): the search over the first N prompts, its best beams, and the KV memory that
+    sharing saved. shares: the block manager shares blocks."""
     args, width = run.args, run.args.beam_width
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
     result = beam_search(engine, [p.prompt_tokens for p in run.prompts], width, budgets,
-                         stop_ids, shares=shares_blocks(run))
+                         stop_ids, shares=shares)
     first = result.prompts[0]
     print(f"\n--- request {run.prompts[0].id}, its {width} beams, best first ---\n"
           f"> {run.prompts[0].prompt.strip()[:300]}")

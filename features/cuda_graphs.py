@@ -5,14 +5,7 @@ finishes a kernel sooner than the host launches the next, so the step takes as l
 launches. A CUDA graph records one step's kernels with their arguments and replays them all with
 one call.
 
-A graph replays exactly what it recorded: the same shapes, reading and writing the same
-addresses. So the step's inputs live in static buffers that each step overwrites, and there is
-one graph per batch-size bucket: a batch of 37 runs the bucket-40 graph with 3 padding rows, which
-write to the cache's spare slot (engine/kv_cache.py's, made with `spare_slot=True`). The block table and the KV pool are already static: the block
-manager edits the table in place. Batches above the largest bucket run eagerly
-(engine/model_runner.py's `decode_rows` asks `replays` first); their kernels are long enough to
-hide the launches. (With compiled layers they run the eager
-kernels below 600 rows, whose launches cost the host less: engine/compiled_layers.py.)
+More in docs/engine-notes.md.
 """
 
 import bisect

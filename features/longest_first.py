@@ -7,15 +7,7 @@ long request whose program happens to start late runs on after the rest are done
 GPU idles around it. Launched longest first, the programs left at the end are the short ones:
 the scheduling rule "longest processing time first" (Graham, 1969).
 
-Nothing else depends on the order: every row's attention and every row of a matmul are computed
-on their own, so the tokens are the same, and they go back to their requests by the step's own
-list. Sorting 2,000 rows costs the host some 0.1 ms, while the step before runs on the GPU.
-
-Measured on an H100 80 GB (random 8B weights): flash-attn's kernel at every 37th decode step
-of W2, one layer times 32 (.gpujobs/sort_rows.py, kept out of git), 10.52 s of attention in the
-order of admission against 10.00 s longest first. Whole W2 runs (tools/bench.py paged --workload
-W2, against the commit before, two calls): 16,616 and 16,568 output tokens/s against 16,573,
-16,478 and 16,097: under 1%, near the runs' own spread.
+More in docs/engine-notes.md.
 """
 
 import dataclasses

@@ -6,11 +6,7 @@ more, so if n does not fit, nothing larger does: bisection finds the boundary in
 runs. The naive script's limit comes from max_seq_len alone; the paged one's from how long the
 requests really grow, which only a real run shows.
 
-Unless the lengths are known before the run: with random weights each request grows to its
-ShareGPT reply's length. Then replaying the block manager over the prompts' lengths (no model)
-says which batch the pool just fits (`fits_in_pool`), and the next attempt is that batch, then
-the one past it: three runs in all, where the replay is right. Where it is wrong the search goes
-on by bisection; every answer is still a real run's.
+More in docs/engine-notes.md.
 """
 
 import dataclasses

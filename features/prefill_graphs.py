@@ -2,22 +2,10 @@
 
 Decode steps replay CUDA graphs (features/cuda_graphs.py); a prefill pass was launched kernel by
 kernel from Python. A server's passes are short: a request or two that arrived during the last
-step, a few hundred tokens. Launching such a pass took the host 11 to 18 ms on an H200 (random 8B
-weights), longer than the GPU's work on it, so every new request's first token waited for Python
-(docs/serving-under-load.md). A graph of the pass launches in one call.
+step, a few hundred tokens. Launching such a pass took the host longer than the GPU's work on
+it, so every new request's first token waited for Python (docs/serving-under-load.md). A graph of the pass launches in one call.
 
-A graph replays fixed shapes and addresses, so a pass is padded to a graph's size: a bucket of
-tokens (16 to 1,024) and MAX_PROMPTS prompts.
-- The tokens past the pass's own form one more prompt, which writes its K/V to the cache's spare
-  slot (engine/kv_cache.py's) and whose output no one reads.
-- The prompts past that one are empty: flash-attn's varlen kernel ends their programs at once.
-- The kernel's longest-prompt bound, a host number frozen into the graph, is the bucket's size.
-Each prompt's last token's logits come back, [MAX_PROMPTS, vocab], and the caller samples the first
-B rows as it would the eager pass's.
-
-Longer passes (their GPU work outlasts the launch), passes of more prompts, passes after cached
-tokens (engine/kv_cache.py's other path) and an FP8 cache's first pass (it sets the scales,
-features/fp8/cache.py) run as before.
+More in docs/engine-notes.md.
 """
 
 import bisect

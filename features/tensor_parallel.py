@@ -3,30 +3,7 @@
     torchrun --nproc-per-node 2 llama3_paged.py 7 --random-weights --model tiny --device cpu
     torchrun --nproc-per-node 2 llama3_paged.py 49 --random-weights    # two GPUs, over NCCL
 
-Each process (rank) holds a slice of every layer: its share of the query heads and of the K/V
-heads (wqkv's rows, by head), of the feed-forward's hidden units (w_gate_up's rows), and the
-matching columns of wo and w_down, whose partial outputs an all-reduce adds up; the output head
-is split by vocabulary and its slices gathered. The embedding is whole on every rank. So a rank's
-KV cache holds n_kv_heads / tp heads of every token: half the bytes per token on two ranks, and
-the same memory holds twice the tokens. The block manager and its table do not change at all.
-
-No rank ever holds the whole model: it is built with the slice's shapes (SplitLlama), and
-plumbing/inputs.py, told the model is `split` (engine/loader.py), cuts each checkpoint tensor to
-this rank's share as it copies it in (`share_of`), one tensor at a time. Random weights are drawn whole, one tensor at a time, and cut
-the same way (`keep_share`), so that the processes compute with the one process's numbers.
-
-One scheduler, the same decisions on every rank (SPMD, as gpt-fast runs): each rank runs the
-whole program, with the same requests, the same block manager and the same scheduler. The logits
-are gathered whole on every rank, so every rank picks the same tokens (a sampler draws from the
-same seeds), and every later decision follows the same. Nothing is broadcast but activations.
-Only rank 0 prints and writes --json. (The other design, rank 0 schedules and broadcasts each
-step, as vLLM does, costs a broadcast a step; SPMD costs nothing but determinism, which the
-scheduler has anyway.)
-
-The transport: NCCL when each process has a GPU of its own; gloo on the CPU, and when the
-processes share one GPU (NCCL refuses two ranks on one device). Gloo's collectives run on the
-host, which a CUDA graph cannot capture: processes sharing a GPU decode without graphs. A rank
-that stops answering ends the others after COLLECTIVE_TIMEOUT (gloo's timeout, NCCL's watchdog).
+More in docs/engine-notes.md.
 """
 
 import dataclasses

@@ -7,11 +7,7 @@ running weighted sum of values `acc`, rescaled by exp(m_old - m_new) whenever th
 So every cached K and V is read once, and the scores never leave the chip. The query heads that
 share the KV head (GQA) are handled together, so one read of a block serves all of them.
 
-`TritonAttention` plugs it into the cache as the third attention backend (--attn triton):
-decode through this kernel, which reads blocks of any power-of-two size from 16 up, and prefill
-through PyTorch's SDPA. Triton comes with PyTorch on CUDA: it needs no package beyond torch.
-`TritonDecode` (llama3_paged.py --decode-kernel triton) pairs the kernel with flash-attn's
-prefill instead: at W's lengths on the H200 it decodes faster than flash-attn's own kernel.
+More in docs/engine-notes.md.
 """
 
 import numpy as np
@@ -27,7 +23,7 @@ from block_manager import to_device
 TOKENS_PER_TILE = 128  # tokens loaded per loop step, whatever the block size: a tile of 128
                        # tokens spans eight blocks of 16, or half a block of 256
 NUM_WARPS = 4  # with tiles of 128, faster than 8 warps or tiles of 64 at W's and W2's lengths,
-               # blocks of 16 or 256 (H200: tools/decode_kernel_cost.py, README "Speed")
+               # blocks of 16 or 256 (tools/decode_kernel_cost.py, docs/speed.md)
 # Float8 tiles are half the bytes, and the kernel's time goes to its arithmetic more than to its
 # loads (docs/fp8.md): smaller programs, more of them on each SM at once, hide it better.
 FP8_TOKENS_PER_TILE, FP8_NUM_WARPS = 64, 2
@@ -67,8 +63,8 @@ def paged_decode_kernel(
         cached = tokens < seqlen
         if TILE <= BLOCK_SIZE:
             # The tile lies inside one block (both are powers of two): one load of the table
-            # and one base address for all its rows. A table entry per token, as below, took
-            # the float8 kernel 289 us at W2's case instead of 268 (H100, docs/fp8.md).
+            # and one base address for all its rows: faster than a table entry per token, as
+            # below (docs/fp8.md).
             block = tl.load(block_table_ptr + request * table_stride_request + tile * TILE // BLOCK_SIZE)
             base = (block.to(tl.int64) * kv_stride_block + kv_head * kv_stride_head
                     + (tile * TILE % BLOCK_SIZE) * kv_stride_slot)
@@ -186,10 +182,9 @@ class TritonAttention:
 
 
 class TritonDecode(FlashAttentionAfterPrefix):
-    """flash-attn for prefill, `paged_decode` for decode steps (--decode-kernel triton). At W's
-    few hundred tokens per request, flash-attn's decode kernel reads the cache at 2.9 TB/s on the
-    H200 and this one at 3.5 TB/s; at W2's longer requests the lead shrinks to 1.08x
-    (tools/decode_kernel_cost.py, README "Speed")."""
+    """flash-attn for prefill, `paged_decode` for decode steps (--decode-kernel triton): at W's
+    few hundred tokens per request it reads the cache faster than flash-attn's decode kernel
+    (tools/decode_kernel_cost.py, docs/speed.md)."""
 
     paged_decode = staticmethod(paged_decode)  # the kernel itself, for the FP8 caches' float8 blocks
 

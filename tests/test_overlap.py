@@ -19,7 +19,7 @@ from engine.model_runner import ModelForward, StepTimer
 from features.virtual.mapping_ahead import BackgroundMapper
 from engine.config import parse_script_arguments
 from features.sharing.block_manager import SharingBlockManager
-from engine.llm_engine import make_engine
+from engine.build import make_runner
 from test_mapping_ahead import CheckedManager, FakePageTable
 from test_scheduler import MAX_SEQ_LEN, random_prompts
 
@@ -169,6 +169,6 @@ def test_the_flag_chooses_the_loop(model, overlap, device, expected):
     config = parse_script_arguments("naive", ["1", "--random-weights", "--eager", *flag])
     setup = SimpleNamespace(args=config, device=torch.device(device), model=model)
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
-    engine = make_engine(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
+    engine = make_runner(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
     assert engine.overlap == expected
 

@@ -228,12 +228,12 @@ def test_what_is_not_split_yet_is_refused_in_one_paragraph(processes, argv, why)
 RANK_ONE_FAILS = """
 import os, sys
 sys.path.insert(0, os.getcwd())
-from engine import llm_engine, run
+from engine import build, run
 from plumbing.cli import UserError
 if os.environ["RANK"] == "1":  # one process meets a failure the other does not
     def fails(*args, **kwargs):
         raise UserError("this process alone failed")
-    llm_engine.make_engine = fails
+    build.make_runner = fails
 run.main("llama3_paged.py", sys.argv[1:])
 """
 

@@ -65,8 +65,8 @@ from engine.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES, shapes_only
 from engine.config import CACHES, Config, add_fast_path_arguments, logprobs_count
 from engine.loader import load
-from engine.llm_engine import (allocate_kv_cache, arrival_times, make_engine,
-                               make_scheduler, model_forward, warm_up)
+from engine.build import (allocate_kv_cache, arrival_times, make_runner, make_scheduler,
+                          model_forward, warm_up)
 from tools.kernel_profile import profile_engine
 from tools.shared import (collective_seconds_per_step, copy_bandwidth, matmul_flops_per_second,
                           median_cuda_seconds, write_profile)
@@ -357,7 +357,7 @@ def bench(a) -> dict:
     weights_read = weight_bytes_read_per_step(setup.model)
     a.compile = setup.args.compile  # as the flags resolved it: on by default unless --eager
     cache, manager = allocate_kv_cache(setup, served=True)  # as a served engine's pool
-    runner = make_engine(setup, model_forward(setup), cache, manager, greedy,
+    runner = make_runner(setup, model_forward(setup), cache, manager, greedy,
                          min(len(setup.prompts), a.max_running or len(setup.prompts)),
                          arrivals=not math.isinf(a.request_rate))
     prompts, budgets = workload_requests(setup.prompts, setup.tokenizer, a)

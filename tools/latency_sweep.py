@@ -66,8 +66,9 @@ from plumbing.cli import standard_json
 from engine.report import format_seconds, scheduling_report
 from engine.config import Config
 from engine.loader import choose_attention, load
-from engine.llm_engine import (LLMEngine, allocate_kv_cache, make_engine, make_requests,
-                               make_scheduler, model_forward, warm_up)
+from engine.build import (allocate_kv_cache, make_requests, make_runner, make_scheduler,
+                          model_forward, warm_up)
+from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingParams
 
 # name: (script, its flags, what the curve is). The paper's baselines are Orca's: Max reserves
@@ -224,7 +225,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
         cache, manager = allocate_kv_cache(setup, served=True)  # as a served engine's pool
         # Each running request holds a block (a page) at least: that bounds the batch.
         largest_batch = min(len(setup.prompts), manager.num_blocks)
-        runner = make_engine(setup, model_forward(setup), cache, manager, greedy, largest_batch,
+        runner = make_runner(setup, model_forward(setup), cache, manager, greedy, largest_batch,
                              arrivals=True)
         warm_up_engine(runner, setup, cache, manager)
         serve = lambda rate, n: run_point(runner, setup, cache, manager, rate, n)

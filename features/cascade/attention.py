@@ -5,20 +5,7 @@ table lists first. Memory is shared; bandwidth is not: the paged kernel follows 
 table, so a decode step of B requests reads the system prompt's blocks B times. With the
 1,056-token system prompt that is 138 MB per request per step.
 
-A cascade (FlashInfer's name; vLLM's cascade attention) splits each request's attention in two:
-
-- shared: the B queries of the step, as one sequence of B queries, against the prefix's blocks,
-  without a causal mask (every request sees the whole prefix). The kernel reads those blocks once
-  per tile of queries, not once per request.
-- own: each request against its own blocks, those after the prefix, as before.
-
-Each part is a softmax over part of the keys. Both kernels return the log of their softmax's sum
-(log-sum-exp, lse), and o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2) is attention over all the
-keys, exactly.
-
-The shared part needs a kernel that runs many queries over one sequence: flash-attn has one; the
-Triton kernel (triton_attention.py) runs one query per request, so --attn triton runs without a
-cascade. The PyTorch reference here is for the tests.
+More in docs/engine-notes.md.
 """
 
 import contextlib
@@ -27,10 +14,9 @@ import torch
 
 from llama3_paged import DecodeBatch
 
-# When the cascade pays, measured on the H200 with tools/cascade_cost.py (README, "Shared memory
-# is not shared bandwidth"): its two kernels and the merge cost more than the plain kernel's
-# reads of the prefix until the batch x the prefix reaches some 32K tokens (a batch of 32 for a
-# prefix of 1,024 tokens, 16 for 2,048, 64 for 512). With the merge in PyTorch it took 64K.
+# When the cascade pays (tools/cascade_cost.py, docs/sharing.md): its two kernels and the merge
+# cost more than the plain kernel's reads of the prefix until the batch x the prefix reaches some
+# 32K tokens (a batch of 32 for a prefix of 1,024 tokens).
 MIN_SHARED_TOKENS_READ = 32_768
 
 
@@ -162,7 +148,7 @@ class CascadeAttention:
 
 def cascade_for(setup, cache, manager) -> CascadeAttention | None:
     """The cascade a run whose prefix cache shares a system prompt gets, printing the rule it was
-    chosen by (engine/llm_engine.py's make_engine asks only then). --cascade auto: the prompt's full blocks, read by
+    chosen by (engine/build.py's make_runner asks only then). --cascade auto: the prompt's full blocks, read by
     flash-attn, for batches of MIN_SHARED_TOKENS_READ / prefix tokens or more. --cascade on forces
     it for every batch (flash-attn or the reference)."""
     mode, prefix_tokens = setup.args.cascade, setup.num_system_prompt_tokens

@@ -4,25 +4,7 @@ The lesson fits more requests by wasting fewer slots; this is the other lever, f
 slot. A pool of the same memory holds twice the tokens, and every decode step reads half the bytes
 (vLLM's --kv-cache-dtype fp8; none of the small engines has it).
 
-- Format: float8 e4m3 (4 exponent bits, 3 mantissa bits; largest value 448). Being floating
-  point, it keeps about 2 significant bits of every value whatever its size, so a scale needs
-  no precision, only range.
-- Scales: one for K and one for V per layer, set from the layer's first prefill (its largest
-  |K| and |V| times HEADROOM, over 448), as vLLM's --calculate-kv-scales does. One number per
-  tensor is all the kernel needs (it multiplies the scores and the output once); finer scales
-  would buy range, which a float format has plenty of, and a later token past the headroom is
-  clamped to +-448 rather than overflowing.
-- Writes quantize (on CUDA in one kernel: engine/cache_write.py); prefill attends over the
-  fresh bf16 K and V, as the lesson's does; decode reads float8. flash-attn 2 cannot read
-  float8, so on CUDA the decode goes through the Triton kernel, its attention backend's
-  `paged_decode` (engine/loader.py gives an FP8 cache on CUDA a Triton backend), which converts
-  each tile to bf16 in registers and folds the scales into the scores and the output; the
-  PyTorch reference dequantizes the blocks it gathers.
-- A prompt after a cached prefix (a system prompt's blocks, features/sharing/prefix_cache.py) reads
-  the prefix from float8 blocks: prefill dequantizes the blocks its prompts read into a copy of just
-  those in the model's dtype, writes the new tokens' fresh K/V into it, and attends there as the
-  bf16 cache would (`attend_after_prefix`). A mixed step (--max-batched-tokens) would copy every
-  running request's blocks so, every step: refused.
+More in docs/engine-notes.md.
 """
 
 import contextlib

@@ -2,18 +2,13 @@
 
 torch._scaled_mm (cuBLAS's row-wise float8 kernel) gives each tile of the output to one program.
 o and down write the residual stream, 4,096 columns for 8B: at a decode step of up to 128 rows
-that is at most 64 tiles for an H200's 132 SMs, and most SMs wait while a few walk all of K
-(down at 64 rows: 43.9 us, where reading its 58.7 MB of float8 takes 14). Here K is cut in four
-slices and each (tile, slice) is a program of its own, which writes its float32 partial sums.
-The caller adds the slices and applies both scales, which compiled layers fold into the residual
-add that follows. Measured so, compiled with that add (H200, docs/fp8.md): down 30.0 us at 64
-rows and 38.4 at 128 (cuBLAS 43.9, 47.9), o 10.6 and 14.0 (16.3, 17.0); from 200 rows on cuBLAS
-is as fast or faster (down 50.7 against 54.0 at 200 rows, two slices), so it takes those.
+that is at most 64 tiles for an H200's 132 SMs, and most SMs wait while a few walk all of K.
+Here K is cut in four slices and each (tile, slice) is a program of its own, which writes its
+float32 partial sums. The caller adds the slices and applies both scales, which compiled layers
+fold into the residual add that follows. From 200 rows on cuBLAS is as fast or faster, so it
+takes those (docs/fp8.md measures both).
 
-Hopper's float8 tensor cores keep their running sum in less than float32; chaining one sum
-through the whole slice tripled the error against the float32 reference (8B's down: 1.0e-2
-against cuBLAS's 3.2e-3, which adds its sums up in float32 too). So each BLOCK_K of products is
-summed on its own and added to the float32 sum.
+More in docs/engine-notes.md.
 """
 
 import torch
@@ -59,8 +54,7 @@ def partial_sums_kernel(x_ptr, w_ptr, out_ptr, rows, n_out, n_in, k_per_slice,
 
 # An opaque custom op, not a triton_op as swiglu_quantize.py's: compiled layers call it as it is
 # and fold the sum after it into the residual add. Traced into inductor's code (triton_op), this
-# kernel took 64 us of a decoded token at N's batches, where the cuBLAS kernels it replaced took
-# 13 (H200, docs/fp8.md).
+# kernel was slower than the cuBLAS kernels it replaced (docs/fp8.md).
 @torch.library.custom_op("fp8_weights::partial_sums", mutates_args=())
 def partial_sums(x8: torch.Tensor, w8: torch.Tensor, k_slices: int) -> torch.Tensor:
     """x8: [T, in] float8, w8: [out, in] float8 -> [k_slices, T, out] float32, x8 @ w8^T over

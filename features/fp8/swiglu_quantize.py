@@ -1,20 +1,6 @@
 """Down's input in one kernel (--quantization fp8 on CUDA): SwiGLU and its per-token float8 cast.
 
-With FP8 weights the feed-forward's down projection takes its input in float8, scaled per token
-(features/fp8/weights.py): h = silu(gate) * up, each row's largest |h|, then h over it. Compiled,
-inductor makes that three kernels, each reading gate/up's output, 28,672 numbers a token for 8B:
-the largest value in two halves (a split reduction), a kernel joining the halves, and one that
-computes h again to divide and cast it (H200, W: 2.85 us of a decoded token's 36.30; docs/fp8.md).
-Here one program takes one row whole: it reads gate and up once, computes h in float32 in
-registers, finds its largest value and writes h in float8 with its scale. No bf16 rounding of h
-in between, where the eager code rounds silu(gate) and the product: the float8 numbers can
-differ from the eager ones by one step of e4m3 where that rounding crosses a boundary.
-Up to 256 rows gate/up's output comes as its float8 products' sums with unit scales (cuBLAS's
-faster kernel there, weights.py): the kernel multiplies them by the token's scale and each
-column's first, in float32, so gate/up's scales cost no pass of their own.
-
-Registered with torch.library.triton_op, so that compiled layers trace the kernel into their
-graph (no graph break) and CUDA graphs capture it like any other.
+More in docs/engine-notes.md.
 """
 
 import torch
@@ -57,7 +43,7 @@ def swiglu_quantize(gate_up: torch.Tensor, row_scale: torch.Tensor | None = None
     scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
     scaled = row_scale is not None
     # A row whole in one program: 8B's 14,336 numbers padded to 16,384, 64 a thread in 8 warps
-    # (H200: 11.9 us at 256 rows against 13.6 in 16 warps; rows in chunks were slower, docs/fp8.md).
+    # (faster than 16 warps, or rows in chunks: docs/fp8.md).
     # Unscaled, the scales' pointers are never read: `scale` stands in for them.
     torch.library.wrap_triton(swiglu_quantize_kernel)[(rows,)](
         gate_up.contiguous(), row_scale.contiguous() if scaled else scale,

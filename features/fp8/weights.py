@@ -3,34 +3,9 @@
 The lesson's levers shrink the KV cache; on a 24 GB card the weights are the larger share
 (Llama 3 8B: 16 GB in bf16). In float8 e4m3 the projections take half, the pool gets what they
 free, and every decode step, which reads every weight once, reads half as many bytes; Hopper's
-float8 tensor cores also multiply at twice bf16's rate. This is vLLM's `--quantization fp8`:
+float8 tensor cores also multiply at twice bf16's rate.
 
-- Weights: each output channel (a row of a projection's [out, in] matrix) gets its own float32
-  scale, its largest |w| over 448 (e4m3's largest value), so that every row uses the format's
-  whole range. Quantized once, at load, from whatever the loader filled (a checkpoint, random
-  weights): q/k/v, o, gate/up and down. The embedding and the output head stay 16-bit, as
-  vLLM's do: the head's errors go straight into the logits.
-- Activations: scaled per token (a row of x) at run time, the same way, just before each
-  matmul; compiled layers (engine/compiled_layers.py) fuse that into the kernels around it.
-- The matmul: on CUDA `torch._scaled_mm`, float8 x float8 with both rows' scales, accumulated in
-  float32 and written in bf16. o and down, at a decode step's rows, through a kernel that splits
-  their sum over K (features/fp8/split_k.py) up to 128 rows; up to 256 rows o, down and gate/up
-  through cuBLAS's faster kernel for unit scales, the rows' scales after. Elsewhere (the CPU,
-  float32 runs) the reference below: the same quantized numbers, dequantized, multiplied in
-  float32. CI tests the numerics through it; the GPU tests hold every kernel to it.
-
-Like gpt-fast's quantize.py, this transforms a loaded model from outside, in one place
-(engine/loader.py): `quantize_weights` replaces each projection's nn.Linear by a Float8Linear,
-and on CUDA each feed-forward by a Float8FeedForward, whose SwiGLU writes down's float8 input
-itself. The lesson's layers call `self.wqkv(x)` and `self.feed_forward(x)` as before and know
-nothing of it.
-
-Under torchrun (features/tensor_parallel.py) each process holds a slice of every layer: whole
-output channels of q/k/v and gate/up, whose scales are the one process's as they are, and a slice
-of the input features of o and down, whose partial outputs the processes add up. There a row's
-scale, a weight's or a token's, is the largest over all processes (one small all-reduce), so that
-every process quantizes to the one process's float8 numbers, and the Float8Linear adds the
-partial outputs itself, as the layer it replaces did.
+More in docs/engine-notes.md.
 """
 
 import torch

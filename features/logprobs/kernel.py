@@ -1,8 +1,7 @@
 """A row's log-sum-exp, its chosen token's log-probability and rank, in one read of its logits.
 
 PyTorch takes four passes over [B, vocab] for these (a float32 copy, logsumexp, a comparison
-and a sum): 0.7 ms at W2's batch of 218 rows of Llama 3's 128,256 logits on an H200, 5% of a
-decode step. This kernel reads the 16-bit logits once, a program per row, keeping an online
+and a sum), some 5% of a decode step at W2's batches (docs/speed.md). This kernel reads the 16-bit logits once, a program per row, keeping an online
 maximum and sum of exponentials (as flash attention's softmax) and a count of the logits above
 the chosen one: about the time of the read.
 """

@@ -7,16 +7,7 @@ top-k or top-p, as vLLM's default (`logprobs_mode="raw_logprobs"`): what the mod
 the sampler drew from. lm-evaluation-harness scores multiple-choice tasks by them: the summed
 log-probability of each answer's tokens after the question.
 
-Where they are computed, at the sampler's seam of the engine (engine/model_runner.py):
-- A step whose rows ask for none runs as before: nothing is computed, nothing is slower.
-- A decode step with a row that asks runs `LogprobDecoder`: the same step, then a read of the
-  logits ([B, vocab]) for the log-sum-exp and the chosen token's rank (on CUDA one kernel,
-  kernel.py) and one for the top `max_logprobs`.
-  Its output is one float32 tensor a row, the token first, so that a CUDA graph records it as it
-  records the tokens (a second set of graphs, captured where the engine is made to give them).
-- A prefill pass computes the logits at every prompt position of a request that asks for its
-  prompt's (the lesson's pass computes them at each prompt's last position only): a pass's
-  [prompt tokens, vocab] logits, the memory a long prompt's logprobs cost.
+More in docs/engine-notes.md.
 """
 
 import dataclasses

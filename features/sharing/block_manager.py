@@ -2,18 +2,9 @@
 
 An operating system shares pages after fork(): both processes map the same frames, read-only,
 and a process about to write into a shared page first gets its own copy. `SharingBlockManager`
-does the same with KV blocks, on top of the plain block manager (block_manager.py):
+does the same with KV blocks, on top of the plain block manager (block_manager.py).
 
-- Each block has a reference count: the number of requests whose table row lists it. A block
-  returns to the pool when its count falls to zero.
-- Fork. Samples of one prompt (--samples) hold the same prompt. A sample admitted while another
-  holds that prompt takes its blocks instead of computing its own: every token but the last,
-  which its first decode step computes, as for any running request. So forks are never
-  prefilled, and draw their first token from their own position in the decode step.
-- Copy on write. A request about to write into a shared block that is not full first gets its
-  own copy of it; the last holder writes in place. Full blocks stay shared.
-- Prefix cache (prefix_cache.py). Full blocks are found again by their tokens: a request that
-  begins with a cached system prompt takes those blocks and prefills only the rest.
+More in docs/engine-notes.md.
 """
 
 from collections import OrderedDict

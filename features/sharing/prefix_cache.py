@@ -8,10 +8,7 @@ instead of computing its own. The chain is made of serial numbers, one per block
 rather than of hashes: the dict hashes each key, and on a hash match compares it whole, tokens and
 predecessor, so a hash collision can never hand out a wrong block.
 
-Only full blocks are keyed; a block still filling up would change under the reader. A block keeps
-its key after its last owner frees it, while it sits in the free pool: a later request with the
-same prefix (or a preempted one coming back) takes it from there, until the pool hands the block
-out for new tokens and `forget` drops the key.
+More in docs/engine-notes.md.
 """
 
 

@@ -3,31 +3,9 @@
 virtual_pages.py's page manager (llama3_virtual.py's) maps a page when a request's next token crosses into it, and unmaps
 a request's pages when it finishes, in the loop, between two steps: every driver call (cuMemMap and
 cuMemSetAccess, tens of microseconds each) is time the GPU waits. vAttention (Prabhu et al., 2024)
-hides them in two ways, and this manager does both:
+hides them in two ways, and this manager does both.
 
-- Mapping ahead. After each step, the pages that the running requests will cross into within the
-  next LOOKAHEAD_STEPS steps are taken from the pool and handed to a background thread, which maps
-  them while the GPU computes (cuda-python releases the GIL in its driver calls). A request that
-  crosses into such a page finds it mapped. The loop waits, in `slots`, only for the pages its own
-  step's requests hold (while one prefill chunk runs, the thread maps the next chunk's prompts):
-  for nothing, unless the thread is behind, the look-ahead ran dry (no free page was left), or
-  the step prefills prompts whose pages were just asked for. The queue is looked at too: after
-  each step's own maps, the prompts of the next requests to be admitted (a prefill chunk's worth)
-  get their pages mapped in the rows they will take, from pages mapped nowhere.
-- Deferred reclamation. A finished request's row keeps its pages mapped, and the next request
-  placed in that row grows into them without a driver call. Pages mapped but held by no request
-  count as free: a row that needs a page when no unmapped one is left takes one from under the
-  idle row that finished longest ago (an unmap, then a map), or at last from a running row's pages
-  mapped ahead.
-
-- Rows mapped at start-up. Before the first request, half the pool is put under the empty rows,
-  an equal share each (a whole row at most), as if a request of that length had just finished in
-  every row: the first prompts, which nothing runs beside to hide their maps behind, find their
-  pages there. The other half stays mapped nowhere, for prompts and growth past a row's share.
-
-So requests no longer live in fixed rows: a request joining takes the row freed last, whose pages
-are the most likely to be still mapped. Row 0 stays the cache's spare row. Counting, admission and
-preemption are unchanged: a page holds tokens_per_page tokens, as a block does.
+More in docs/engine-notes.md.
 """
 
 import itertools
