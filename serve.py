@@ -23,9 +23,10 @@ import socket
 import sys
 import time
 
-from plumbing.cli import (CHAT_ROLES, HelpFormatter, UserError, chat_messages, first_paragraph,
-                          finite_float, format_bytes, one_paragraph_errors, per_token, port,
-                          positive_int, require_packages)
+from engine import protocol
+from engine.protocol import BadRequest
+from plumbing.cli import (HelpFormatter, UserError, first_paragraph, finite_float, format_bytes,
+                          one_paragraph_errors, per_token, port, positive_int, require_packages)
 
 LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them (its default)
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
@@ -39,14 +40,6 @@ KEEP_ALIVE_SECONDS = 75
 DRAIN_SECONDS = 30
 STREAM_END_MARGIN_SECONDS = 0.5  # before uvicorn cancels what runs: the streams' ends go out
 STREAM_CUT = "cut"  # put on an open stream's updates when the server stops before it ends
-
-
-class BadRequest(Exception):
-    """Answered with OpenAI's error JSON and HTTP 400 (or `status`); the server goes on."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
 
 
 def lone_surrogate_in(value, path: str = "") -> str | None:
@@ -76,264 +69,6 @@ class UnknownModel(BadRequest):
 
     def __init__(self, name):
         super().__init__(f"The model `{name}` does not exist.", "model", 404)
-
-
-# --- Requests: OpenAI's JSON to the engine's prompt and SamplingParams ---------------------------
-
-def field(body: dict, name: str, kinds, default=None, check=None, why: str = ""):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise BadRequest(f"'{name}' must be {why or kinds}, not {value!r}", name)
-    if not isinstance(value, kinds) or (check is not None and not check(value)):
-        raise BadRequest(f"'{name}' must be {why}, not {json.dumps(value)[:100]}", name)
-    return value
-
-
-def sampling_params(body: dict, max_n: int, default_max_tokens: int, max_logprobs: int = 20,
-                    chat: bool = False) -> dict:
-    """engine/sampler.py's SamplingParams, by name (the engine's process builds it). Without
-    max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
-    default_max_tokens: None, the context left (vLLM's defaults). One past the context left is
-    refused by the engine, as by vLLM's server. Log-probabilities: a completion's `logprobs`
-    is k; a chat's is true or false, with `top_logprobs` k; `echo` with `logprobs` scores the
-    prompt too (vLLM's `prompt_logprobs`)."""
-    stop = field(body, "stop", (str, list), [], lambda s: (isinstance(s, str) and s) or (
-        isinstance(s, list) and len(s) <= 4 and all(isinstance(x, str) and x for x in s)),
-        "a non-empty string or up to 4 of them")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return dict(
-        max_tokens=field({"max_tokens": max_tokens}, "max_tokens", int, default_max_tokens,
-                         lambda v: v >= 1, "a whole number of at least 1"),
-        temperature=float(field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
-                                "a number from 0 to 2")),
-        top_p=float(field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
-                          "a number above 0, at most 1")),
-        top_k=field(body, "top_k", int, 0, lambda v: -1 <= v < 2**63,
-                    "a whole number from -1 to 2^63 - 1"),
-        n=field(body, "n", int, 1, lambda v: 1 <= v <= max_n, f"a whole number from 1 to {max_n}"),
-        stop=[stop] if isinstance(stop, str) else list(stop),
-        seed=field(body, "seed", int, None, lambda v: 0 <= v < 2**63, "a whole number, 0 or more"),
-        ignore_eos=field(body, "ignore_eos", bool, False, None, "true or false"),
-        stop_token_ids=field(body, "stop_token_ids", list, [], lambda ids: len(ids) <= MAX_STOP_IDS
-                             and all(isinstance(t, int) and not isinstance(t, bool)
-                                     and 0 <= t < 2**63 for t in ids),
-                             f"a list of at most {MAX_STOP_IDS:,} token ids"),
-        include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False, None,
-                                         "true or false"),
-        truncate_prompt_tokens=field(body, "truncate_prompt_tokens", int, None,
-                                     lambda k: k == -1 or 1 <= k < 2**63,
-                                     "-1 or a whole number of at least 1"),
-        **penalties(body), **logprobs_params(body, max_logprobs, chat))
-
-
-def penalties(body: dict) -> dict:
-    """vLLM's logits processors' fields (engine/sampler.py's RowProcessing), with OpenAI's
-    ranges; logit_bias's token ids come as JSON's string keys."""
-    number = lambda name, default, low, high: float(field(
-        body, name, (int, float), default, lambda v: low <= v <= high,
-        f"a number from {low} to {high}"))
-    bias = field(body, "logit_bias", dict, {}, lambda b: len(b) <= MAX_LOGIT_BIAS and all(
-        isinstance(k, str) and k.isascii() and k.isdigit() and isinstance(v, (int, float))
-        and not isinstance(v, bool) and -100 <= v <= 100 for k, v in b.items()),
-        f"at most {MAX_LOGIT_BIAS} token ids (as strings) each to a number from -100 to 100")
-    return dict(presence_penalty=number("presence_penalty", 0.0, -2, 2),
-                frequency_penalty=number("frequency_penalty", 0.0, -2, 2),
-                repetition_penalty=float(field(body, "repetition_penalty", (int, float), 1.0,
-                                               lambda v: 0 < v <= 100,
-                                               "a number above 0, at most 100")),
-                min_p=number("min_p", 0.0, 0, 1),
-                min_tokens=field(body, "min_tokens", int, 0, lambda v: 0 <= v < 2**63,
-                                 "a whole number, 0 or more"),
-                logit_bias={int(k): float(v) for k, v in bias.items()},
-                skip_special_tokens=field(body, "skip_special_tokens", bool, True, None,
-                                          "true or false"))
-
-
-def logprobs_params(body: dict, max_logprobs: int, chat: bool) -> dict:
-    """SamplingParams' logprobs and prompt_logprobs, from either endpoint's fields."""
-    k = lambda name: field(body, name, int, None, lambda v: 0 <= v <= max_logprobs,
-                           f"a whole number from 0 to {max_logprobs} (--max-logprobs)")
-    if chat:
-        logprobs = field(body, "logprobs", bool, False, None, "true or false")
-        top = k("top_logprobs")
-        if top is not None and not logprobs:
-            raise BadRequest("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
-        asked = (top or 0) if logprobs else None
-    else:
-        asked = k("logprobs")
-    prompt = k("prompt_logprobs")
-    if not chat and field(body, "echo", bool, False, None, "true or false") and asked is not None:
-        prompt = max(prompt or 0, asked)  # the echoed prompt's tokens are scored too
-    return {"logprobs": asked, "prompt_logprobs": prompt}
-
-
-# The fields each endpoint reads (`sampling_params`, the prompt readers, the stream's); "user"
-# names the client for its own records, and changes no answer
-READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-        "stop", "seed", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "stream",
-        "stream_options", "user", "truncate_prompt_tokens", "request_id", "return_token_ids",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-        "logit_bias", "skip_special_tokens"}
-MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
-MAX_LOGIT_BIAS = 1024  # a request's biased tokens (OpenAI allows 300)
-READ_BY = {"completions": READ | {"prompt", "logprobs", "echo", "prompt_logprobs",
-                                  "add_special_tokens"},
-           "chat": READ | {"messages", "logprobs", "top_logprobs", "prompt_logprobs",
-                           "add_generation_prompt", "continue_final_message"}}
-
-# OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
-# (their defaults): any other value gets a 400, rather than an answer that silently lacks what
-# was asked for (docs/errors.md's table). The sampling ones are SamplingParams' (features/
-# sampling.py's NOT_IMPLEMENTED), named again here: the server's process never imports PyTorch.
-NOT_IMPLEMENTED = {"best_of": (None, 1),
-                   "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-                   "response_format": (None, {"type": "text"}),
-                   # vLLM's own
-                   "use_beam_search": (None, False),
-                   "length_penalty": (None, 1),
-                   "allowed_token_ids": (None,),
-                   "bad_words": (None, []), "structured_outputs": (None,),
-                   "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-                   "guided_grammar": (None,),
-                   "chat_template": (None,),
-                   "chat_template_kwargs": (None, {}),
-                   "spaces_between_special_tokens": (None, True), "priority": (None, 0),
-                   "logits_processors": (None,), "prompt_embeds": (None,),
-                   "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
-                   "structural_tag": (None,), "return_tokens_as_token_ids": (None, False),
-                   "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
-                   "reasoning_effort": (None,), "include_reasoning": (None, True),
-                   "parallel_tool_calls": (None, False, True),  # no tools: nothing to call
-                   "documents": (None,), "mm_processor_kwargs": (None,)}
-# vLLM's defaults that differ by endpoint: a completion's prompt gets begin-of-text, a chat's
-# template places its own
-NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"top_logprobs": (None, 0)},
-                      "chat": NOT_IMPLEMENTED | {"add_special_tokens": (None, False),
-                                               "echo": (None, False)}}
-
-
-# OpenAI's fields that mean nothing to a local server (stored completions, billing tiers, the
-# client's own labels): taken, and change nothing
-LOCAL_NO_OPS = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
-
-
-def unknown_fields(body: dict, endpoint: str) -> list[str]:
-    """The body's fields that are none of the endpoint's, which the request is served without
-    (vLLM logs them and ignores them); a 400 naming the first field that asks for what this
-    server does not do."""
-    not_implemented, unknown = NOT_IMPLEMENTED_BY[endpoint], []
-    for name, value in body.items():
-        if name in READ_BY[endpoint] or name in LOCAL_NO_OPS:
-            continue
-        if name not in not_implemented:
-            unknown.append(name)
-        elif value not in not_implemented[name]:
-            raise BadRequest(f"'{name}' is not implemented by this server; leave it out", name)
-    return unknown
-
-
-def completion_prompts(body: dict, max_prompts: int) -> list[dict]:
-    """One prompt (a text, or a list of token ids), or a batch of them (a list of texts or of
-    token-id lists, as lm-evaluation-harness sends), each run as a request of its own."""
-    def one(prompt):
-        if isinstance(prompt, str) and prompt:
-            return {"text": prompt}
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return {"ids": prompt}
-        return None
-    prompt = body.get("prompt")
-    if one(prompt) is not None:
-        return [one(prompt)]
-    if isinstance(prompt, list) and 0 < len(prompt) <= max_prompts and all(map(one, prompt)):
-        return [one(p) for p in prompt]
-    raise BadRequest(f"'prompt' must be a non-empty string, a list of token ids, or a list of up "
-                     f"to {max_prompts} of those (--max-num-seqs)", "prompt")
-
-
-def chat_prompt(body: dict) -> list[dict]:
-    """The messages, with vLLM's add_generation_prompt (open the assistant's turn: true by
-    default) and continue_final_message (leave the last turn open for the model to go on)."""
-    try:
-        messages = chat_messages(body.get("messages"))
-    except ValueError as e:
-        raise BadRequest(str(e), "messages") from e
-    opens = field(body, "add_generation_prompt", bool, True, None, "true or false")
-    goes_on = field(body, "continue_final_message", bool, False, None, "true or false")
-    if opens and goes_on:
-        raise BadRequest("'continue_final_message' goes on with the last message: send "
-                         "\"add_generation_prompt\": false with it", "continue_final_message")
-    return [{"messages": messages, "add_generation_prompt": opens,
-             "continue_final_message": goes_on}]
-
-
-def request_schema(prompt_field: dict, max_n: int, endpoint: str, max_logprobs: int) -> dict:
-    """A request body's JSON Schema for /openapi.json: the fields `sampling_params` and the
-    prompt readers take, with the ranges they check (a schema-driven client can test them)."""
-    whole = lambda low, high=None: {"type": "integer", "minimum": low} | (
-        {} if high is None else {"maximum": high})
-    text = {"type": "string", "minLength": 1}
-    asks_nothing = {name: {"enum": list(values)}
-                    for name, values in NOT_IMPLEMENTED_BY[endpoint].items()}
-    k = whole(0, max_logprobs) | {"type": ["integer", "null"]}
-    logprobs = ({"logprobs": {"type": "boolean"}, "top_logprobs": k,
-                 "add_generation_prompt": {"type": "boolean"},
-                 "continue_final_message": {"type": "boolean"}} if endpoint == "chat" else
-                {"logprobs": k, "echo": {"type": "boolean"}})
-    return {"type": "object", "additionalProperties": False, "properties": asks_nothing | {
-        **prompt_field,
-        "model": {"type": "string"},
-        "max_tokens": whole(1) | {"type": ["integer", "null"]},
-        "max_completion_tokens": whole(1) | {"type": ["integer", "null"]},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": whole(-1, 2**63 - 1),
-        "n": whole(1, max_n),
-        "stop": {"oneOf": [text, {"type": "array", "items": text, "maxItems": 4}]},
-        "seed": whole(0, 2**63 - 1),
-        "ignore_eos": {"type": "boolean"},
-        "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_IDS,
-                           "items": whole(0, 2**63 - 1)},
-        "include_stop_str_in_output": {"type": "boolean"},
-        **logprobs, "prompt_logprobs": k,
-        "truncate_prompt_tokens": {"oneOf": [{"enum": [-1]}, whole(1, 2**63 - 1)]},
-        "request_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "return_token_ids": {"type": "boolean"},
-        **{name: {"type": "number", "minimum": -2, "maximum": 2}
-           for name in ("presence_penalty", "frequency_penalty")},
-        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "min_tokens": whole(0, 2**63 - 1),
-        "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
-                       "propertyNames": {"pattern": "^[0-9]+$"},
-                       "additionalProperties": {"type": "number", "minimum": -100,
-                                                "maximum": 100}},
-        "skip_special_tokens": {"type": "boolean"},
-        "stream": {"type": "boolean"},
-        "user": {"type": "string"},
-        "stream_options": {"type": "object",
-                           "properties": {"include_usage": {"type": "boolean"},
-                                          "continuous_usage_stats": {"type": "boolean"}}}}}
-
-
-PROMPT = [{"type": "string", "minLength": 1},
-          {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]
-COMPLETION_PROMPT = {"prompt": {"oneOf": PROMPT + [
-    {"type": "array", "items": {"oneOf": PROMPT}, "minItems": 1}]}}
-CHAT_MESSAGES = {"messages": {"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": list(CHAT_ROLES)},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}}}
-
-
-def json_body(schema: dict, required: list[str]) -> dict:
-    """FastAPI's openapi_extra for a route that reads its body itself."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": schema | {"required": required}}}}}
 
 
 # --- Answers: what the engine sends back, in OpenAI's and vLLM's shapes ---------------------------
@@ -404,8 +139,9 @@ def build_app(engine, model_name: str, api_key: str | None):
     from engine.engine_process import RequestFailed
     from engine.metrics import ServerMetrics
 
-    max_n = min(MAX_N, engine.info["max_num_seqs"])
-    max_num_seqs, max_logprobs = engine.info["max_num_seqs"], engine.info["max_logprobs"]
+    max_num_seqs = engine.info["max_num_seqs"]
+    request_models = protocol.request_models(min(MAX_N, max_num_seqs),
+                                             engine.info["max_logprobs"], max_num_seqs)
 
     open_streams: set[asyncio.Queue] = set()  # the updates of every stream being sent
     server_metrics = ServerMetrics(model_name)
@@ -515,24 +251,21 @@ def build_app(engine, model_name: str, api_key: str | None):
             return refused(request)
         submitted = []  # (request id, prompt tokens, updates), one per prompt
         try:
-            body = await read_body(request)
-            ignored = unknown_fields(body, "chat" if chat else "completions")
+            endpoint = "chat" if chat else "completions"
+            body = protocol.parse(request_models[endpoint], await read_body(request), endpoint)
+            ignored = protocol.ignored_fields(body)
             if ignored:  # one line, as vLLM's warning
                 print(f"The following fields were present in the request but ignored: "
                       f"{ignored}", file=sys.stderr, flush=True)
-            prompts = chat_prompt(body) if chat else completion_prompts(body, max_num_seqs)
-            if not chat:  # vLLM's add_special_tokens: false leaves a text's begin-of-text out
-                plain = not field(body, "add_special_tokens", bool, True, None, "true or false")
-                prompts = [p | {"plain": plain} if "text" in p else p for p in prompts]
-            params = sampling_params(body, max_n, None if chat else 16, max_logprobs, chat)
-            stream = field(body, "stream", bool, False, None, "true or false")
-            options = field(body, "stream_options", dict, {}, None, "an object")
-            echo = not chat and field(body, "echo", bool, False, None, "true or false")
-            return_token_ids = field(body, "return_token_ids", bool, False, None, "true or false")
-            given = field(body, "request_id", str, None, lambda v: 0 < len(v) <= 128,
-                          "a string of 1 to 128 characters")  # vLLM's: the answer's id ends so
-            answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{given or secrets.token_hex(12)}"
-            if body.get("stream_options") is not None and not stream:  # as vLLM: for a stream
+            prompts = ([protocol.chat_prompt(body)] if chat else protocol.completion_prompts(body))
+            params = protocol.sampling_params(body, chat, None if chat else 16)
+            stream, echo = bool(body.stream), not chat and bool(body.echo)
+            options = body.stream_options.model_dump() if body.stream_options else {}
+            return_token_ids = bool(body.return_token_ids)
+            # vLLM's request_id: the answer's id ends so
+            given_id = body.request_id or secrets.token_hex(12)
+            answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{given_id}"
+            if body.stream_options is not None and not stream:  # as vLLM: for a stream
                 raise BadRequest("'stream_options' is for a streamed answer: add \"stream\": "
                                  "true, or leave it out", "stream_options")
             if len(prompts) * params["n"] > max_num_seqs:
@@ -665,13 +398,13 @@ def build_app(engine, model_name: str, api_key: str | None):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions", openapi_extra=json_body(
-        request_schema(COMPLETION_PROMPT, max_n, "completions", max_logprobs), ["prompt"]))
+    @app.post("/v1/completions",
+              openapi_extra=protocol.openapi_body(request_models["completions"], "completions"))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=json_body(
-        request_schema(CHAT_MESSAGES, max_n, "chat", max_logprobs), ["messages"]))
+    @app.post("/v1/chat/completions",
+              openapi_extra=protocol.openapi_body(request_models["chat"], "chat"))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 
@@ -710,27 +443,24 @@ def build_app(engine, model_name: str, api_key: str | None):
         except ValueError as e:
             return error(str(e), 400)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=protocol.openapi_body(request_models["tokenize"]))
     async def tokenize(request: Request):
         def prompt(body):  # add_special_tokens: vLLM's, a text's begin-of-text (default true)
-            plain = not field(body, "add_special_tokens", bool, True, None, "true or false")
-            strs = field(body, "return_token_strs", bool, False, None, "true or false")
-            if "messages" in body:
-                return chat_prompt(body)[0] | {"token_strs": strs}
-            return completion_prompts(body, max_prompts=1)[0] | {"plain": plain,
-                                                                 "token_strs": strs}
+            body = protocol.parse(request_models["tokenize"], body)
+            strs = bool(body.return_token_strs)
+            if body.messages is not None:
+                return protocol.chat_prompt(body) | {"token_strs": strs}
+            if body.prompt is None:
+                raise BadRequest("'prompt' or 'messages' must be given", "prompt")
+            return protocol.completion_prompts(body)[0] | {"token_strs": strs}
         return await tokenizer_call(request, "tokenize", prompt, lambda answer: {
             "count": len(answer[0]), "max_model_len": engine.info["max_seq_len"],
             "tokens": answer[0], "token_strs": answer[1]})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=protocol.openapi_body(request_models["detokenize"]))
     async def detokenize(request: Request):
         def ids(body):
-            tokens = body.get("tokens")
-            if not (isinstance(tokens, list) and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
-                raise BadRequest("'tokens' must be a list of token ids", "tokens")
-            return tokens
+            return protocol.parse(request_models["detokenize"], body).tokens
         return await tokenizer_call(request, "detokenize", ids, lambda text: {"prompt": text})
 
     @app.get("/version")

@@ -943,8 +943,10 @@ def test_openapi_describes_each_request_body_as_the_server_checks_it(server, cli
     fields = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]["properties"]
     headers = {"Authorization": f"Bearer {KEY}"}
+    tried = 0
     for name in ("temperature", "top_p", "top_k", "n", "seed", "max_tokens"):
-        bounds = fields[name]
+        # a field that may be null: its bounds are the other member's of the union
+        bounds = next(b for b in fields[name].get("anyOf", [fields[name]]) if b["type"] != "null")
         for bound, past in (("minimum", -1), ("exclusiveMinimum", 0), ("maximum", +1)):
             if bound not in bounds or abs(bounds[bound]) >= 2**62:  # past a long: top_k's own test
                 continue
@@ -960,6 +962,8 @@ def test_openapi_describes_each_request_body_as_the_server_checks_it(server, cli
                                  headers=headers, timeout=30)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == name, (
                 name, past_edge, refused.text)
+            tried += 1
+    assert tried >= 8  # each field's every bound: temperature's two, top_p's two, n's two, ...
 
 
 def test_tokenize_and_detokenize_answer_as_vllms_and_count_what_a_request_counts(server, client):

@@ -1,0 +1,284 @@
+"""The server's requests as pydantic models, with vLLM's field names, types and ranges (vLLM's
+entrypoints/openai/protocol.py): serve.py checks every body through one, and /openapi.json shows
+their schemas. A field's description is its range in words, and the same words explain a 400;
+a field vLLM implements and this server does not is a 400 naming it unless it asks for nothing;
+OpenAI's fields that mean nothing to a local server change nothing; any other field is ignored,
+with one log line, as vLLM does. No PyTorch: the server's process never loads it.
+"""
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plumbing.cli import A_MESSAGE, CHAT_ROLES, chat_messages
+
+MAX_STOP_IDS = 1024  # a request's own stop tokens: far more than any client sends
+MAX_LOGIT_BIAS = 1024  # a request's biased tokens (OpenAI allows 300)
+LONG = 2**63 - 1  # the largest id, seed or count a request may give (a signed 64-bit number)
+
+# OpenAI's and vLLM's fields this engine does not implement, and the values that ask for nothing
+# (their defaults): any other value gets a 400, rather than an answer that silently lacks what
+# was asked for (docs/errors.md's table).
+NOT_IMPLEMENTED = {"best_of": (None, 1),
+                   "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+                   "response_format": (None, {"type": "text"}),
+                   # vLLM's own
+                   "use_beam_search": (None, False), "length_penalty": (None, 1),
+                   "allowed_token_ids": (None,), "bad_words": (None, []),
+                   "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+                   "guided_choice": (None,), "guided_grammar": (None,), "chat_template": (None,),
+                   "chat_template_kwargs": (None, {}),
+                   "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+                   "logits_processors": (None,), "prompt_embeds": (None,),
+                   "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+                   "structural_tag": (None,), "return_tokens_as_token_ids": (None, False),
+                   "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
+                   "reasoning_effort": (None,), "include_reasoning": (None, True),
+                   "parallel_tool_calls": (None, False, True),  # no tools: nothing to call
+                   "documents": (None,), "mm_processor_kwargs": (None,)}
+# vLLM's defaults that differ by endpoint: a completion's prompt gets begin-of-text, a chat's
+# template places its own
+NOT_IMPLEMENTED_BY = {"completions": NOT_IMPLEMENTED | {"top_logprobs": (None, 0)},
+                      "chat": NOT_IMPLEMENTED | {"add_special_tokens": (None, False),
+                                               "echo": (None, False)}}
+# OpenAI's fields that mean nothing to a local server (stored completions, billing tiers, the
+# client's own labels): taken, and change nothing
+LOCAL_NO_OPS = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+
+
+class BadRequest(Exception):
+    """A request the server refuses: status, and the field to blame (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def whole(low: int, high: int | None = LONG, why: str = ""):
+    """A whole number in [low, high] (high None: any above low), or null; `why` (else the
+    range) says so in a 400."""
+    return Annotated[Annotated[int, Field(ge=low, le=high)] | None, Field(description=why or (
+        f"a whole number from {low:,} to {high:,}" if high is not None and high < LONG else
+        f"a whole number, {low} or more"))]
+
+
+def number(low: float, high: float, above: bool = False):
+    """A number from low (or above it) to high, or null."""
+    bound = {"gt": low} if above else {"ge": low}
+    return Annotated[Annotated[float, Field(le=high, **bound)] | None, Field(description=(
+        f"a number above {low:g}, at most {high:g}" if above else
+        f"a number from {low:g} to {high:g}"))]
+
+
+Flag = Annotated[bool | None, Field(description="true or false")]
+Text = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=LONG)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # a message's name, say: not read
+    role: Literal[CHAT_ROLES]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: Flag = None
+    continuous_usage_stats: Flag = None
+
+
+class Request(BaseModel):
+    """What both endpoints read; None is the field's default, as a client may send null."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    max_tokens: whole(1, None) = None  # past the context: the engine says by how much
+    max_completion_tokens: whole(1, None) = None
+    temperature: number(0, 2) = None
+    top_p: number(0, 1, above=True) = None
+    top_k: whole(-1) = None
+    seed: whole(0) = None
+    stop: Annotated[Text | Annotated[list[Text], Field(max_length=4)] | None, Field(
+        description="a non-empty string or up to 4 of them")] = None
+    ignore_eos: Flag = None
+    stop_token_ids: Annotated[list[TokenId] | None, Field(max_length=MAX_STOP_IDS, description=(
+        f"a list of at most {MAX_STOP_IDS:,} token ids"))] = None
+    include_stop_str_in_output: Flag = None
+    truncate_prompt_tokens: Annotated[
+        Literal[-1] | Annotated[int, Field(ge=1, le=LONG)] | None,
+        Field(description="-1 or a whole number of at least 1")] = None
+    presence_penalty: number(-2, 2) = None
+    frequency_penalty: number(-2, 2) = None
+    repetition_penalty: number(0, 100, above=True) = None
+    min_p: number(0, 1) = None
+    min_tokens: whole(0) = None
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern="^[0-9]+$")],
+                               Annotated[float, Field(ge=-100, le=100)]] | None,
+                          Field(max_length=MAX_LOGIT_BIAS, description=(
+                              f"at most {MAX_LOGIT_BIAS} token ids (as strings) each to a number "
+                              f"from -100 to 100"))] = None
+    skip_special_tokens: Flag = None
+    stream: Flag = None
+    stream_options: Annotated[StreamOptions | None, Field(description=(
+        "an object of include_usage and continuous_usage_stats, each true or false"))] = None
+    user: str | None = None
+    request_id: Annotated[str | None, Field(min_length=1, max_length=128,
+                                            description="a string of 1 to 128 characters")] = None
+    return_token_ids: Flag = None
+
+
+def request_models(max_n: int, max_logprobs: int, max_prompts: int) -> dict:
+    """The endpoints' models for a server of these limits (--max-num-seqs, --max-logprobs)."""
+    k = whole(0, max_logprobs, f"a whole number from 0 to {max_logprobs} (--max-logprobs)")
+    samples = whole(1, max_n)
+    prompts = (f"a non-empty string, a list of token ids, or a list of up to {max_prompts} of "
+               f"those (--max-num-seqs)")
+
+    class CompletionRequest(Request):
+        prompt: Annotated[Text | TokenIds | Annotated[list[Text | TokenIds], Field(
+            min_length=1, max_length=max_prompts)], Field(description=prompts)]
+        n: samples = None
+        logprobs: k = None
+        prompt_logprobs: k = None
+        echo: Flag = None
+        add_special_tokens: Flag = None
+
+    class ChatCompletionRequest(Request):
+        messages: Annotated[list[Message], Field(
+            min_length=1, description=f"a non-empty list of messages: {A_MESSAGE}")]
+        n: samples = None
+        logprobs: Flag = None
+        top_logprobs: k = None
+        prompt_logprobs: k = None
+        add_generation_prompt: Flag = None
+        continue_final_message: Flag = None
+
+    class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt's text or ids, or messages
+        model_config = ConfigDict(strict=True, extra="allow")
+        model: str | None = None
+        prompt: Annotated[Text | TokenIds | None, Field(
+            description="a non-empty string or a list of token ids")] = None
+        messages: Annotated[list[Message] | None, Field(
+            min_length=1, description=f"a non-empty list of messages: {A_MESSAGE}")] = None
+        add_special_tokens: Flag = None
+        add_generation_prompt: Flag = None
+        continue_final_message: Flag = None
+        return_token_strs: Flag = None
+
+    class DetokenizeRequest(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+        model: str | None = None
+        tokens: Annotated[list[TokenId], Field(description="a list of token ids")]
+
+    return {"completions": CompletionRequest, "chat": ChatCompletionRequest,
+            "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
+
+
+def parse(model: type[BaseModel], body: dict, endpoint: str | None = None):
+    """`body` as `model`, or a BadRequest naming the first field it cannot take (a value out
+    of the field's range, or of its type). endpoint: one of OpenAI's, whose fields this server
+    does not implement are checked too."""
+    for name, asks_nothing in NOT_IMPLEMENTED_BY.get(endpoint, {}).items():
+        if name in body and body[name] not in asks_nothing:
+            raise BadRequest(f"'{name}' is not implemented by this server; leave it out", name)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        name = str(e.errors()[0]["loc"][0])
+        field = model.model_fields.get(name)
+        what = (field.description if field and field.description
+                else e.errors()[0]["msg"].lower())
+        given = f", not {json.dumps(body[name])[:100]}" if name in body else ""
+        raise BadRequest(f"'{name}' must be {what}{given}", name) from None
+
+
+def ignored_fields(request: BaseModel) -> list[str]:
+    """The fields none of the endpoint's, which the request is served without (vLLM logs
+    them): neither read, nor a no-op on a local server, nor one that asks for nothing."""
+    return sorted(set(request.model_extra) - LOCAL_NO_OPS - set(NOT_IMPLEMENTED)
+                  - {"top_logprobs", "add_special_tokens", "echo"})
+
+
+def sampling_params(request: Request, chat: bool, default_max_tokens: int | None) -> dict:
+    """engine/sampler.py's SamplingParams, by name (the engine's process builds it). Without
+    max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
+    default_max_tokens: None, the context left (vLLM's defaults). Log-probabilities: a
+    completion's `logprobs` is k; a chat's is true or false, with `top_logprobs` k; `echo` with
+    `logprobs` scores the prompt too (vLLM's `prompt_logprobs`)."""
+    r = request
+    if chat:
+        if r.top_logprobs is not None and not r.logprobs:
+            raise BadRequest("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+        logprobs = (r.top_logprobs or 0) if r.logprobs else None
+    else:
+        logprobs = r.logprobs
+    prompt_logprobs = r.prompt_logprobs
+    if not chat and r.echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # the echoed prompt's tokens too
+    max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    given = lambda value, default: default if value is None else value
+    return dict(
+        max_tokens=given(max_tokens, default_max_tokens), temperature=given(r.temperature, 1.0),
+        top_p=given(r.top_p, 1.0), top_k=given(r.top_k, 0), n=given(r.n, 1),
+        stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []), seed=r.seed,
+        ignore_eos=given(r.ignore_eos, False), stop_token_ids=given(r.stop_token_ids, []),
+        include_stop_str_in_output=given(r.include_stop_str_in_output, False),
+        truncate_prompt_tokens=r.truncate_prompt_tokens,
+        presence_penalty=given(r.presence_penalty, 0.0),
+        frequency_penalty=given(r.frequency_penalty, 0.0),
+        repetition_penalty=given(r.repetition_penalty, 1.0), min_p=given(r.min_p, 0.0),
+        min_tokens=given(r.min_tokens, 0),
+        logit_bias={int(k): v for k, v in (r.logit_bias or {}).items()},
+        skip_special_tokens=given(r.skip_special_tokens, True),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def completion_prompts(request) -> list[dict]:
+    """One prompt (a text, or a list of token ids), or a batch of them (a list of texts or of
+    token-id lists, as lm-evaluation-harness sends), each run as a request of its own; a text
+    without begin-of-text where add_special_tokens is false (vLLM's)."""
+    prompt = request.prompt
+    batch = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+    plain = request.add_special_tokens is False
+    return [{"text": p, "plain": plain} if isinstance(p, str) else {"ids": p} for p in batch]
+
+
+def chat_prompt(request) -> dict:
+    """The messages, with vLLM's add_generation_prompt (open the assistant's turn: true by
+    default) and continue_final_message (leave the last turn open for the model to go on)."""
+    opens = request.add_generation_prompt is not False
+    if opens and request.continue_final_message:
+        raise BadRequest("'continue_final_message' goes on with the last message: send "
+                         "\"add_generation_prompt\": false with it", "continue_final_message")
+    messages = chat_messages([m.model_dump() for m in request.messages])
+    return {"messages": messages, "add_generation_prompt": opens,
+            "continue_final_message": bool(request.continue_final_message)}
+
+
+def openapi_body(model: type[BaseModel], endpoint: str | None = None) -> dict:
+    """FastAPI's openapi_extra for a route that reads its body itself: the model's schema, and
+    the values that ask for nothing of the fields this server does not implement."""
+    schema = model.model_json_schema()
+    schema = inlined(schema, schema.pop("$defs", {}))  # its own refs resolve in no OpenAPI file
+    for name, values in NOT_IMPLEMENTED_BY.get(endpoint, {}).items():
+        schema["properties"].setdefault(name, {"enum": list(values)})
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": schema}}}}
+
+
+def inlined(schema, defs: dict):
+    """`schema` with each {"$ref": "#/$defs/Name"} replaced by that definition."""
+    if isinstance(schema, list):
+        return [inlined(item, defs) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "$ref" in schema:
+        return inlined(defs[schema["$ref"].rsplit("/", 1)[1]], defs)
+    return {key: inlined(value, defs) for key, value in schema.items()}
