@@ -20,10 +20,14 @@ QUESTIONS = [
     {"question": "Two plus two equals", "choices": ["four", "five", "22"], "answer": 0},
     {"question": "Water freezes at 0 degrees", "choices": ["Celsius", "Fahrenheit"], "answer": 0}]
 PROMPTS = ["Name a colour.", "Count to three."]
+END_OF_TEXT = "<|im_end|>"  # SmolLM2's (its GGUF's eos_token_id, 2)
+TEXTS = ["The quick brown fox jumps over the lazy dog. It was 1999, and <|im_end|> was no word.",
+         "Paged attention keeps the KV cache in blocks: 16 tokens each, handed out as needed."]
 
 
 def write_tasks(folder) -> None:
-    """A multiple-choice task and a generation task, as lm-eval's YAML and a JSON-lines file."""
+    """The tasks, as lm-eval's YAML and JSON-lines files: multiple choice (its choices plain, and
+    each ending in end-of-text), a rolling log-likelihood over whole texts, and generation."""
     (folder / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     (folder / "prompts.jsonl").write_text("".join(json.dumps({"q": p}) + "\n" for p in PROMPTS))
     common = "dataset_path: json\ntest_split: train\n"
@@ -32,6 +36,17 @@ def write_tasks(folder) -> None:
         "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
         "metric_list:\n  - metric: acc\n")
+    (folder / "texts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    (folder / "rolling.yaml").write_text(
+        f"task: served_rolling\n{common}dataset_kwargs:\n  data_files: {folder}/texts.jsonl\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n")
+    # the same questions, each choice ending in end-of-text (SmolLM2's, one token as vLLM reads it)
+    (folder / "ending.jsonl").write_text("".join(json.dumps(q | {"choices": [
+        c + END_OF_TEXT for c in q["choices"]]}) + "\n" for q in QUESTIONS))
+    (folder / "ending.yaml").write_text(
+        (folder / "choice.yaml").read_text().replace("served_choice", "served_ending")
+        .replace("questions.jsonl", "ending.jsonl"))
     (folder / "generate.yaml").write_text(
         f"task: served_generate\n{common}dataset_kwargs:\n  data_files: {folder}/prompts.jsonl\n"
         "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: ''\n"
@@ -39,14 +54,19 @@ def write_tasks(folder) -> None:
         "metric_list:\n  - metric: exact_match\n")
 
 
-def evaluate(url: str, folder, model: str, task: str, chat: bool) -> list[dict]:
-    """lm-eval's samples of `task` against the server, with their responses."""
+def evaluate(url: str, folder, model: str, task: str, chat: bool, backend: str = "remote",
+             tokenizer=None) -> list[dict]:
+    """lm-eval's samples of `task` against the server, with their responses. backend: how
+    lm-eval tokenizes a completion task's text, through the server's /tokenize ("remote") or
+    with transformers' tokenizer saved in the folder `tokenizer` ("huggingface")."""
     import lm_eval
     from lm_eval.tasks import TaskManager
     write_tasks(folder)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     args = {"base_url": url + path, "model": model, "max_length": 1024, "num_concurrent": 1,
-            "tokenizer_backend": "none" if chat else "remote", "auth_token": KEY}
+            "tokenizer_backend": "none" if chat else backend, "auth_token": KEY}
+    if tokenizer is not None:
+        args["tokenizer"] = str(tokenizer)
     os.environ["OPENAI_API_KEY"] = KEY
     results = lm_eval.simple_evaluate(
         model="local-chat-completions" if chat else "local-completions", model_args=args,
@@ -137,3 +157,58 @@ def test_lm_evals_tasks_on_smollm2_get_transformers_answers(tmp_path, transforme
         answer = out[0, ids.shape[1]:].tolist()
         answer = answer[:-1] if answer[-1] == ours.im_end else answer
         assert sample["resps"][0][0] == ours.decode(answer)
+
+
+def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 log-probabilities of the next token after each of ids, in float64."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+
+
+# slow: SmolLM2 twice (the server's engine and transformers') and four lm-eval runs
+@pytest.mark.slow
+def test_lm_evals_scores_of_endings_and_whole_texts_are_transformers_with_either_tokenizer(
+        tmp_path, transformers_smollm2):
+    # lm-eval's `local-completions` tokenizing through the server (remote) and with transformers'
+    # tokenizer (huggingface): each choice ending in end-of-text, and each text's rolling
+    # log-likelihood from the prefix token, equal to transformers' float32 on the same GGUF
+    model, theirs = transformers_smollm2
+    theirs.save_pretrained(tmp_path / "tokenizer")
+    process, url = start_server("--api-key", KEY, "--max-num-seqs", "8", "--dtype", "fp32",
+                                engine=["--model", "smollm2", "--device", "cpu"])
+    try:
+        info = httpx.get(url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=30).json()
+        runs = {backend: {task: evaluate(url, tmp_path, "smollm2", task, chat=False,
+                                         backend=backend, tokenizer=tokenizer)
+                          for task in ("served_ending", "served_rolling")}
+                for backend, tokenizer in (("remote", None),
+                                           ("huggingface", tmp_path / "tokenizer"))}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    end = theirs.convert_tokens_to_ids(END_OF_TEXT)
+    assert info["eos_token"] == END_OF_TEXT and theirs.encode(END_OF_TEXT) == [end]
+    prefixes = {"remote": theirs.convert_tokens_to_ids(info["bos_token"] or info["eos_token"]),
+                "huggingface": theirs.bos_token_id if theirs.bos_token_id is not None
+                else theirs.eos_token_id}
+    for backend, samples in runs.items():
+        endings = [(got, pair) for s in samples["served_ending"]
+                   for (got, _), pair in zip([r[0] for r in s["resps"]], s["arguments"])]
+        assert len(endings) == sum(len(q["choices"]) for q in QUESTIONS)
+        for got, pair in endings:
+            context, continuation = continuation_tokens(theirs, *pair)
+            assert continuation[-1] == end, (backend, pair)  # the one token, scored
+            logprobs = transformers_logprobs(model, context + continuation)
+            expected = sum(logprobs[len(context) - 1 + i, t].item()
+                           for i, t in enumerate(continuation))
+            assert got == pytest.approx(expected, abs=2e-3), (backend, pair)
+        rolling = samples["served_rolling"]
+        assert len(rolling) == len(TEXTS)
+        for sample, text in zip(rolling, TEXTS):
+            ids = [prefixes[backend]] + theirs.encode(text, add_special_tokens=False)
+            logprobs = transformers_logprobs(model, ids)
+            expected = sum(logprobs[i - 1, t].item() for i, t in enumerate(ids) if i)
+            got = sample["resps"][0][0]
+            got = got[0] if isinstance(got, (list, tuple)) else got
+            assert got == pytest.approx(expected, abs=2e-3), (backend, text)
