@@ -6,11 +6,14 @@
 
 `LLM` runs every prompt at once through engine/llm_engine.py's `LLMEngine`, the incremental
 form that serve.py drives from its engine process (`add_request`, `step`, `abort`), built from
-the same flags the scripts take.
+the same flags the scripts take, or vLLM's names for them (`EngineArgs`, so that vLLM's offline
+examples run with only the import and the model changed: tests/test_vllm_examples.py).
 """
 
+import argparse
 import dataclasses
 import os
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -21,7 +24,56 @@ from engine.llm_engine import LLMEngine, QueueFull, Sequence
 from engine.sampler import SamplingParams, is_whole_number
 from plumbing.cli import MODELS, UserError, chat_messages
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs",
+           "FlexibleArgumentParser"]
+
+# vLLM's names for the engine's keywords, and its dtypes' names for ours
+VLLM_KEYWORDS = {"max_model_len": "max_seq_len", "enforce_eager": "eager"}
+VLLM_DTYPES = {"auto": None, "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+               "float32": "fp32", "float": "fp32"}
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's: an ArgumentParser that takes --max_tokens as --max-tokens."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        dashed = [a.replace("_", "-") if a.startswith("--") and "=" not in a
+                  else a.split("=", 1)[0].replace("_", "-") + "=" + a.split("=", 1)[1]
+                  if a.startswith("--") else a for a in args]
+        return super().parse_known_args(dashed, namespace)
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """vLLM's engine arguments that this engine takes, by vLLM's names (`LLM(**...)` takes them
+    as it takes the scripts' flags): `add_cli_args` puts them on a command line, as vLLM's
+    examples build theirs."""
+    model: str = "8b"
+    dtype: str = "auto"
+    seed: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    block_size: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    enforce_eager: bool = False
+    device: str | None = None
+    random_weights: bool = False  # ours: real shapes, no checkpoint
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("Engine arguments (vLLM's names)")
+        numbers = {"seed": int, "max_model_len": int, "max_num_seqs": int, "block_size": int,
+                   "gpu_memory_utilization": float}
+        for field in dataclasses.fields(EngineArgs):
+            flag = "--" + field.name.replace("_", "-")
+            if field.type is bool:
+                group.add_argument(flag, action="store_true")
+            else:
+                group.add_argument(flag, type=numbers.get(field.name, str), default=field.default)
+        return parser
 
 
 @dataclasses.dataclass
@@ -54,6 +106,9 @@ class LLM:
         """model: a preset's name (the scripts' --model), or, as vLLM's LLM(model=PATH) takes
         one, a checkpoint: a folder (Meta's or Hugging Face's layout) or a .gguf file (the
         scripts' --ckpt-dir); options: the scripts' other flags, by name."""
+        options = {VLLM_KEYWORDS.get(name, name): value for name, value in options.items()}
+        if options.get("dtype") in VLLM_DTYPES:
+            options["dtype"] = VLLM_DTYPES[options["dtype"]]
         if isinstance(model, os.PathLike):
             model = os.fspath(model)
         if not isinstance(model, str):
@@ -67,6 +122,10 @@ class LLM:
         self.llm_engine = LLMEngine(cache, model=model, **options)
         self.tokenizer = self.llm_engine.tokenizer  # the engine's own (plumbing/)
         self.transformers_tokenizer = None  # get_tokenizer's, made when first asked
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling a request gets when it asks for none."""
+        return SamplingParams()
 
     def get_tokenizer(self):
         """vLLM's: the tokenizer prompts are encoded with, as transformers' tokenizer (its chat
@@ -106,11 +165,12 @@ class LLM:
                          f"{{'prompt_token_ids': ids}}, not {str(prompt)[:80]}")
 
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """conversations: one conversation, a list of {"role", "content"} messages, or a list of
         them (as vLLM takes them), each formatted by the model's chat template (Llama 3's, or
-        SmolLM2's ChatML); sampling_params and use_tqdm as generate's; add_generation_prompt,
+        SmolLM2's ChatML) or by `chat_template` (a Jinja template, as transformers renders
+        one); sampling_params and use_tqdm as generate's; add_generation_prompt,
         continue_final_message: vLLM's (the assistant's turn opened, or the last turn left open
         for the model to go on with)."""
         if add_generation_prompt and continue_final_message:
@@ -120,7 +180,12 @@ class LLM:
             conversations = [conversations]
         try:
             token_lists = [self.tokenizer.chat(chat_messages(c), add_generation_prompt,
-                                               continue_final_message) for c in conversations]
+                                               continue_final_message) if chat_template is None
+                           else self.tokenizer.encode(self.get_tokenizer().apply_chat_template(
+                               chat_messages(c), chat_template=chat_template, tokenize=False,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message), special=True)
+                           for c in conversations]
         except ValueError as e:  # a malformed message, or text the tokenizer cannot take
             raise ValueError(f"messages: {e}") from None
         texts = [self.tokenizer.decode(tokens) for tokens in token_lists]  # the templated prompt
