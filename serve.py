@@ -314,25 +314,28 @@ def build_app(engine, model_name: str, api_key: str | None):
             choices, prompt_logprobs = [], None
             for p, (prompt, samples) in enumerate(zip(prompts, answers.result())):
                 for i, a in enumerate(samples):
-                    choice = {"index": p * n + i, "finish_reason": a.reason} | ids(
+                    given = {"index": p * n + i, "finish_reason": a.reason} | ids(
                         token_ids=a.token_ids, **({} if chat else {
                             "prompt_token_ids": submitted[p][1]}))
                     if chat:
-                        choice |= {"message": {"role": "assistant", "content": a.text},
-                                   "logprobs": chat_logprobs(a.logprobs, k)}
+                        choices.append(protocol.ChatChoice(
+                            **given, message={"role": "assistant", "content": a.text},
+                            logprobs=chat_logprobs(a.logprobs, k)))
                         prompt_logprobs = vllm_prompt_logprobs(a.prompt)
-                    else:
-                        echoed = prompt.get("text", a.prompt and a.prompt["text"]) if echo else ""
-                        scored = None if k is None else completion_logprobs(  # echo: k scores
-                            (a.prompt["logprobs"] if echo else []) + a.logprobs, k)  # the prompt
-                        choice |= {"text": echoed + a.text, "logprobs": scored,
-                                   "prompt_logprobs": vllm_prompt_logprobs(a.prompt)}
-                    choices.append(choice)
-            return {"id": answer_id, "object": kind, "created": created, "model": model_name,
-                    "choices": choices,
-                    "usage": usage([a.num_tokens for samples in answers.result() for a in samples]),
-                    **({"prompt_logprobs": prompt_logprobs} if chat else {}),
-                    **(ids(prompt_token_ids=submitted[0][1]) if chat else {})}
+                        continue
+                    echoed = prompt.get("text", a.prompt and a.prompt["text"]) if echo else ""
+                    scored = None if k is None else completion_logprobs(  # echo: k scores
+                        (a.prompt["logprobs"] if echo else []) + a.logprobs, k)  # the prompt
+                    choices.append(protocol.CompletionChoice(
+                        **given, text=echoed + a.text, logprobs=scored,
+                        prompt_logprobs=vllm_prompt_logprobs(a.prompt)))
+            whole = dict(id=answer_id, object=kind, created=created, model=model_name,
+                         choices=choices, usage=usage([a.num_tokens for samples in
+                                                       answers.result() for a in samples]))
+            return JSONResponse(protocol.answer_body(  # as it is: FastAPI would add unset fields
+                protocol.ChatCompletionResponse(**whole, prompt_logprobs=prompt_logprobs,
+                                                **ids(prompt_token_ids=submitted[0][1]))
+                if chat else protocol.CompletionResponse(**whole)))
 
         updates = submitted[0][2]
 
@@ -398,12 +401,12 @@ def build_app(engine, model_name: str, api_key: str | None):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions",
+    @app.post("/v1/completions", response_model=protocol.CompletionResponse,
               openapi_extra=protocol.openapi_body(request_models["completions"], "completions"))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions",
+    @app.post("/v1/chat/completions", response_model=protocol.ChatCompletionResponse,
               openapi_extra=protocol.openapi_body(request_models["chat"], "chat"))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)

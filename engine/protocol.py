@@ -95,7 +95,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Flag = None
 
 
-class Request(BaseModel):
+class OpenAIRequest(BaseModel):
     """What both endpoints read; None is the field's default, as a client may send null."""
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
@@ -141,7 +141,7 @@ def request_models(max_n: int, max_logprobs: int, max_prompts: int) -> dict:
     prompts = (f"a non-empty string, a list of token ids, or a list of up to {max_prompts} of "
                f"those (--max-num-seqs)")
 
-    class CompletionRequest(Request):
+    class CompletionRequest(OpenAIRequest):
         prompt: Annotated[Text | TokenIds | Annotated[list[Text | TokenIds], Field(
             min_length=1, max_length=max_prompts)], Field(description=prompts)]
         n: samples = None
@@ -150,7 +150,7 @@ def request_models(max_n: int, max_logprobs: int, max_prompts: int) -> dict:
         echo: Flag = None
         add_special_tokens: Flag = None
 
-    class ChatCompletionRequest(Request):
+    class ChatCompletionRequest(OpenAIRequest):
         messages: Annotated[list[Message], Field(
             min_length=1, description=f"a non-empty list of messages: {A_MESSAGE}")]
         n: samples = None
@@ -181,6 +181,69 @@ def request_models(max_n: int, max_logprobs: int, max_prompts: int) -> dict:
             "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 
 
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completion logprobs: each token's text, log-probability (None for a
+    prompt's first token), its likeliest as text -> log-probability, and where its text begins."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    finish_reason: str | None
+    text: str
+    logprobs: CompletionLogprobs | None
+    prompt_logprobs: list[dict | None] | None  # vLLM's: by token id, {logprob, rank, ...}
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: only where asked
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    finish_reason: str | None
+    message: ChatMessage
+    logprobs: dict | None  # OpenAI's: {"content": [{token, logprob, bytes, top_logprobs}]}
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: list[dict | None] | None
+    prompt_token_ids: list[int] | None = None
+
+
+def answer_body(response: BaseModel) -> dict:
+    """A response model as JSON: the fields given, and an optional one only where it was."""
+    return response.model_dump(exclude_unset=True)
+
+
 def parse(model: type[BaseModel], body: dict, endpoint: str | None = None):
     """`body` as `model`, or a BadRequest naming the first field it cannot take (a value out
     of the field's range, or of its type). endpoint: one of OpenAI's, whose fields this server
@@ -206,7 +269,7 @@ def ignored_fields(request: BaseModel) -> list[str]:
                   - {"top_logprobs", "add_special_tokens", "echo"})
 
 
-def sampling_params(request: Request, chat: bool, default_max_tokens: int | None) -> dict:
+def sampling_params(request: OpenAIRequest, chat: bool, default_max_tokens: int | None) -> dict:
     """engine/sampler.py's SamplingParams, by name (the engine's process builds it). Without
     max_tokens, a completion takes 16 (OpenAI's legacy default) and a chat answer
     default_max_tokens: None, the context left (vLLM's defaults). Log-probabilities: a

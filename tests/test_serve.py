@@ -937,9 +937,13 @@ def test_openapi_describes_each_request_body_as_the_server_checks_it(server, cli
     # A schema-driven tool reads /openapi.json: each bound it gives must be the server's. Every
     # ranged field's value just past its bound gets a 400 naming it; the bound itself, a 200.
     spec = httpx.get(server + "/openapi.json", timeout=30).json()
-    for path, needs in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+    for path, needs, answer in (("/v1/completions", "prompt", "CompletionResponse"),
+                                ("/v1/chat/completions", "messages", "ChatCompletionResponse")):
         schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert schema["required"] == [needs] and needs in schema["properties"]
+        answered = spec["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        assert answered["schema"]["$ref"].endswith("/" + answer)  # engine/protocol.py's model
+        assert "usage" in spec["components"]["schemas"][answer]["properties"]
     fields = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]["properties"]
     headers = {"Authorization": f"Bearer {KEY}"}
