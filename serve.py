@@ -90,43 +90,6 @@ class Answer:
         self.prompt = prompt or self.prompt
 
 
-def completion_logprobs(scored: list, k: int, offset: int = 0) -> dict:
-    """OpenAI's legacy completion logprobs: each token's text, log-probability (None for a
-    prompt's first token), its k + 1 likeliest as text -> log-probability (the token's own
-    first, as vLLM gives them), and where its text begins."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for entry in scored:  # entry: (id, text, log-probability, rank) each, the token's own first
-        _, text, logprob, _ = entry[0]
-        tokens.append(text)
-        token_logprobs.append(logprob)
-        top_logprobs.append(None if logprob is None else
-                            {t: max(lp, -9999.0) for _, t, lp, _ in entry[:k + 1]})
-        text_offset.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
-
-
-def chat_logprobs(scored: list | None, k: int | None) -> dict | None:
-    """OpenAI's chat logprobs: each token with its bytes and its `top_logprobs` (vLLM's: the
-    first k of the token's own and the likeliest)."""
-    if scored is None:
-        return None
-    as_one = lambda text, logprob: {"token": text, "logprob": max(logprob, -9999.0),
-                                    "bytes": list(text.encode("utf-8", errors="replace"))}
-    return {"content": [as_one(e[0][1], e[0][2]) | {
-        "top_logprobs": [as_one(t, lp) for _, t, lp, _ in e[:k]]} for e in scored]}
-
-
-def vllm_prompt_logprobs(prompt: dict | None) -> list | None:
-    """vLLM's prompt_logprobs: None for the first token, then for each token its own and the
-    likeliest, by token id: {"logprob", "rank", "decoded_token"}."""
-    if prompt is None or prompt["logprobs"] is None:
-        return None
-    return [None] + [{str(i): {"logprob": lp, "rank": rank, "decoded_token": t}
-                      for i, t, lp, rank in entry} for entry in prompt["logprobs"][1:]]
-
-
 # --- The HTTP application ------------------------------------------------------------------------
 
 def build_app(engine, model_name: str, api_key: str | None):
@@ -320,15 +283,15 @@ def build_app(engine, model_name: str, api_key: str | None):
                     if chat:
                         choices.append(protocol.ChatChoice(
                             **given, message={"role": "assistant", "content": a.text},
-                            logprobs=chat_logprobs(a.logprobs, k)))
-                        prompt_logprobs = vllm_prompt_logprobs(a.prompt)
+                            logprobs=protocol.chat_logprobs(a.logprobs, k)))
+                        prompt_logprobs = protocol.vllm_prompt_logprobs(a.prompt)
                         continue
                     echoed = prompt.get("text", a.prompt and a.prompt["text"]) if echo else ""
-                    scored = None if k is None else completion_logprobs(  # echo: k scores
+                    scored = None if k is None else protocol.completion_logprobs(  # echo: k scores
                         (a.prompt["logprobs"] if echo else []) + a.logprobs, k)  # the prompt
                     choices.append(protocol.CompletionChoice(
                         **given, text=echoed + a.text, logprobs=scored,
-                        prompt_logprobs=vllm_prompt_logprobs(a.prompt)))
+                        prompt_logprobs=protocol.vllm_prompt_logprobs(a.prompt)))
             whole = dict(id=answer_id, object=kind, created=created, model=model_name,
                          choices=choices, usage=usage([a.num_tokens for samples in
                                                        answers.result() for a in samples]))
@@ -379,9 +342,9 @@ def build_app(engine, model_name: str, api_key: str | None):
                         ended[index] = a.reason is not None
                         if chat:
                             body = {"delta": {"content": a.text},
-                                    "logprobs": chat_logprobs(a.logprobs, k)}
+                                    "logprobs": protocol.chat_logprobs(a.logprobs, k)}
                         else:
-                            scored = None if k is None else completion_logprobs(
+                            scored = None if k is None else protocol.completion_logprobs(
                                 a.logprobs, k, offsets[index])
                             body = {"text": a.text, "logprobs": scored}
                             offsets[index] += sum(len(t[0][1]) for t in a.logprobs or [])

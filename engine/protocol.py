@@ -1,6 +1,6 @@
-"""The server's requests as pydantic models, with vLLM's field names, types and ranges (vLLM's
-entrypoints/openai/protocol.py): serve.py checks every body through one, and /openapi.json shows
-their schemas. A field's description is its range in words, and the same words explain a 400;
+"""The server's requests and answers as pydantic models, with vLLM's field names, types and
+ranges (vLLM's entrypoints/openai/protocol.py), and the log-probabilities in OpenAI's and vLLM's
+shapes: serve.py checks every body through one, and /openapi.json shows their schemas. A field's description is its range in words, and the same words explain a 400;
 a field vLLM implements and this server does not is a 400 naming it unless it asks for nothing;
 OpenAI's fields that mean nothing to a local server change nothing; any other field is ignored,
 with one log line, as vLLM does. No PyTorch: the server's process never loads it.
@@ -237,6 +237,43 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict | None] | None
     prompt_token_ids: list[int] | None = None
+
+
+def completion_logprobs(scored: list, k: int, offset: int = 0) -> dict:
+    """OpenAI's legacy completion logprobs: each token's text, log-probability (None for a
+    prompt's first token), its k + 1 likeliest as text -> log-probability (the token's own
+    first, as vLLM gives them), and where its text begins."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for entry in scored:  # entry: (id, text, log-probability, rank) each, the token's own first
+        _, text, logprob, _ = entry[0]
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(None if logprob is None else
+                            {t: max(lp, -9999.0) for _, t, lp, _ in entry[:k + 1]})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(scored: list | None, k: int | None) -> dict | None:
+    """OpenAI's chat logprobs: each token with its bytes and its `top_logprobs` (vLLM's: the
+    first k of the token's own and the likeliest)."""
+    if scored is None:
+        return None
+    as_one = lambda text, logprob: {"token": text, "logprob": max(logprob, -9999.0),
+                                    "bytes": list(text.encode("utf-8", errors="replace"))}
+    return {"content": [as_one(e[0][1], e[0][2]) | {
+        "top_logprobs": [as_one(t, lp) for _, t, lp, _ in e[:k]]} for e in scored]}
+
+
+def vllm_prompt_logprobs(prompt: dict | None) -> list | None:
+    """vLLM's prompt_logprobs: None for the first token, then for each token its own and the
+    likeliest, by token id: {"logprob", "rank", "decoded_token"}."""
+    if prompt is None or prompt["logprobs"] is None:
+        return None
+    return [None] + [{str(i): {"logprob": lp, "rank": rank, "decoded_token": t}
+                      for i, t, lp, rank in entry} for entry in prompt["logprobs"][1:]]
 
 
 def answer_body(response: BaseModel) -> dict:
