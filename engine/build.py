@@ -23,8 +23,7 @@ from engine.scheduler import RequestTooLarge, Scheduler
 from engine.seams import plug
 from engine.swap import HostBlocks
 from plumbing import inputs
-from plumbing.cli import (GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes,
-                          torchrun_process)
+from plumbing.cli import GB, OUT_OF_MEMORY, UserError, check_host_memory, format_bytes
 from plumbing.inputs import Run
 
 SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says otherwise
@@ -32,7 +31,7 @@ SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says othe
 
 def kv_budget_bytes(run: Run) -> float:
     budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
-    if torchrun_process() is not None:  # every process sizes the same pool
+    if run.split:  # every process of a split model sizes the same pool
         budget = plug("tensor parallelism", "least_over_processes")(budget)
     return budget
 
@@ -92,7 +91,8 @@ def allocate_paged(run: Run, samples: bool = False):
     server's requests may ask for n)."""
     args = run.args
     num_blocks, block_size = lesson.pool_size(run, kv_budget_bytes(run))
-    cache, max_blocks = kv_cache(run, num_blocks, block_size), math.ceil(args.max_seq_len / block_size)
+    cache = kv_cache(run, num_blocks, block_size)
+    max_blocks = math.ceil(args.max_seq_len / block_size)
     if not shares_blocks(run, served=samples):
         return cache, lesson.BlockManager(num_blocks, block_size, run.num_sequences, max_blocks,
                                           run.device)
@@ -214,7 +214,8 @@ def make_runner(run, forward: ModelForward, cache, manager, sampler, largest_bat
     log-probabilities (up to --max-logprobs), as a script's every row does with --logprobs."""
     cascade = None
     if caches_prefix(run) and run.args.cascade != "off":  # a system prompt, cached
-        cascade = plug("cascade attention", "cascade_for")(run, cache, manager)  # before the graphs record attention
+        # before the graphs record attention
+        cascade = plug("cascade attention", "cascade_for")(run, cache, manager)
     graphs = None
     if decodes_with_graphs(run):
         start = time.perf_counter()
@@ -255,10 +256,11 @@ def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, 
     logprob_graphs = None
     if graphs is not None:
         recorded = LogprobDecoder(forward, cache, table, graph_sampler, width)
-        logprob_graphs = plug("decode graphs")(recorded, largest_batch, eager_when, pool=graphs.pool)
+        logprob_graphs = plug("decode graphs")(recorded, largest_batch, eager_when,
+                                               pool=graphs.pool)
     every_row = -1 if run.args.logprobs is None else run.args.logprobs
-    return plug("log-probabilities", "Logprobs")(len(table), LogprobDecoder(forward, cache, table, sampler, width),
-                    logprob_graphs, every_row)
+    eager = LogprobDecoder(forward, cache, table, sampler, width)
+    return plug("log-probabilities", "Logprobs")(len(table), eager, logprob_graphs, every_row)
 
 
 def generate(run, cache, manager, progress: bool = True):
@@ -292,9 +294,9 @@ def warm_up(run_pass, compiled: bool, cache, manager, max_seq_len: int, new_toke
     if cache.k[0].dtype == torch.float8_e4m3fn:  # an FP8 cache, paged or virtual
         cache.forget_scales()
     # Compiling and capturing leave half a million long-lived objects (graphs, guards, kernels)
-    # that every full pass of the garbage collector walks again, inside timed runs (docs/fp8.md). Collected once now and kept out of later
-    # passes (gc.freeze; vLLM does the same). Unfrozen first, so that an engine built after
-    # another collects what the first one left behind.
+    # that every full pass of the garbage collector walks again, inside timed runs (docs/fp8.md).
+    # Collected once now and kept out of later passes (gc.freeze; vLLM does the same). Unfrozen
+    # first, so that an engine built after another collects what the first one left behind.
     gc.unfreeze()
     gc.collect()
     gc.freeze()

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 import time
+import typing
 from collections import deque
 from pathlib import Path
 
@@ -37,11 +38,16 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     """vLLM's: an ArgumentParser that takes --max_tokens as --max-tokens."""
 
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        dashed = [a.replace("_", "-") if a.startswith("--") and "=" not in a
-                  else a.split("=", 1)[0].replace("_", "-") + "=" + a.split("=", 1)[1]
-                  if a.startswith("--") else a for a in args]
-        return super().parse_known_args(dashed, namespace)
+        args = sys.argv[1:] if args is None else args
+        return super().parse_known_args([dashed(a) for a in args], namespace)
+
+
+def dashed(arg: str) -> str:
+    """--max_tokens=8 as --max-tokens=8: the flag's name only, not its value."""
+    if not arg.startswith("--"):
+        return arg
+    name, equals, value = arg.partition("=")
+    return name.replace("_", "-") + equals + value
 
 
 @dataclasses.dataclass
@@ -64,15 +70,17 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        group = parser.add_argument_group("Engine arguments (vLLM's names)")
-        numbers = {"seed": int, "max_model_len": int, "max_num_seqs": int, "block_size": int,
-                   "gpu_memory_utilization": float}
+        group = parser.add_argument_group("Engine arguments (vLLM's names; python "
+                                          "llama3_paged.py --help says what each does)")
         for field in dataclasses.fields(EngineArgs):
             flag = "--" + field.name.replace("_", "-")
             if field.type is bool:
                 group.add_argument(flag, action="store_true")
-            else:
-                group.add_argument(flag, type=numbers.get(field.name, str), default=field.default)
+                continue
+            types = (field.type, *typing.get_args(field.type))  # int, or int | None
+            kind = next(t for t in (int, float, str) if t in types)
+            group.add_argument(flag, type=kind, default=field.default,
+                               help=f"default: {field.default}")
         return parser
 
 

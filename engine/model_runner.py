@@ -207,7 +207,9 @@ class ModelRunner:
         self.device = manager.block_table.device
         self.tokens_per_pass = tokens_per_pass or TOKENS_PER_PASS
         self.timeline: list[ServedSnapshot] = []  # one per decode or mixed step
-        self.sampler, self.overlap, self.decode_longest_first = sampler, overlap, longest_first
+        self.sampler, self.overlap = sampler, overlap
+        # looked up once here, not at every decode step
+        self.sort_rows = plug("longest first") if longest_first else None
         self.eager = SamplingDecoder(model, cache, manager.block_table, sampler)
         self.graphs, self.cascade, self.prefill_graphs = graphs, cascade, None
         self.num_prefilled = 0  # tokens computed by prefill passes, over every run
@@ -301,8 +303,8 @@ class ModelRunner:
         last tokens, and their copy to the host."""
         if step.kind != "prefill":
             self.note_the_cache(scheduler)
-        if step.kind == "decode" and self.decode_longest_first:
-            step = plug("longest first")(step)
+        if step.kind == "decode" and self.sort_rows is not None:
+            step = self.sort_rows(step)
         self.timer.start(step.kind != "prefill")
         rows = to_device(step.rows, self.device)  # [B]
         logprobs = self.logprobs is not None and self.logprobs.any(step.rows)

@@ -1,9 +1,10 @@
 """The server's requests and answers as pydantic models, with vLLM's field names, types and
 ranges (vLLM's entrypoints/openai/protocol.py), and the log-probabilities in OpenAI's and vLLM's
-shapes: serve.py checks every body through one, and /openapi.json shows their schemas. A field's description is its range in words, and the same words explain a 400;
-a field vLLM implements and this server does not is a 400 naming it unless it asks for nothing;
-OpenAI's fields that mean nothing to a local server change nothing; any other field is ignored,
-with one log line, as vLLM does. No PyTorch: the server's process never loads it.
+shapes: serve.py checks every body through one, and /openapi.json shows their schemas. A
+field's description is its range in words, and the same words explain a 400; a field vLLM
+implements and this server does not is a 400 naming it unless it asks for nothing; OpenAI's
+fields that mean nothing to a local server change nothing; any other field is ignored, with one
+log line, as vLLM does. No PyTorch: the server's process never loads it.
 """
 
 import json
@@ -302,8 +303,8 @@ def parse(model: type[BaseModel], body: dict, endpoint: str | None = None):
 def ignored_fields(request: BaseModel) -> list[str]:
     """The fields none of the endpoint's, which the request is served without (vLLM logs
     them): neither read, nor a no-op on a local server, nor one that asks for nothing."""
-    return sorted(set(request.model_extra) - LOCAL_NO_OPS - set(NOT_IMPLEMENTED)
-                  - {"top_logprobs", "add_special_tokens", "echo"})
+    asks_nothing = set().union(*NOT_IMPLEMENTED_BY.values())  # refused already if they ask
+    return sorted(set(request.model_extra) - LOCAL_NO_OPS - asks_nothing)
 
 
 def sampling_params(request: OpenAIRequest, chat: bool, default_max_tokens: int | None) -> dict:

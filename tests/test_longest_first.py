@@ -71,4 +71,4 @@ def test_rows_are_longest_first_on_cuda(model, device, expected):
                                                                           # graphs of a CPU model
     cache = EngineKVCache(model.args, 4, 4, torch.float32, "cpu", TorchAttentionAfterPrefix())
     engine = make_runner(setup, ModelForward(model), cache, BlockManager(4, 4, 1, 4), None, 1)
-    assert engine.decode_longest_first is expected
+    assert (engine.sort_rows is not None) is expected
