@@ -24,7 +24,7 @@ import sys
 import time
 
 from engine import protocol
-from engine.protocol import BadRequest
+from engine.protocol import BadRequest, Reply, Sample, UnknownModel
 from plumbing.cli import (HelpFormatter, UserError, first_paragraph, finite_float, format_bytes,
                           one_paragraph_errors, per_token, port, positive_int, require_packages)
 
@@ -40,54 +40,6 @@ KEEP_ALIVE_SECONDS = 75
 DRAIN_SECONDS = 30
 STREAM_END_MARGIN_SECONDS = 0.5  # before uvicorn cancels what runs: the streams' ends go out
 STREAM_CUT = "cut"  # put on an open stream's updates when the server stops before it ends
-
-
-def lone_surrogate_in(value, path: str = "") -> str | None:
-    """Where in a parsed JSON body a string (or a key) holds a lone UTF-16 surrogate, as
-    "messages[0].content"; None if nowhere. JSON's escapes can spell one; no tokenizer, and no
-    JSON answer that echoes it, can take it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return None
-        except UnicodeEncodeError:
-            return path
-    items = (value.items() if isinstance(value, dict) else enumerate(value)
-             if isinstance(value, list) else ())
-    for key, item in items:
-        at = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
-        found = lone_surrogate_in(key, at) if isinstance(key, str) else None
-        if found is None:
-            found = lone_surrogate_in(item, at)
-        if found is not None:
-            return found
-    return None
-
-
-class UnknownModel(BadRequest):
-    """A model this server does not serve: vLLM's 404, with its error type and code."""
-
-    def __init__(self, name):
-        super().__init__(f"The model `{name}` does not exist.", "model", 404)
-
-
-# --- Answers: what the engine sends back, in OpenAI's and vLLM's shapes ---------------------------
-
-class Answer:
-    """One sample's answer, from the engine's updates (engine/engine_process.py's): its text,
-    tokens, finish reason, tokens' log-probabilities and, where asked, the prompt's."""
-
-    def __init__(self):
-        self.text, self.num_tokens, self.reason, self.token_ids = "", 0, None, []
-        self.logprobs = self.prompt = None
-
-    def take(self, update: tuple) -> None:
-        _, delta, self.num_tokens, reason, logprobs, prompt, token_ids = update
-        self.text, self.token_ids = self.text + delta, self.token_ids + token_ids
-        self.reason = reason or self.reason
-        if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + logprobs
-        self.prompt = prompt or self.prompt
 
 
 # --- The HTTP application ------------------------------------------------------------------------
@@ -157,22 +109,7 @@ def build_app(engine, model_name: str, api_key: str | None):
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 raise too_large
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise BadRequest(f"The body is not UTF-8 text: {e}") from e
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise BadRequest(f"The body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise BadRequest("The body must be a JSON object.")
-        where = lone_surrogate_in(body)
-        if where is not None:
-            raise BadRequest(f"'{where}' holds a lone UTF-16 surrogate (JSON's \\ud800 to "
-                             f"\\udfff without its pair), which is not Unicode text.",
-                             where.split(".")[0].split("[")[0])
-        if body.get("model", model_name) != model_name:
-            raise UnknownModel(body.get("model"))
-        return body
+        return protocol.json_body(raw, model_name)
 
     async def submit(prompt: dict, params: dict, answer_id: str) -> tuple[str, list, asyncio.Queue]:
         """One prompt to the engine, as a request of its own: (its id there, its prompt's
@@ -192,9 +129,9 @@ def build_app(engine, model_name: str, api_key: str | None):
             raise BadRequest(f"The engine stopped: {e}", status=500) from e
         return request_id, prompt_token_ids, updates
 
-    async def whole_answers(updates: asyncio.Queue, n: int) -> list[Answer] | None:
+    async def whole_answers(updates: asyncio.Queue, n: int) -> list[Sample] | None:
         """Each sample's answer once all n have ended; None if the engine stopped first."""
-        answers = [Answer() for _ in range(n)]
+        answers = [Sample() for _ in range(n)]
         while any(a.reason is None for a in answers):
             update = await updates.get()
             if update is None:
@@ -224,7 +161,6 @@ def build_app(engine, model_name: str, api_key: str | None):
             params = protocol.sampling_params(body, chat, None if chat else 16)
             stream, echo = bool(body.stream), not chat and bool(body.echo)
             options = body.stream_options.model_dump() if body.stream_options else {}
-            return_token_ids = bool(body.return_token_ids)
             # vLLM's request_id: the answer's id ends so
             given_id = body.request_id or secrets.token_hex(12)
             answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{given_id}"
@@ -247,14 +183,9 @@ def build_app(engine, model_name: str, api_key: str | None):
             for request_id, _, _ in submitted:  # the batch's earlier prompts end with it
                 engine.abort(request_id)
             return answer(e)
-        kind = "chat.completion" if chat else "text_completion"
-        created, n, request_id = int(time.time()), params["n"], submitted[0][0]  # a stream's
-        num_prompt_tokens = sum(len(ids) for _, ids, _ in submitted)
-        ids = lambda **named: named if return_token_ids else {}  # vLLM's return_token_ids
-        usage = lambda tokens: {"prompt_tokens": num_prompt_tokens,
-                                "completion_tokens": sum(tokens),
-                                "total_tokens": num_prompt_tokens + sum(tokens)}
-        k = params["logprobs"]
+        n, request_id = params["n"], submitted[0][0]  # a stream's
+        reply = Reply(chat, answer_id, model_name, n, params["logprobs"],
+                      bool(body.return_token_ids), [ids for _, ids, _ in submitted])
         if not stream:
             answers = asyncio.ensure_future(asyncio.gather(
                 *[whole_answers(updates, n) for _, _, updates in submitted]))
@@ -274,53 +205,20 @@ def build_app(engine, model_name: str, api_key: str | None):
                 return error(f"The engine stopped: {engine.failed}", 500, kind="server_error")
             for submitted_id, _, _ in submitted:
                 engine.forget(submitted_id)
-            choices, prompt_logprobs = [], None
-            for p, (prompt, samples) in enumerate(zip(prompts, answers.result())):
-                for i, a in enumerate(samples):
-                    given = {"index": p * n + i, "finish_reason": a.reason} | ids(
-                        token_ids=a.token_ids, **({} if chat else {
-                            "prompt_token_ids": submitted[p][1]}))
-                    if chat:
-                        choices.append(protocol.ChatChoice(
-                            **given, message={"role": "assistant", "content": a.text},
-                            logprobs=protocol.chat_logprobs(a.logprobs, k)))
-                        prompt_logprobs = protocol.vllm_prompt_logprobs(a.prompt)
-                        continue
-                    echoed = prompt.get("text", a.prompt and a.prompt["text"]) if echo else ""
-                    scored = None if k is None else protocol.completion_logprobs(  # echo: k scores
-                        (a.prompt["logprobs"] if echo else []) + a.logprobs, k)  # the prompt
-                    choices.append(protocol.CompletionChoice(
-                        **given, text=echoed + a.text, logprobs=scored,
-                        prompt_logprobs=protocol.vllm_prompt_logprobs(a.prompt)))
-            whole = dict(id=answer_id, object=kind, created=created, model=model_name,
-                         choices=choices, usage=usage([a.num_tokens for samples in
-                                                       answers.result() for a in samples]))
-            return JSONResponse(protocol.answer_body(  # as it is: FastAPI would add unset fields
-                protocol.ChatCompletionResponse(**whole, prompt_logprobs=prompt_logprobs,
-                                                **ids(prompt_token_ids=submitted[0][1]))
-                if chat else protocol.CompletionResponse(**whole)))
-
+            return JSONResponse(reply.whole(answers.result(), echo,  # as it is: FastAPI would
+                                            [p.get("text") for p in prompts]))  # add unset fields
         updates = submitted[0][2]
 
         async def events():
-            tokens, finished, offsets = [0] * n, 0, [0] * n
             ended = [False] * n  # by sample
-            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             # vLLM's continuous_usage_stats (with include_usage): the usage so far in every chunk
-            so_far = (lambda: {"usage": usage(tokens)}) if options.get("include_usage") and \
-                options.get("continuous_usage_stats") else dict
-
-            def chunk(choices, **extra):
-                return "data: " + json.dumps({"id": answer_id, "object": chunk_kind,
-                                              "created": created, "model": model_name,
-                                              "choices": choices, **extra}) + "\n\n"
+            so_far = (lambda: {"usage": reply.usage(reply.tokens)}) if options.get(
+                "include_usage") and options.get("continuous_usage_stats") else dict
             open_streams.add(updates)
             try:
                 if chat:
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "finish_reason": None} for i in range(n)],
-                                **ids(prompt_token_ids=submitted[0][1]), **so_far())
-                while finished < n:
+                    yield reply.opening(**so_far())
+                while not all(ended):
                     waiting = [await updates.get()]
                     while not updates.empty():  # all that wait: when the loop falls behind the
                         waiting.append(updates.get_nowait())  # engine, one event per sample
@@ -329,35 +227,21 @@ def build_app(engine, model_name: str, api_key: str | None):
                                                     f"{engine.failed}"}}) + "\n\n"
                         return
                     if STREAM_CUT in waiting:  # the server stops: the answer ends here, said so
-                        empty = {"delta": {}} if chat else {"text": "", "logprobs": None}
-                        yield "".join(chunk([{"index": i, **empty, "finish_reason": "abort"}])
-                                      for i in range(n) if not ended[i])
+                        yield "".join(reply.cut(i) for i in range(n) if not ended[i])
                         break
                     moved = {}  # index -> the sample's part of this event
                     for update in waiting:
-                        moved.setdefault(update[0], Answer()).take(update)
-                    events_now = []
-                    for index, a in moved.items():  # one event per sample that moved
-                        finished, tokens[index] = finished + (a.reason is not None), a.num_tokens
+                        moved.setdefault(update[0], Sample()).take(update)
+                    for index, a in moved.items():
                         ended[index] = a.reason is not None
-                        if chat:
-                            body = {"delta": {"content": a.text},
-                                    "logprobs": protocol.chat_logprobs(a.logprobs, k)}
-                        else:
-                            scored = None if k is None else protocol.completion_logprobs(
-                                a.logprobs, k, offsets[index])
-                            body = {"text": a.text, "logprobs": scored}
-                            offsets[index] += sum(len(t[0][1]) for t in a.logprobs or [])
-                        events_now.append(chunk([{"index": index, **body,
-                                                  "finish_reason": a.reason,
-                                                  **ids(token_ids=a.token_ids)}], **so_far()))
-                    yield "".join(events_now)
+                    yield "".join(reply.event([reply.moved(index, a)], **so_far())
+                                  for index, a in moved.items())  # one event per sample moved
                 if options.get("include_usage"):
-                    yield chunk([], usage=usage(tokens))
+                    yield reply.event([], usage=reply.usage(reply.tokens))
                 yield "data: [DONE]\n\n"
             finally:
                 open_streams.discard(updates)
-                if finished < n:  # the client went away, or the server stops: free its blocks
+                if not all(ended):  # the client went away, or the server stops: free its blocks
                     engine.abort(request_id)
                 else:
                     engine.forget(request_id)

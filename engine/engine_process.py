@@ -71,23 +71,12 @@ def drain(commands, inbox: queue.Queue) -> None:
 
 
 def serve(engine, inbox: queue.Queue, results) -> None:
+    from engine.metrics import EngineFigures
     sent_chars = {}  # (request id, sample) -> characters of its text sent: only new text travels
     sent_tokens = {}  # (request id, sample) -> tokens whose ids and log-probabilities were sent
     echoes = set()  # request ids whose first updates carry the prompt's text
-    # From a request's arrival at the engine's process to its first and last token on the host:
-    # what tools/latency_sweep.py measures in one process, so that a client's time less these is
-    # HTTP's own (tools/serve_bench.py prints both)
-    # the latencies observed since the last message, which the server's histograms take once
-    observed = {"time_to_first_token_seconds": [], "inter_token_latency_seconds": [],
-                "e2e_request_latency_seconds": []}
-    timed = {}  # (request id, sample) -> its token times seen
-
-    def metrics() -> dict:
-        figures = snapshot(engine) | {"observed": {k: list(v) for k, v in observed.items()}}
-        for seconds in observed.values():
-            seconds.clear()
-        return figures
-    results.send(("step", [], metrics()))  # /metrics serves every figure from the start
+    figures = EngineFigures()
+    results.send(("step", [], figures.take(engine)))  # /metrics serves every figure from the start
     while True:
         took = take_commands(engine, inbox, results, block=not engine.has_unfinished(),
                              echoes=echoes)
@@ -108,22 +97,13 @@ def serve(engine, inbox: queue.Queue, results) -> None:
             updates.append((*key, text[sent_chars.get(key, 0):], len(request.output_tokens),
                             s.finish_reason, on_the_wire(logprobs), prompt,
                             request.output_tokens[sent:]))
-            if key not in sent_chars and request.token_times:
-                observed["time_to_first_token_seconds"].append(
-                    request.token_times[0] - request.arrival_time)
-            times = request.token_times  # each token's wait after the one before
-            observed["inter_token_latency_seconds"] += [
-                times[i] - times[i - 1] for i in range(max(timed.get(key, 0), 1), len(times))]
-            timed[key] = len(times)
+            figures.observe(key, request, s.finish_reason is not None)
             sent_chars[key] = len(text)
             if s.finish_reason is not None:
-                del sent_chars[key], sent_tokens[key], timed[key]
+                del sent_chars[key], sent_tokens[key]
                 echoes.discard(s.request_id)
-                if request.token_times:
-                    observed["e2e_request_latency_seconds"].append(
-                        request.token_times[-1] - request.arrival_time)
         if updates or took:  # one message a step, not one a request
-            results.send(("step", updates, metrics()))
+            results.send(("step", updates, figures.take(engine)))
 
 
 def on_the_wire(logprobs: list | None, first: tuple | None = None) -> list | None:
@@ -214,26 +194,6 @@ def tokenizer_info(tokenizer, max_seq_len: int) -> dict:
             "bos_token": tokenizer.decode([tokenizer.bos_id]),
             "eos_token": tokenizer.decode([max(tokenizer.stop_ids)]), "pad_token": None,
             "chat_template": tokenizer.chat_template}
-
-
-def snapshot(engine) -> dict:
-    """The figures /metrics serves, taken between steps."""
-    manager, per_token = engine.manager, engine.kv_bytes_per_token
-    reserved, unfilled = manager.num_reserved_slots, manager.num_unfilled_slots
-    return {
-        "num_requests_running": len(engine.scheduler.running),
-        "num_requests_waiting": len(engine.scheduler.waiting),
-        "kv_blocks_used": manager.num_used_blocks,
-        "kv_blocks_free": manager.num_free_blocks,
-        "kv_cache_usage_perc": manager.num_used_blocks / manager.num_blocks,  # vLLM's: a fraction
-        "kv_reserved_bytes": reserved * per_token,
-        "kv_filled_bytes": (reserved - unfilled) * per_token,
-        "kv_unfilled_bytes": unfilled * per_token,
-        "num_preemptions": engine.scheduler.num_preemptions,  # totals: Prometheus' counters
-        "prompt_tokens": engine.num_prompt_tokens,
-        "generation_tokens": engine.num_generated_tokens,
-        "request_success": engine.num_finished,
-    }
 
 
 # --- The server's side ---------------------------------------------------------------------------

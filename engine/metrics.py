@@ -2,9 +2,9 @@
 our names (llama3:...) and, where vLLM exports the same figure, under its names too (vllm:...), so
 that its dashboards read them here.
 
-The engine's process sends, with every step's message, its gauges and running totals
-(engine/engine_process.py's `snapshot`) and the latencies it observed since its last message;
-the server keeps the latest totals and observes each latency once into Prometheus histograms.
+The engine's process sends, with every step's message, its gauges and running totals and the
+latencies it observed since its last message (`EngineFigures`); the server keeps the latest
+totals and observes each latency once into Prometheus histograms (`ServerMetrics`).
 """
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -47,6 +47,53 @@ def prefixes(name: str) -> tuple[str, ...]:
     return ("llama3", "vllm") if name in VLLM_HAS else ("llama3",)
 
 
+class EngineFigures:
+    """The engine process's side: what each step's message carries for /metrics. Latencies run
+    from a request's arrival at the engine's process to its tokens on the host, what
+    tools/latency_sweep.py measures in one process, so that a client's time less these is
+    HTTP's own (tools/serve_bench.py prints both)."""
+
+    def __init__(self):
+        self.observed = {name: [] for name in HISTOGRAMS}  # since the last message
+        self.seen = {}  # (request id, sample) -> its token times observed
+
+    def observe(self, key: tuple, request, finished: bool) -> None:
+        """A sample's new token times, after a step; `finished`: its last step."""
+        times, seen = request.token_times, self.seen.get(key, 0)
+        if seen == 0 and times:
+            self.observed["time_to_first_token_seconds"].append(times[0] - request.arrival_time)
+        self.observed["inter_token_latency_seconds"] += [
+            times[i] - times[i - 1] for i in range(max(seen, 1), len(times))]
+        self.seen[key] = len(times)
+        if finished:
+            del self.seen[key]
+            if times:
+                self.observed["e2e_request_latency_seconds"].append(
+                    times[-1] - request.arrival_time)
+
+    def take(self, engine) -> dict:
+        """The gauges and totals now, and the latencies observed since the last `take`."""
+        manager, per_token = engine.manager, engine.kv_bytes_per_token
+        reserved, unfilled = manager.num_reserved_slots, manager.num_unfilled_slots
+        figures = {
+            "num_requests_running": len(engine.scheduler.running),
+            "num_requests_waiting": len(engine.scheduler.waiting),
+            "kv_blocks_used": manager.num_used_blocks,
+            "kv_blocks_free": manager.num_free_blocks,
+            "kv_cache_usage_perc": manager.num_used_blocks / manager.num_blocks,  # a fraction
+            "kv_reserved_bytes": reserved * per_token,
+            "kv_filled_bytes": (reserved - unfilled) * per_token,
+            "kv_unfilled_bytes": unfilled * per_token,
+            "num_preemptions": engine.scheduler.num_preemptions,  # totals: Prometheus' counters
+            "prompt_tokens": engine.num_prompt_tokens,
+            "generation_tokens": engine.num_generated_tokens,
+            "request_success": engine.num_finished,
+            "observed": {name: list(seconds) for name, seconds in self.observed.items()}}
+        for seconds in self.observed.values():
+            seconds.clear()
+        return figures
+
+
 class ServerMetrics:
     """What /metrics serves for one model: `update` with each message of the engine's,
     `exposition` for a scrape."""
@@ -62,7 +109,7 @@ class ServerMetrics:
                            for name, (help_text, bounds) in HISTOGRAMS.items()}
 
     def update(self, figures: dict) -> None:
-        """figures: the engine's snapshot, and under "observed" each histogram's new latencies."""
+        """figures: EngineFigures.take's, with under "observed" each histogram's new latencies."""
         for name, seconds in figures.get("observed", {}).items():
             for histogram in self.histograms[name]:
                 for value in seconds:

@@ -8,6 +8,7 @@ log line, as vLLM does. No PyTorch: the server's process never loads it.
 """
 
 import json
+import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -54,6 +55,55 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+
+
+class UnknownModel(BadRequest):
+    """A model this server does not serve: vLLM's 404, with its error type and code."""
+
+    def __init__(self, name):
+        super().__init__(f"The model `{name}` does not exist.", "model", 404)
+
+
+def json_body(raw: bytes, model_name: str) -> dict:
+    """A request's body as a JSON object for `model_name`, or the BadRequest that says why not."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"The body is not UTF-8 text: {e}") from e
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise BadRequest(f"The body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("The body must be a JSON object.")
+    where = lone_surrogate_in(body)
+    if where is not None:
+        raise BadRequest(f"'{where}' holds a lone UTF-16 surrogate (JSON's \\ud800 to "
+                         f"\\udfff without its pair), which is not Unicode text.",
+                         where.split(".")[0].split("[")[0])
+    if body.get("model", model_name) != model_name:
+        raise UnknownModel(body.get("model"))
+    return body
+
+
+def lone_surrogate_in(value, path: str = "") -> str | None:
+    """Where in a parsed JSON body a string (or a key) holds a lone UTF-16 surrogate, as
+    "messages[0].content"; None if nowhere. JSON's escapes can spell one; no tokenizer, and no
+    JSON answer that echoes it, can take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return None
+        except UnicodeEncodeError:
+            return path
+    items = (value.items() if isinstance(value, dict) else enumerate(value)
+             if isinstance(value, list) else ())
+    for key, item in items:
+        at = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = lone_surrogate_in(key, at) if isinstance(key, str) else None
+        if found is None:
+            found = lone_surrogate_in(item, at)
+        if found is not None:
+            return found
+    return None
 
 
 def whole(low: int, high: int | None = LONG, why: str = ""):
@@ -238,6 +288,145 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict | None] | None
     prompt_token_ids: list[int] | None = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None  # the first chunk's
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: dict | None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Usage | None = None  # stream_options' include_usage
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # the first chunk's, with return_token_ids
+
+
+class Sample:
+    """One sample's answer so far, from the engine's updates (engine/engine_process.py's): its
+    text, tokens, finish reason, tokens' log-probabilities and, where asked, the prompt's."""
+
+    def __init__(self):
+        self.text, self.num_tokens, self.reason, self.token_ids = "", 0, None, []
+        self.logprobs = self.prompt = None
+
+    def take(self, update: tuple) -> None:
+        _, delta, self.num_tokens, reason, logprobs, prompt, token_ids = update
+        self.text, self.token_ids = self.text + delta, self.token_ids + token_ids
+        self.reason = reason or self.reason
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        self.prompt = prompt or self.prompt
+
+
+class Reply:
+    """One request's answer in OpenAI's shape, from its samples: whole, or as a stream's
+    server-sent events. k: log-probabilities asked for (None: none); with_ids: vLLM's
+    return_token_ids; prompt_token_ids: each prompt's, as the engine took it."""
+
+    def __init__(self, chat: bool, answer_id: str, model: str, n: int, k: int | None,
+                 with_ids: bool, prompt_token_ids: list[list[int]]):
+        self.chat, self.n, self.k, self.with_ids = chat, n, k, with_ids
+        self.head = dict(id=answer_id, created=int(time.time()), model=model)
+        self.prompt_token_ids = prompt_token_ids
+        self.tokens, self.offsets = [0] * n, [0] * n  # a stream's, by sample
+
+    def ids(self, **named) -> dict:
+        return named if self.with_ids else {}
+
+    def usage(self, tokens: list[int]) -> Usage:
+        prompt = sum(map(len, self.prompt_token_ids))
+        return Usage(prompt_tokens=prompt, completion_tokens=sum(tokens),
+                     total_tokens=prompt + sum(tokens))
+
+    def whole(self, answers: list[list[Sample]], echo: bool, texts: list[str | None]) -> dict:
+        """The answer's body: each prompt's n samples. echo: a completion's answer begins with
+        its prompt, scored where log-probabilities are asked for; texts: each prompt's, where
+        given as text (else the engine's decoding of its ids)."""
+        choices, prompt_logprobs = [], None
+        for p, samples in enumerate(answers):
+            for i, a in enumerate(samples):
+                given = {"index": p * self.n + i, "finish_reason": a.reason} | self.ids(
+                    token_ids=a.token_ids, **({} if self.chat else {
+                        "prompt_token_ids": self.prompt_token_ids[p]}))
+                prompt_logprobs = vllm_prompt_logprobs(a.prompt)
+                if self.chat:
+                    choices.append(ChatChoice(**given, message={"role": "assistant",
+                                                                "content": a.text},
+                                              logprobs=chat_logprobs(a.logprobs, self.k)))
+                    continue
+                echoed = (texts[p] or a.prompt["text"]) if echo else ""
+                scored = None if self.k is None else completion_logprobs(
+                    (a.prompt["logprobs"] if echo else []) + a.logprobs, self.k)
+                choices.append(CompletionChoice(**given, text=echoed + a.text, logprobs=scored,
+                                                prompt_logprobs=prompt_logprobs))
+        usage = self.usage([a.num_tokens for samples in answers for a in samples])
+        if self.chat:
+            return answer_body(ChatCompletionResponse(
+                **self.head, object="chat.completion", choices=choices, usage=usage,
+                prompt_logprobs=prompt_logprobs,
+                **self.ids(prompt_token_ids=self.prompt_token_ids[0])))
+        return answer_body(CompletionResponse(**self.head, object="text_completion",
+                                              choices=choices, usage=usage))
+
+    def event(self, choices: list, **extra) -> str:
+        """One server-sent event of the stream: a chunk of these choices."""
+        chunk = (ChatCompletionStreamResponse(**self.head, object="chat.completion.chunk",
+                                              choices=choices, **extra) if self.chat else
+                 CompletionStreamResponse(**self.head, object="text_completion",
+                                          choices=choices, **extra))
+        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+    def opening(self, **usage) -> str:
+        """A chat stream's first event: each sample's assistant turn begins."""
+        return self.event([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""},
+                                            finish_reason=None) for i in range(self.n)],
+                          **self.ids(prompt_token_ids=self.prompt_token_ids[0]), **usage)
+
+    def moved(self, index: int, a: Sample) -> ChatStreamChoice | CompletionStreamChoice:
+        """A sample's new text since its last event, as a stream's choice."""
+        self.tokens[index] = a.num_tokens
+        given = {"index": index, "finish_reason": a.reason} | self.ids(token_ids=a.token_ids)
+        if self.chat:
+            return ChatStreamChoice(**given, delta={"content": a.text},
+                                    logprobs=chat_logprobs(a.logprobs, self.k))
+        scored = None if self.k is None else completion_logprobs(a.logprobs, self.k,
+                                                                 self.offsets[index])
+        self.offsets[index] += sum(len(t[0][1]) for t in a.logprobs or [])
+        return CompletionStreamChoice(**given, text=a.text, logprobs=scored)
+
+    def cut(self, index: int) -> str:
+        """A sample's end when the server stops first: finish_reason "abort"."""
+        end = {"delta": {}} if self.chat else {"text": "", "logprobs": None}
+        return self.event([{"index": index, **end, "finish_reason": "abort"}])
 
 
 def completion_logprobs(scored: list, k: int, offset: int = 0) -> dict:
