@@ -245,7 +245,7 @@ def test_a_system_prompt_no_context_holds_is_said_to_be_too_long(tmp_path, capsy
     assert "the system prompt alone is 140,0" in err
 
 
-@pytest.mark.parametrize("world_size", ["abc", "2x"])
+@pytest.mark.parametrize("world_size", ["abc", pytest.param("2x", marks=pytest.mark.slow)])
 def test_torchruns_variables_that_are_no_numbers_end_in_one_paragraph(world_size):
     out = subprocess.run([sys.executable, str(ROOT / "llama3_paged.py"), "2", *TINY],
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -523,8 +523,10 @@ print(before, file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("script", ["llama3_paged.py", "llama3_naive.py", "llama3_virtual.py",
-                                    "serve.py"])
+@pytest.mark.parametrize("script", [  # slow: 4 s each; the naive and virtual scripts install
+    "llama3_paged.py", "serve.py",  # the same handler on the same first lines as the paged one
+    pytest.param("llama3_naive.py", marks=pytest.mark.slow),
+    pytest.param("llama3_virtual.py", marks=pytest.mark.slow)])
 def test_ctrl_c_is_the_programs_before_it_imports_anything_else(script):
     """From the first line on: only the small module that installs the handler comes before it
     (Ctrl-C during Python's own start-up, before that line, is Python's)."""

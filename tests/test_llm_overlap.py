@@ -2,6 +2,8 @@
 between steps (stop strings, aborts) while the next step is in flight give the tokens of the
 engine without overlap, and leave every row, block and stopped request behind them free."""
 
+import pytest
+
 from engine.llm import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from plumbing.inputs import PROMPTS_FILE, read_records
@@ -15,6 +17,8 @@ def outputs(llm, params) -> list:
             for o in llm.generate(PROMPTS, params)]
 
 
+# slow: 11 s, two engines four times over; tests/test_overlap.py holds overlap to the plain loop
+@pytest.mark.slow
 def test_stop_strings_and_samples_give_the_same_outputs_overlapped_or_not():
     plain, overlapped = LLM(**ENGINE, overlap=False), LLM(**ENGINE, overlap=True)
     free = [o.outputs[0].text for o in plain.generate(PROMPTS, SamplingParams(max_tokens=20,

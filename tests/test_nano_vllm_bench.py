@@ -4,6 +4,8 @@ its requests are tools/bench.py's workloads, and a wrong path ends in one paragr
 import subprocess
 import sys
 
+import pytest
+
 import torch
 
 from conftest import ROOT
@@ -49,6 +51,8 @@ def test_the_requests_are_bench_py_s_workloads():
         k: getattr(w, k) for k in ("num_requests", "new_tokens", "max_seq_len")}.items()
 
 
+# slow: 5 s for one refusal, as the tools' other one-paragraph errors (tests/test_errors.py)
+@pytest.mark.slow
 def test_a_folder_without_nano_vllm_ends_in_one_paragraph(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "nano_vllm_bench.py"), str(tmp_path),
                           "--num-requests", "2"], capture_output=True, text=True, timeout=300)

@@ -55,6 +55,9 @@ def test_script_runs_end_to_end_and_reports_memory(script, tmp_path):
     assert m["fragmented_percent_of_device"] == pytest.approx(100 * fullest["unfilled_bytes"] / mem_total)
 
 
+# slow: 11 s of two script runs; tests/test_figures.py checks each cache's reserved and filled
+# bytes
+@pytest.mark.slow
 def test_naive_reserves_max_seq_len_per_request_and_paged_only_what_is_used(tmp_path):
     runs = {}
     for script in ["llama3_naive.py", "llama3_paged.py"]:

@@ -815,6 +815,9 @@ def test_a_client_that_hangs_up_before_its_whole_answer_frees_its_blocks(server)
     assert m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0
 
 
+# slow: 8 s, a server of its own; test_the_context_is_fitted_to_the_pool_... checks the default
+# answer's length in-process
+@pytest.mark.slow
 def test_without_max_tokens_a_chat_answer_may_fill_the_context_and_a_completion_takes_16():
     """vLLM's defaults: OpenAI's chat has no limit but the context; its legacy completions 16."""
     process, url = start_server("--max-seq-len", "64")

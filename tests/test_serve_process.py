@@ -26,6 +26,8 @@ def offline():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+# slow: 8 s, a server started to be killed; the SIGTERM and dying-engine tests end servers too
+@pytest.mark.slow
 def test_a_killed_server_takes_its_engine_process_with_it():
     """SIGKILL leaves no time to clean up: the engine ends on its own when the pipe closes, and
     does not hold the GPU's memory as an orphan."""

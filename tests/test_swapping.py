@@ -108,14 +108,13 @@ def test_a_victim_that_finds_no_room_in_host_memory_is_recomputed(model, ample):
     (["--continuous", "--preemption", "swap", "--samples", "2"], "does not combine with shared"),
     (["--continuous", "--preemption", "swap", "--swap-space", "1e-9"], "holds no block"),
 ])
-def test_swapping_where_it_cannot_run_ends_in_one_paragraph(flags, says):
-    import subprocess
-    import sys
-    from conftest import ROOT
-    run = subprocess.run([sys.executable, str(ROOT / "llama3_paged.py"), "2", "--random-weights",
-                          "--model", "tiny", "--device", "cpu", *flags],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr
+def test_swapping_where_it_cannot_run_ends_in_one_paragraph(flags, says, capsys):
+    from engine.run import command_line  # the script's run, in this process
+    with pytest.raises(SystemExit) as ended:
+        command_line("llama3_paged.py", ["2", "--random-weights", "--model", "tiny", "--device",
+                                         "cpu", *flags])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and says in err and "Traceback" not in err
 
 
 def test_an_aborted_request_waiting_in_host_memory_gives_its_host_blocks_back():

@@ -6,6 +6,8 @@ as a program, each prints what the Python API gives in process."""
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from engine.llm import LLM, SamplingParams
 
@@ -73,6 +75,9 @@ def run(script: str, *argv: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if "Generated text" in line]
 
 
+# slow: 12 s of two program runs; the basic example runs by default, and test_serve.py checks
+# LLM.chat's tokens against the server's
+@pytest.mark.slow
 def test_vllms_chat_example_runs_with_the_import_and_the_model_changed(tmp_path):
     llm = LLM(model="tiny", random_weights=True, device="cpu", dtype="fp32")
     template = tmp_path / "template.jinja"  # the model's own, rendered by transformers
