@@ -25,8 +25,9 @@ import time
 
 from engine import protocol
 from engine.protocol import BadRequest, Reply, Sample, UnknownModel
-from plumbing.cli import (HelpFormatter, UserError, first_paragraph, finite_float, format_bytes,
-                          one_paragraph_errors, per_token, port, positive_int, require_packages)
+from plumbing.cli import (ONE_PROCESS, HelpFormatter, UserError, first_paragraph, finite_float,
+                          format_bytes, one_paragraph_errors, per_token, port, positive_int,
+                          require_packages, torchrun_process)
 
 LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them (its default)
 MAX_BODY_BYTES = 1_000_000  # a request body larger than this is refused before it is parsed
@@ -326,7 +327,8 @@ def build_app(engine, model_name: str, api_key: str | None):
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a load balancer's probe
     async def health():
         alive = engine.alive
-        return PlainTextResponse("ok" if alive else "engine stopped", status_code=200 if alive else 503)
+        return PlainTextResponse("ok" if alive else "engine stopped",
+                                 status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -415,8 +417,8 @@ def main(argv=None) -> None:
         engine_flags = parser_with_features(args.cache, served=True)
         engine_flags.prog = "serve.py"  # the rest are the engine's flags: checked now, as ours
         engine_flags.parse_args(engine_argv)
-        if not 0 < args.port < 65536:
-            raise UserError(f"--port {args.port}: expected 1 to 65535.")
+        if torchrun_process() is not None:  # said before two processes contend for the port
+            raise UserError(ONE_PROCESS)
         require_packages(["fastapi", "uvicorn", "prometheus_client"], "the HTTP server")
         address = bound_socket(args.host, args.port)  # a port in use is said now, not after loading
         if open_to_others(args.host) and not args.api_key:

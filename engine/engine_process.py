@@ -22,6 +22,8 @@ import traceback
 from plumbing.cli import UserError
 
 START_TIMEOUT_S = 1800  # loading 8B from a slow disk and compiling: minutes, not hours
+
+
 class RequestFailed(Exception):
     """The engine failed at one request (a bug its content reached) and serves the others."""
 
@@ -36,6 +38,7 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox = queue.Queue()  # drained from now on, so that a server gone while we load ends us
     threading.Thread(target=drain, args=(commands, inbox), daemon=True).start()
+    from engine import protocol
     from engine.llm_engine import LLMEngine
     from plumbing.cli import one_paragraph_errors
     try:
@@ -50,7 +53,8 @@ def engine_main(cache: str, max_num_seqs: int, argv: list[str], commands, result
                             "kv_bytes_per_token": engine.kv_bytes_per_token,
                             "max_seq_len": engine.max_seq_len, "max_num_seqs": max_num_seqs,
                             "max_logprobs": engine.run.args.max_logprobs,
-                            "tokenizer": tokenizer_info(engine.tokenizer, engine.max_seq_len)}))
+                            "tokenizer": protocol.tokenizer_info(engine.tokenizer,
+                                                                 engine.max_seq_len)}))
     try:
         serve(engine, inbox, results)
     except Exception as e:  # a bug or a device failure: say so once; the server ends requests
@@ -185,15 +189,6 @@ def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
     if prompt.get("plain"):
         return tokenizer.encode(prompt["text"], special=True)
     return tokenizer.encode_prompt(prompt["text"])
-
-
-def tokenizer_info(tokenizer, max_seq_len: int) -> dict:
-    """vLLM's /tokenizer_info: what a client that tokenizes through the server asks first
-    (lm-evaluation-harness's tokenizer_backend=remote)."""
-    return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_seq_len,
-            "bos_token": tokenizer.decode([tokenizer.bos_id]),
-            "eos_token": tokenizer.decode([max(tokenizer.stop_ids)]), "pad_token": None,
-            "chat_template": tokenizer.chat_template}
 
 
 # --- The server's side ---------------------------------------------------------------------------

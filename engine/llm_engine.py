@@ -25,7 +25,7 @@ from engine.request import ServedRequest, Status
 from engine.sampler import RowSampler, SamplingParams
 from engine.scheduler import RequestTooLarge
 from engine.seams import plug
-from plumbing.cli import UserError, torchrun_process
+from plumbing.cli import ONE_PROCESS, UserError, torchrun_process
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,8 +65,7 @@ class LLMEngine:
         flags it was loaded for (tools/latency_sweep.py's, whose curves share one model).
         progress: say what the start-up's long parts took (serve.py's engine does)."""
         if torchrun_process() is not None:  # each process would serve, none would split
-            raise UserError("The Python API and serve.py run in one process for now, not under "
-                            "torchrun: run them without it.")
+            raise UserError(ONE_PROCESS)
         if run is None:
             args = Config.from_options(cache, {"max_running": max_num_seqs, **options}, argv)
             if cache == "virtual":  # as its script does: from the flags, before loading

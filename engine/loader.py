@@ -18,10 +18,10 @@ from plumbing.inputs import Run
 def load(config: Config) -> Run:
     """The run `config` asks for: under torchrun this process's slice of the model (features/
     tensor_parallel.py), the attention, compiled layers' default, then the model."""
-    model_class, split = lesson.Llama, torchrun_process() is not None
-    if split:  # torchrun's processes split the model
+    share = None
+    if torchrun_process() is not None:  # torchrun's processes split the model
         config = plug("tensor parallelism", "start")(config)
-        model_class = plug("tensor parallelism", "SplitLlama")
+        share = plug("tensor parallelism", "SHARE")
     decode_kernel = config.decode_kernel
     if config.kv_cache_dtype == "fp8" and config.device.type == "cuda" and (
             config.attn == "flash" or config.attn == "auto" and importable("flash_attn")):
@@ -30,7 +30,7 @@ def load(config: Config) -> Run:
     if config.compile is None:
         config = dataclasses.replace(config, compile=compiles_by_default(config, attention))
     sequences = config.samples * config.beam_width
-    run = inputs.load_run(config, model_class, attention, system_prompt(config), sequences, split)
+    run = inputs.load_run(config, lesson.Llama, attention, system_prompt(config), sequences, share)
     if config.quantization == "fp8":
         use_fp8_weights(run)
     if config.kv_cache_dtype == "fp8":

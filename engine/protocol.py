@@ -429,6 +429,15 @@ class Reply:
         return self.event([{"index": index, **end, "finish_reason": "abort"}])
 
 
+def tokenizer_info(tokenizer, max_seq_len: int) -> dict:
+    """vLLM's /tokenizer_info: what a client that tokenizes through the server asks first
+    (lm-evaluation-harness's tokenizer_backend=remote)."""
+    return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_seq_len,
+            "bos_token": tokenizer.decode([tokenizer.bos_id]),
+            "eos_token": tokenizer.decode([max(tokenizer.stop_ids)]), "pad_token": None,
+            "chat_template": tokenizer.chat_template}
+
+
 def completion_logprobs(scored: list, k: int, offset: int = 0) -> dict:
     """OpenAI's legacy completion logprobs: each token's text, log-probability (None for a
     prompt's first token), its k + 1 likeliest as text -> log-probability (the token's own

@@ -18,7 +18,7 @@ from torch import nn
 
 import llama3_paged as lesson
 from plumbing.cli import GPU_MEMORY_UTILIZATION, UserError, format_bytes, per_token
-from plumbing.inputs import shapes_only
+from plumbing.inputs import Share
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that stops answering ends the others
 
@@ -111,9 +111,6 @@ class SplitLlama(lesson.Llama):
         else:
             self.output = VocabParallelHead(nn.Parameter(torch.empty(share, args.dim, dtype=dtype)),
                                             slice(None))
-        # The whole model's shapes, for drawing random weights as one process draws them
-        self.whole_shapes = {name: p.shape for name, p in
-                             shapes_only(lesson.Llama, args, dtype).named_parameters()}
 
     def share_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's share of one whole tensor of parameter `name` (or of one part of a merged
@@ -124,16 +121,9 @@ class SplitLlama(lesson.Llama):
             return tensor.tensor_split(self.tp, dim=0)[self.rank]
         return tensor  # the embedding and the norms: whole on every rank
 
-    def keep_share(self, name: str, whole: torch.Tensor) -> None:
-        """Copy this rank's share of the one-process model's parameter `name` into its slice."""
-        parts = [whole]
-        if name.endswith("wqkv.weight"):  # cut q, k and v each by heads
-            a = self.whole_args
-            parts = whole.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
-                                 a.n_kv_heads * a.head_dim])
-        elif name.endswith("w_gate_up.weight"):
-            parts = whole.chunk(2)
-        self.get_parameter(name).copy_(torch.cat([self.share_of(name, p) for p in parts]))
+
+# What the loader (plumbing/inputs.py) builds and copies in: each rank's slice of every weight
+SHARE = Share(SplitLlama, SplitLlama.share_of)
 
 
 def least_over_processes(value: float) -> float:

@@ -636,6 +636,10 @@ def one_paragraph_errors(script: str, reports: bool = True):
         fail(script, f"Could not write {where}: {e.strerror or e}.", USAGE)
 
 
+ONE_PROCESS = ("The Python API and serve.py run in one process for now, not under torchrun: run "
+               "them without it.")
+
+
 def torchrun_process() -> tuple[int, int] | None:
     """(rank, processes) when torchrun started this process (it sets RANK and WORLD_SIZE, for one
     process too); None otherwise."""

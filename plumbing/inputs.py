@@ -186,45 +186,47 @@ def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int)
 
 
 def random_model(model_class, preset: str | ModelArgs, device, dtype, max_positions: int,
-                 seed: int = 0, split: bool = False):
+                 seed: int = 0, share: "Share | None" = None):
     """Random weights with the preset's shapes (its name, or the shapes themselves), drawn on the
     device in the target dtype.
 
     Each matrix has std 1/sqrt(fan_in), so every projection keeps unit-scale activations and the
     residual stream grows only with the square root of the depth: finite in bf16 at 32 layers.
-    split: `model_class` holds one process's slice (features/tensor_parallel.py's SplitLlama),
-    which draws each whole tensor, as one process does, and keeps its share.
+    share: a model split over processes, which draws each whole tensor of `model_class`, as one
+    process does, and keeps its share.
     """
     args = PRESETS[preset] if isinstance(preset, str) else preset
-    model = build_model(model_class, args, device, dtype, max_positions)
+    model = build_model(share.model_class if share else model_class, args, device, dtype,
+                        max_positions)
     generator = torch.Generator(device=device).manual_seed(seed)
+    whole_model = shapes_only(model_class, args, dtype) if share else model  # its shapes
     params = dict(model.named_parameters())
-    for name, shape in (model.whole_shapes if split else
-                        {n: p.shape for n, p in params.items()}).items():
-        whole = torch.empty(shape, dtype=dtype, device=device) if split else params[name]
+    for name, param in whole_model.named_parameters():
+        whole = torch.empty(param.shape, dtype=dtype, device=device) if share else params[name]
         if name.endswith("norm.weight"):
             whole.fill_(1.0)
         elif name == "tok_embeddings.weight":
             whole.normal_(0.0, 1.0, generator=generator)
         else:
-            whole.normal_(0.0, shape[1] ** -0.5, generator=generator)
-        if split:
-            model.keep_share(name, whole)
+            whole.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+        if share:  # each part of a merged matrix (q, k, v; gate, up) cut on its own
+            for part, piece in enumerate(merged_parts(name, whole, args)):
+                part_of(model, params[name], name, part).copy_(share.take(model, name, piece))
     return model
 
 
 def load_model(model_class, ckpt_dir: Path, device, dtype, max_positions: int,
-               split: bool = False):
+               share: "Share | None" = None):
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.exists():
         raise UserError(f"--ckpt-dir {ckpt_dir}: no such file or folder.\n" + DOWNLOAD_HINT)
     if ckpt_dir.suffix == ".gguf":
         from plumbing.gguf_checkpoint import GGUFFile
-        return _load_gguf(model_class, GGUFFile(ckpt_dir), device, dtype, max_positions, split)
+        return _load_gguf(model_class, GGUFFile(ckpt_dir), device, dtype, max_positions, share)
     if (ckpt_dir / "params.json").exists():
-        return _load_meta(model_class, ckpt_dir, device, dtype, max_positions, split)
+        return _load_meta(model_class, ckpt_dir, device, dtype, max_positions, share)
     if (ckpt_dir / "config.json").exists():
-        return _load_hugging_face(model_class, ckpt_dir, device, dtype, max_positions, split)
+        return _load_hugging_face(model_class, ckpt_dir, device, dtype, max_positions, share)
     raise UserError(
         f"No Llama 3 checkpoint in {ckpt_dir}: expected Meta's layout (params.json, "
         f"consolidated.00.pth, tokenizer.model), Hugging Face's (config.json, *.safetensors) or "
@@ -252,7 +254,7 @@ def meta_args(params: dict) -> ModelArgs:
         rope_theta=params.get("rope_theta", 500_000.0), rope_scaling=scaling)
 
 
-def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int, split: bool):
+def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int, share):
     shard = ckpt_dir / "consolidated.00.pth"
     if not shard.exists():
         raise UserError(f"{ckpt_dir} has params.json but no consolidated.00.pth.\n" + DOWNLOAD_HINT)
@@ -270,8 +272,9 @@ def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int, s
         raise UserError(f"{shard} holds a {type(state).__name__}, not a dict of named tensors.")
     if "output.weight" not in state:  # Llama 3.2 1B/3B
         args = ModelArgs(**{**args.__dict__, "tie_embeddings": True})
-    model = build_model(model_class, args, device, dtype, max_positions)
-    _fill(model, tensor_names(args, "meta"), state.__getitem__, state.keys(), shard, split)
+    model = build_model(share.model_class if share else model_class, args, device, dtype,
+                        max_positions)
+    _fill(model, tensor_names(args, "meta"), state.__getitem__, state.keys(), shard, share)
     return model
 
 
@@ -294,8 +297,7 @@ def hugging_face_args(config: dict) -> ModelArgs:
         rope_scaling=scaling, tie_embeddings=config.get("tie_word_embeddings", False))
 
 
-def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions: int,
-                       split: bool):
+def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions: int, share):
     config = ckpt_dir / "config.json"
     args = _model_args(hugging_face_args, _read_json(config), config)
     index = ckpt_dir / "model.safetensors.index.json"
@@ -312,7 +314,8 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
     for file in files:
         if file.exists():  # a missing one is named below, with the tensors it would hold
             regular_file_size(file, "The weights")
-    model = build_model(model_class, args, device, dtype, max_positions)
+    model = build_model(share.model_class if share else model_class, args, device, dtype,
+                        max_positions)
     names = tensor_names(args, "hf")
     seen = set()
     for file in files:
@@ -321,7 +324,7 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
                 keys = set(f.keys())
                 seen |= keys
                 get = lambda name, f=f: _unpermute_rope_rows(name, f.get_tensor(name), args)
-                _fill(model, {k: v for k, v in names.items() if k in keys}, get, keys, file, split)
+                _fill(model, {k: v for k, v in names.items() if k in keys}, get, keys, file, share)
         except (SafetensorError, OSError) as e:
             raise UserError(f"{file} is not a readable safetensors file (truncated or damaged?): "
                             f"{e}") from e
@@ -333,7 +336,7 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
 
 # --- GGUF (llama.cpp's one-file format): shapes, tokenizer and weights in one file -------------
 
-def _load_gguf(model_class, file, device, dtype, max_positions: int, split: bool = False):
+def _load_gguf(model_class, file, device, dtype, max_positions: int, share=None):
     """A GGUF file (plumbing/gguf_checkpoint.py's GGUFFile): every tensor dequantized to float32,
     then copied into the model in its dtype."""
     from plumbing.gguf_checkpoint import gguf_shapes
@@ -341,8 +344,9 @@ def _load_gguf(model_class, file, device, dtype, max_positions: int, split: bool
         args = ModelArgs(**gguf_shapes(file))
     except ValueError as e:
         raise UserError(f"{file.path} is malformed: {e}.") from e
-    model = build_model(model_class, args, device, dtype, max_positions)
-    _fill(model, tensor_names(args, "gguf"), file.tensor, file.tensors.keys(), file.path, split)
+    model = build_model(share.model_class if share else model_class, args, device, dtype,
+                        max_positions)
+    _fill(model, tensor_names(args, "gguf"), file.tensor, file.tensors.keys(), file.path, share)
     return model
 
 
@@ -396,9 +400,25 @@ def _unpermute_rope_rows(name: str, w: torch.Tensor, args: ModelArgs) -> torch.T
 
 # --- shared ----------------------------------------------------------------------------------
 
-def _fill(model, names: dict, get_tensor, keys, source: Path, split: bool) -> None:
+def merged_parts(name: str, whole: torch.Tensor, args: ModelArgs) -> list[torch.Tensor]:
+    """A parameter's parts as checkpoints hold them: q, k and v of wqkv, gate and up of
+    w_gate_up, or the one tensor."""
+    if name.endswith("wqkv.weight"):
+        return list(whole.split([args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim,
+                                 args.n_kv_heads * args.head_dim]))
+    if name.endswith("w_gate_up.weight"):
+        return list(whole.chunk(2))
+    return [whole]
+
+
+def part_of(model, param: torch.Tensor, name: str, part: int) -> torch.Tensor:
+    """The rows of `param` (parameter `name` of `model`) that part `part` fills."""
+    return merged_parts(name, param, model.args)[part]
+
+
+def _fill(model, names: dict, get_tensor, keys, source: Path, share) -> None:
     """Copy each checkpoint tensor into its parameter (or its rows of a merged one); a model
-    `split` over processes (features/tensor_parallel.py's SplitLlama) takes its share of each."""
+    split over processes (`share`) takes its share of each."""
     missing = sorted(set(names) - set(keys))
     if missing:
         raise UserError(f"{source} is missing {len(missing)} tensors, e.g. {missing[:3]}; "
@@ -408,15 +428,9 @@ def _fill(model, names: dict, get_tensor, keys, source: Path, split: bool) -> No
         tensor = get_tensor(name)
         if not isinstance(tensor, torch.Tensor):
             raise UserError(f"{source}: {name} is a {type(tensor).__name__}, not a tensor.")
-        target = params[ours]
-        if split:
-            tensor = model.share_of(ours, tensor)
-        if ours.endswith("wqkv.weight"):
-            a = model.args
-            sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-            target = target.split(sizes)[part]
-        elif ours.endswith("w_gate_up.weight"):
-            target = target.chunk(2)[part]
+        if share:
+            tensor = share.take(model, ours, tensor)
+        target = part_of(model, params[ours], ours, part)
         if target.shape != tensor.shape:
             raise UserError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(target.shape)}. The checkpoint and its config disagree.")
@@ -710,7 +724,7 @@ class Run:
     num_sequences: int  # what the scheduler runs: a request per prompt, or per sample or beam
     system_prompt: str | None = None  # the system turn every request begins with, if any
     kv_cache_dtype: torch.dtype | None = None  # the pool's, where not the model's (fp8)
-    split: bool = False  # the model split over torchrun's processes (features/tensor_parallel.py)
+    split: bool = False  # the model split over processes (loaded with a Share)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -724,9 +738,19 @@ class Run:
         return len(self.tokenizer.shared_prefix(self.system_prompt))
 
 
+@dataclass(frozen=True)
+class Share:
+    """How a model split over processes loads: `model_class`, what this process builds from the
+    whole model's shapes, and `take(model, name, tensor)`, its share of a whole tensor of
+    parameter `name` (or of one part of a merged one), as a checkpoint holds it. The loader
+    reads or draws each whole tensor, as one process does, and copies in the share."""
+    model_class: type
+    take: object
+
+
 def load_run(args, model_class, attention, system_prompt: str | None = None,
-             sequences_per_prompt: int = 1, split: bool = False) -> Run:
-    """Tokenizer, prompts and model (`model_class`: llama3_paged.py's Llama, or with `split` one
+             sequences_per_prompt: int = 1, share: Share | None = None) -> Run:
+    """Tokenizer, prompts and model (`model_class`: llama3_paged.py's Llama, or with `share` one
     process's slice of it), in that order: a bad prompt file is found before minutes of loading
     weights."""
     device = args.device
@@ -762,18 +786,18 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
               "as its ShareGPT reply (at most --max-new-tokens)." if prompts else
               "Random weights: the answers are nonsense, of the lengths asked for.")
         model = random_model(model_class, args.model, device, dtype, args.max_seq_len, args.seed,
-                             split)
+                             share)
     else:
         print(f"Real weights ({checkpoint}): each request runs to its end-of-text token or "
               f"--max-new-tokens.")
-        model = (_load_gguf(model_class, gguf_file, device, dtype, args.max_seq_len, split)
+        model = (_load_gguf(model_class, gguf_file, device, dtype, args.max_seq_len, share)
                  if gguf_file else
-                 load_model(model_class, checkpoint, device, dtype, args.max_seq_len, split))
+                 load_model(model_class, checkpoint, device, dtype, args.max_seq_len, share))
     if model.args.vocab_size < tokenizer.n_vocab:  # an id past the embedding table
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
                         f"tokenizer's {tokenizer.n_vocab:,}: they do not belong together.")
     return Run(args, device, dtype, model, attention, tokenizer, prompts,
-               len(prompts) * sequences_per_prompt, system_prompt, split=split)
+               len(prompts) * sequences_per_prompt, system_prompt, split=share is not None)
 
 
 def new_token_budgets(run: Run) -> list[int]:

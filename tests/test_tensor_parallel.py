@@ -116,8 +116,8 @@ def test_random_weights_drawn_whole_give_each_rank_its_slice(monkeypatch):
     ranks = []
     for rank in range(2):
         as_rank(monkeypatch, rank, 2)
-        ranks.append(random_model(tensor_parallel.SplitLlama, "tiny", "cpu", torch.float32, 64,
-                                  seed=3, split=True))
+        ranks.append(random_model(Llama, "tiny", "cpu", torch.float32, 64, seed=3,
+                                  share=tensor_parallel.SHARE))
     assert_slices_make_the_whole(whole, ranks)
     cache = KVCache(ranks[0].args, 4, 16, torch.float32, "cpu", TorchAttention())
     assert cache.block_shape == (4, 16, whole.args.n_kv_heads // 2, whole.args.head_dim)
@@ -136,8 +136,8 @@ def test_a_checkpoint_loads_each_ranks_slice(monkeypatch, tmp_path, layout, tied
     ranks = []
     for rank in range(2):
         as_rank(monkeypatch, rank, 2)
-        ranks.append(load_model(tensor_parallel.SplitLlama, ckpt, "cpu", torch.float32, 64,
-                                split=True))
+        ranks.append(load_model(Llama, ckpt, "cpu", torch.float32, 64,
+                                share=tensor_parallel.SHARE))
     assert_slices_make_the_whole(whole, ranks)
 
 
