@@ -23,7 +23,7 @@ from plumbing.inputs import random_model
 from llama3_paged import Llama
 from llama3_paged import DecodeBatch, PrefillBatch
 from virtual_pages import PageManager
-from engine.sampler import sampler
+from engine.sampler import Sampler
 
 if importable("triton"):
     from features.triton_attention import TritonAttention
@@ -630,7 +630,7 @@ def test_sampling_draws_the_same_tokens_with_and_without_sharing_on_the_gpu():
     prompts = prompts_after_a_system_prompt(4, g, system_tokens=100)
     budgets = [20] * 4
     kw = dict(num_blocks=1024, block_size=16, attention=TorchAttentionAfterPrefix, samples=3,
-              sampler=sampler(temperature=1.0, top_p=0.95, seed=3))
+              sampler=Sampler(temperature=1.0, top_p=0.95, seed=3))
     unshared = generate_on_gpu(model, prompts, budgets, **kw)
     shared = generate_on_gpu(model, prompts, budgets, share=True, continuous=True, max_running=6,
                              **kw)
