@@ -1,10 +1,11 @@
 """The server's requests and answers as pydantic models, with vLLM's field names, types and
 ranges (vLLM's entrypoints/openai/protocol.py), and the log-probabilities in OpenAI's and vLLM's
-shapes: serve.py checks every body through one, and /openapi.json shows their schemas. A
-field's description is its range in words, and the same words explain a 400; a field vLLM
-implements and this server does not is a 400 naming it unless it asks for nothing; OpenAI's
-fields that mean nothing to a local server change nothing; any other field is ignored, with one
-log line, as vLLM does. No PyTorch: the server's process never loads it.
+shapes: serve.py reads every body through one (`json_body`, `parse`) and builds every answer,
+whole or streamed, with `Reply`; /openapi.json shows their schemas. A field's description is
+its range in words, and the same words explain a 400; a field vLLM implements and this server
+does not is a 400 naming it unless it asks for nothing; OpenAI's fields that mean nothing to a
+local server change nothing; any other field is ignored, with one log line, as vLLM does. No
+PyTorch: the server's process never loads it.
 """
 
 import json
