@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import tiktoken
 import torch
@@ -158,10 +159,11 @@ def shapes_only(model_class, *args):
         return model_class(*args)
 
 
-def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int):
-    """An uninitialised `model_class(args, dtype)` (llama3_paged.py's Llama) on `device`:
-    parameters allocated once, never filled twice."""
-    model = shapes_only(model_class, args, dtype)
+def build_model(model_class, args: ModelArgs, device, dtype, max_positions: int,
+                share: "Share | None" = None):
+    """An uninitialised `model_class(args, dtype)` (llama3_paged.py's Llama), or with `share`
+    this process's slice of it, on `device`: parameters allocated once, never filled twice."""
+    model = shapes_only(share.model_class if share else model_class, args, dtype)
     weights = sum(p.nbytes for p in model.parameters())  # tied weights counted once
     rope_table = max_positions * args.head_dim * 8  # complex64 per pair, float32 scratch as much
     advice = "Use a smaller --model or --dtype bf16, or a GPU."
@@ -196,8 +198,7 @@ def random_model(model_class, preset: str | ModelArgs, device, dtype, max_positi
     process does, and keeps its share.
     """
     args = PRESETS[preset] if isinstance(preset, str) else preset
-    model = build_model(share.model_class if share else model_class, args, device, dtype,
-                        max_positions)
+    model = build_model(model_class, args, device, dtype, max_positions, share)
     generator = torch.Generator(device=device).manual_seed(seed)
     whole_model = shapes_only(model_class, args, dtype) if share else model  # its shapes
     params = dict(model.named_parameters())
@@ -210,8 +211,9 @@ def random_model(model_class, preset: str | ModelArgs, device, dtype, max_positi
         else:
             whole.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
         if share:  # each part of a merged matrix (q, k, v; gate, up) cut on its own
-            for part, piece in enumerate(merged_parts(name, whole, args)):
-                part_of(model, params[name], name, part).copy_(share.take(model, name, piece))
+            for piece, target in zip(merged_parts(name, whole, args),  # the whole's parts,
+                                     merged_parts(name, params[name], model.args)):  # the slice's
+                target.copy_(share.take(model, name, piece))
     return model
 
 
@@ -272,8 +274,7 @@ def _load_meta(model_class, ckpt_dir: Path, device, dtype, max_positions: int, s
         raise UserError(f"{shard} holds a {type(state).__name__}, not a dict of named tensors.")
     if "output.weight" not in state:  # Llama 3.2 1B/3B
         args = ModelArgs(**{**args.__dict__, "tie_embeddings": True})
-    model = build_model(share.model_class if share else model_class, args, device, dtype,
-                        max_positions)
+    model = build_model(model_class, args, device, dtype, max_positions, share)
     _fill(model, tensor_names(args, "meta"), state.__getitem__, state.keys(), shard, share)
     return model
 
@@ -314,8 +315,7 @@ def _load_hugging_face(model_class, ckpt_dir: Path, device, dtype, max_positions
     for file in files:
         if file.exists():  # a missing one is named below, with the tensors it would hold
             regular_file_size(file, "The weights")
-    model = build_model(share.model_class if share else model_class, args, device, dtype,
-                        max_positions)
+    model = build_model(model_class, args, device, dtype, max_positions, share)
     names = tensor_names(args, "hf")
     seen = set()
     for file in files:
@@ -344,8 +344,7 @@ def _load_gguf(model_class, file, device, dtype, max_positions: int, share=None)
         args = ModelArgs(**gguf_shapes(file))
     except ValueError as e:
         raise UserError(f"{file.path} is malformed: {e}.") from e
-    model = build_model(share.model_class if share else model_class, args, device, dtype,
-                        max_positions)
+    model = build_model(model_class, args, device, dtype, max_positions, share)
     _fill(model, tensor_names(args, "gguf"), file.tensor, file.tensors.keys(), file.path, share)
     return model
 
@@ -411,11 +410,6 @@ def merged_parts(name: str, whole: torch.Tensor, args: ModelArgs) -> list[torch.
     return [whole]
 
 
-def part_of(model, param: torch.Tensor, name: str, part: int) -> torch.Tensor:
-    """The rows of `param` (parameter `name` of `model`) that part `part` fills."""
-    return merged_parts(name, param, model.args)[part]
-
-
 def _fill(model, names: dict, get_tensor, keys, source: Path, share) -> None:
     """Copy each checkpoint tensor into its parameter (or its rows of a merged one); a model
     split over processes (`share`) takes its share of each."""
@@ -430,7 +424,7 @@ def _fill(model, names: dict, get_tensor, keys, source: Path, share) -> None:
             raise UserError(f"{source}: {name} is a {type(tensor).__name__}, not a tensor.")
         if share:
             tensor = share.take(model, ours, tensor)
-        target = part_of(model, params[ours], ours, part)
+        target = merged_parts(ours, params[ours], model.args)[part]  # its rows of a merged one
         if target.shape != tensor.shape:
             raise UserError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies "
                             f"{tuple(target.shape)}. The checkpoint and its config disagree.")
@@ -745,7 +739,7 @@ class Share:
     parameter `name` (or of one part of a merged one), as a checkpoint holds it. The loader
     reads or draws each whole tensor, as one process does, and copies in the share."""
     model_class: type
-    take: object
+    take: Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
 
 
 def load_run(args, model_class, attention, system_prompt: str | None = None,

@@ -164,3 +164,22 @@ def forward_modes(model, monkeypatch) -> list[bool]:
     monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(
         torch.is_inference_mode_enabled()) or forward(*a, **k))
     return modes
+
+
+def run_main(main, argv, capsys):
+    """A program's main() as the command line runs it: (exit code, stdout, stderr)."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_paragraph(code, err, expected_code, fragment):
+    assert code == expected_code, err
+    assert fragment and fragment in err, err
+    assert "Traceback" not in err
+    message = err.strip().splitlines()[-1]  # argparse puts its usage lines first
+    assert fragment in message or fragment in err.strip().split("\n\n")[-1]

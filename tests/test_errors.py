@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, hf_to_meta, tiny_hf_model
+from conftest import ROOT, assert_one_paragraph, hf_to_meta, run_main, tiny_hf_model
 
 import plumbing.cli
 import plumbing.inputs
@@ -37,25 +37,6 @@ from engine.run import command_line
 
 SCRIPTS = {"naive": lambda argv: command_line("llama3_naive.py", argv),
            "paged": lambda argv: command_line("llama3_paged.py", argv)}
-
-
-def run_main(main, argv, capsys):
-    """A program's main() as the command line runs it: (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def assert_one_paragraph(code, err, expected_code, fragment):
-    assert code == expected_code, err
-    assert fragment and fragment in err, err
-    assert "Traceback" not in err
-    message = err.strip().splitlines()[-1]  # argparse puts its usage lines first
-    assert fragment in message or fragment in err.strip().split("\n\n")[-1]
 
 
 @pytest.fixture(scope="module")
