@@ -109,9 +109,9 @@ class Config:
             raise UserError(f"cache {cache!r}: choose one of {', '.join(CACHES)}.")
         served = num_requests is None
         parser = parser_with_features(cache, served)
-        flags = {action.dest: action for action in parser._actions if action.option_strings}
         values = vars(parser.parse_args([*([] if served else [str(num_requests)]), *argv])) | {
-            name: option_value(flags, cache, name, value) for name, value in options.items()}
+            name: option_value(parser.flags, cache, name, value)
+            for name, value in options.items()}
         if served:
             defaults = vars(parser.parse_args([]))
             refuse_per_request_flags({name: instead for name, instead in PER_REQUEST.items()
@@ -120,6 +120,9 @@ class Config:
 
     def __post_init__(self):
         """How the flags combine, checked before anything loads."""
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            raise UserError("--system-prompt and --system-prompt-file each give the system turn: "
+                            "choose one.")
         if not self.continuous:
             needs_continuous = [
                 ("--max-running", "limits continuous batching (a static batch runs all N "
@@ -229,7 +232,7 @@ def refuse_per_request_flags(asked: dict) -> None:
                         + ". Drop " + ("it." if len(flags) == 1 else "them."))
 
 
-def option_value(flags: dict, cache: str, name: str, value):
+def option_value(flags: dict[str, argparse.Action], cache: str, name: str, value):
     """A keyword's value as its flag takes it: a switch True or False; a value through the flag's
     own check (`type`, `choices`), so that LLM(...) and the command line accept the same; None
     for the flag's default."""
@@ -268,11 +271,10 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
                    help="0: greedy; above 0: sample from softmax(logits / temperature)")
     p.add_argument("--top-p", type=fraction, default=1.0,
                    help="with --temperature: sample within this top probability")
-    system = p.add_mutually_exclusive_group()
-    system.add_argument("--system-prompt", metavar="TEXT",
-                        help="a system turn that begins every request (default: none)")
-    system.add_argument("--system-prompt-file", type=Path, metavar="PATH",
-                        help="the system turn, from a file (system_prompt.txt: about 1,000 tokens)")
+    p.add_argument("--system-prompt", metavar="TEXT",
+                   help="a system turn that begins every request (default: none)")
+    p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
+                   help="the system turn, from a file (system_prompt.txt: about 1,000 tokens)")
     p.add_argument("--continuous", action="store_true",
                    help="a stream: requests queue, join as blocks free up, are preempted when out")
     p.add_argument("--max-running", type=positive_int,

@@ -494,6 +494,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class FlagParser(argparse.ArgumentParser):
+    """An argument parser that keeps every flag it defines by its field's name (`flags`), so that
+    a keyword (LLM(block_size=16)) is checked by its flag's own type and choices."""
+
+    def __init__(self, *args, **kwargs):
+        self.flags = {}  # before argparse's own --help is added
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.dest != "help":  # a keyword's: not N, not --help
+            self.flags[action.dest] = action  # a flag defined again (--attn) replaces the first
+        return action
+
+
 def first_paragraph(docstring: str) -> str:
     return " ".join(docstring.strip().split("\n\n")[0].split())
 
@@ -506,9 +521,9 @@ def argument_parser(script: str, description: str, add_arguments=None,
     the N of a script's run (a served engine takes its requests one at a time: none here)."""
     import torch  # for the default device, once the script has loaded it
     # conflict_handler="resolve": engine/config.py redefines --attn with the Triton kernel added.
-    p = argparse.ArgumentParser(prog=script, description=first_paragraph(description) or None,
-                                formatter_class=HelpFormatter, conflict_handler="resolve",
-                                exit_on_error=exit_on_error)
+    p = FlagParser(prog=script, description=first_paragraph(description) or None,
+                   formatter_class=HelpFormatter, conflict_handler="resolve",
+                   exit_on_error=exit_on_error)
     p.set_defaults(script=script, num_requests=0)
     if requests:
         p.add_argument("num_requests", metavar="N", type=positive_int,

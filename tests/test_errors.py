@@ -162,7 +162,7 @@ BAD_ARGUMENTS = [
     (["2", *TINY, "--temperature", "1", "--top-p", "0"], 2, "fraction above 0"),
     (["2", *TINY, "--top-p", "0.9"], 2, "add --temperature"),
     (["2", *TINY, "--compile"], 2, "run on CUDA only"),
-    (["2", *TINY, "--system-prompt", "x", "--system-prompt-file", "y"], 2, "not allowed with"),
+    (["2", *TINY, "--system-prompt", "x", "--system-prompt-file", "y"], 2, "choose one"),
     (["2", *TINY, "--system-prompt-file", "/nonexistent/system.txt"], 2,
      "Could not read --system-prompt-file"),
 ]

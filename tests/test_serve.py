@@ -764,6 +764,8 @@ def test_the_virtual_cache_without_cuda_is_refused_in_one_paragraph_before_loadi
     ({"block_size": 0}, "--block-size: expected a positive whole number"),  # not the default
     ({"no_sharing": "yes"}, "--no-sharing: expected True or False"),
     ({"attn": "fast"}, "--attn: choose from auto, flash, triton, torch"),
+    ({"num_requests": 3}, "num_requests= is no keyword"),  # the scripts' N: no flag
+    ({"help": True}, "help= is no keyword"),
 ])
 def test_a_bad_keyword_of_the_api_raises_with_the_flag_not_exits(options, says):
     from plumbing.cli import UserError
