@@ -43,43 +43,50 @@ def uniform(seed, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return (x >> 8).float() / 2**24  # 24 bits: exactly representable in float32
 
 
-class Sampler:
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
-        self.temperature, self.top_p, self.seed = temperature, top_p, seed
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    def __call__(self, logits, sequences, positions) -> torch.Tensor:
-        """logits: [B, vocab]; sequences, positions: [B], the sequence each row belongs to and the
-        position its next token will take. Returns [B] token ids."""
-        if self.is_greedy:
-            return logits.argmax(-1)
-        return torch.cat([self._sample(logits[i:i + ROWS_AT_ONCE], sequences[i:i + ROWS_AT_ONCE],
-                                       positions[i:i + ROWS_AT_ONCE])
-                          for i in range(0, len(logits), ROWS_AT_ONCE)])
-
-    def _sample(self, logits, sequences, positions) -> torch.Tensor:
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)  # [B, vocab]
-        order = None
-        if self.top_p < 1:  # the nucleus: the most likely tokens until their mass reaches top_p
-            probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = probs.cumsum(-1) - probs
-            probs = probs.masked_fill(mass_before >= self.top_p, 0.0)  # the first always stays
-        cumulative = probs.cumsum(-1)  # [B, vocab]
-        # Scaled by the row's total, so that rounding in the sums cannot leave a draw past the end.
-        target = uniform(self.seed, sequences, positions) * cumulative[:, -1]
-        picked = torch.searchsorted(cumulative, target[:, None], right=True)  # first total > target
-        picked = picked.clamp(max=logits.shape[-1] - 1)
-        return (order.gather(-1, picked) if order is not None else picked)[:, 0]
+def draw(logits, temperature, top_p, top_k, seed, sequences, positions) -> torch.Tensor:
+    """Each row's token, sampled: logits [B, vocab]; temperature, top_p: [B] float; top_k: [B]
+    long (0: every token); seed: an int or [B] long; sequences, positions: [B], the sequence a row
+    belongs to and the position its token takes. Returns [B] token ids. The likeliest tokens
+    first: top-k keeps k of them, top-p (over what top-k left, as vLLM) those whose mass before
+    them is below p, and the row's uniform number picks by their running total."""
+    probs = torch.softmax(logits.float() / temperature.clamp(min=GREEDY_BELOW)[:, None], dim=-1)
+    probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
+    k = top_k[:, None]
+    probs = probs.masked_fill((k > 0) & (torch.arange(probs.shape[-1], device=k.device) >= k), 0)
+    # Running totals, not a row sum: on CUDA a sum's order of additions depends on how many rows
+    # there are, and a row's draw must not depend on the rows beside it (a scan's does not).
+    cumulative = probs.cumsum(-1)  # [B, vocab]
+    mass_before = cumulative - probs  # top-p of what top-k kept: its total is the last entry
+    probs = probs.masked_fill(mass_before >= top_p[:, None] * cumulative[:, -1:], 0.0)  # not the
+    cumulative = probs.cumsum(-1)  # first, which nothing comes before
+    # Scaled by the row's total, so that rounding in the sums cannot leave a draw past the end
+    target = uniform(seed, sequences, positions) * cumulative[:, -1]
+    picked = torch.searchsorted(cumulative, target[:, None], right=True)  # first total > target
+    return order.gather(-1, picked.clamp(max=probs.shape[-1] - 1))[:, 0]
 
 
 def make_sampler(args):
-    """The scripts' sampler, one for every row: --temperature, --top-p and --seed."""
-    if args.temperature < GREEDY_BELOW:
+    """The scripts' sampler: --temperature, --top-p and --seed."""
+    return sampler(args.temperature, args.top_p, args.seed)
+
+
+def sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+    """One sampler for every row, (logits [B, vocab], sequences [B], positions [B]) -> [B] token
+    ids: greedy, or drawn ROWS_AT_ONCE rows at a time (a static batch may hold thousands)."""
+    if temperature < GREEDY_BELOW:
         return greedy
-    return Sampler(args.temperature, args.top_p, args.seed)
+
+    def sample(logits, sequences, positions) -> torch.Tensor:
+        drawn = []
+        for start in range(0, len(logits), ROWS_AT_ONCE):
+            rows = slice(start, start + ROWS_AT_ONCE)
+            part = logits[rows]  # [at most ROWS_AT_ONCE, vocab]
+            each = lambda value, dtype=torch.float32: torch.full(  # a fill: graph-safe
+                (len(part),), value, dtype=dtype, device=part.device)
+            drawn.append(draw(part, each(temperature), each(top_p), each(0, torch.long), seed,
+                              sequences[rows], positions[rows]))
+        return torch.cat(drawn)
+    return sample
 
 
 def is_whole_number(value) -> bool:
@@ -350,15 +357,8 @@ class RowSampler:
         return tokens
 
     def _draw(self, logits, rows, positions) -> torch.Tensor:
+        """Sampling rows drawn, greedy rows (temperature 0) their argmax."""
         temperature = self.temperature[rows]
-        probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
-        probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
-        k = self.top_k[rows][:, None]
-        probs = probs.masked_fill((k > 0) & (torch.arange(probs.shape[-1], device=k.device) >= k), 0)
-        probs = probs / probs.sum(-1, keepdim=True)
-        mass_before = probs.cumsum(-1) - probs  # top-p over what top-k left, as vLLM does
-        probs = probs.masked_fill(mass_before >= self.top_p[rows][:, None], 0.0)
-        cumulative = probs.cumsum(-1)
-        target = uniform(self.seed[rows], self.sample[rows], positions) * cumulative[:, -1]
-        picked = torch.searchsorted(cumulative, target[:, None], right=True).clamp(max=probs.shape[-1] - 1)
-        return torch.where(temperature > 0, order.gather(-1, picked)[:, 0], logits.argmax(-1))
+        drawn = draw(logits, temperature, self.top_p[rows], self.top_k[rows], self.seed[rows],
+                     self.sample[rows], positions)
+        return torch.where(temperature > 0, drawn, logits.argmax(-1))

@@ -23,7 +23,7 @@ from plumbing.inputs import random_model
 from llama3_paged import Llama
 from llama3_paged import DecodeBatch, PrefillBatch
 from virtual_pages import PageManager
-from engine.sampler import Sampler
+from engine.sampler import draw, sampler
 
 if importable("triton"):
     from features.triton_attention import TritonAttention
@@ -630,13 +630,32 @@ def test_sampling_draws_the_same_tokens_with_and_without_sharing_on_the_gpu():
     prompts = prompts_after_a_system_prompt(4, g, system_tokens=100)
     budgets = [20] * 4
     kw = dict(num_blocks=1024, block_size=16, attention=TorchAttentionAfterPrefix, samples=3,
-              sampler=Sampler(temperature=1.0, top_p=0.95, seed=3))
+              sampler=sampler(temperature=1.0, top_p=0.95, seed=3))
     unshared = generate_on_gpu(model, prompts, budgets, **kw)
     shared = generate_on_gpu(model, prompts, budgets, share=True, continuous=True, max_running=6,
                              **kw)
     assert shared.num_copied_blocks > 0 and sum(shared.first_cached_tokens) > 0
     assert len({tuple(t) for t in shared.output_tokens}) == 12, "every sample its own tokens"
     assert shared.output_tokens == unshared.output_tokens
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_a_row_draws_the_same_token_alone_and_beside_any_rows_on_the_gpu(top_k):
+    # On CUDA a reduction's order of additions can depend on how many rows it reduces; a draw
+    # must not: a served request gives the same tokens whoever runs beside it.
+    g = torch.Generator(device="cuda").manual_seed(top_k)
+    rows, vocab = 256, 128_256
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 4  # [rows, vocab]
+    every = lambda value, dtype=torch.float32: torch.full((rows,), value, dtype=dtype,
+                                                          device="cuda")
+    params = [every(0.8), every(0.9), every(top_k, torch.long), every(5, torch.long),
+              torch.arange(rows, device="cuda"), every(17, torch.long)]
+    together = draw(logits, *params)
+    alone = [draw(logits[i:i + 1], *(p[i:i + 1] for p in params)).item() for i in range(rows)]
+    halves = [draw(logits[part], *(p[part] for p in params))
+              for part in (slice(0, rows // 2), slice(rows // 2, rows))]
+    assert len(set(together.tolist())) > rows // 2, "the rows' draws should differ"
+    assert together.tolist() == alone == torch.cat(halves).tolist()
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]

@@ -9,7 +9,7 @@ from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
 from conftest import engine_model, generate, random_ids
 from features.sharing.block_manager import SharingBlockManager
-from engine.sampler import Sampler
+from engine.sampler import sampler
 
 MAX_SEQ_LEN = 160
 
@@ -139,23 +139,23 @@ def test_sampling_with_the_same_seed_is_the_same_with_and_without_sharing(model6
     system = random_prompts([13], seed=7)[0]
     prompts = random_prompts([3, 9, 20, 11], seed=8, prefix=system)
     budgets = [15, 9, 12, 14]
-    sampler = Sampler(temperature=1.0, top_p=0.9, seed=1234)
+    drawing = sampler(temperature=1.0, top_p=0.9, seed=1234)
     shared = run(model64, prompts, budgets, samples=3, share=True, prefix_caching=True,
-                 sampler=sampler, continuous=True, max_running=5)
-    unshared = run(model64, prompts, budgets, samples=3, sampler=sampler)
+                 sampler=drawing, continuous=True, max_running=5)
+    unshared = run(model64, prompts, budgets, samples=3, sampler=drawing)
     assert shared.num_copied_blocks > 0 and sum(shared.first_cached_tokens) > 0
     assert shared.output_tokens == unshared.output_tokens
     # Not the same tokens for every sample: each draws its own, and another seed draws others.
     assert len({tuple(t) for t in shared.output_tokens[:3]}) == 3
-    reseeded = run(model64, prompts, budgets, samples=3, sampler=Sampler(1.0, 0.9, seed=1235))
+    reseeded = run(model64, prompts, budgets, samples=3, sampler=sampler(1.0, 0.9, seed=1235))
     assert reseeded.output_tokens != shared.output_tokens
 
 
 def test_preemption_with_forked_samples_changes_no_sampled_token(model64):
     prompts, budgets = random_prompts([12, 19], seed=9), [25, 25]
-    sampler = Sampler(temperature=0.8, top_p=0.95, seed=5)
-    ample = run(model64, prompts, budgets, samples=3, share=True, sampler=sampler)
+    drawing = sampler(temperature=0.8, top_p=0.95, seed=5)
+    ample = run(model64, prompts, budgets, samples=3, share=True, sampler=drawing)
     tight = run(model64, prompts, budgets, samples=3, share=True, prefix_caching=True,
-                sampler=sampler, num_blocks=14, continuous=True)
+                sampler=drawing, num_blocks=14, continuous=True)
     assert tight.num_preemptions > 0
     assert tight.output_tokens == ample.output_tokens
