@@ -263,17 +263,28 @@ def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, 
     return plug("log-probabilities", "Logprobs")(len(table), eager, logprob_graphs, every_row)
 
 
+def assemble(run, cache, manager, requests: list[ServedRequest], sampler, largest_batch: int,
+             progress: bool = False, served: bool = False, stop_ids=frozenset(),
+             graph_sampler=None, eager_when=lambda rows: False) -> EngineCore:
+    """The engine over the run's pool, as every engine run builds it (a script's, `generate`;
+    a served one, LLMEngine): the scheduler of `requests`, checked against the pool before any
+    graph is captured, the model runner, and the loop that drives the two. served: requests
+    come one at a time, with sampling parameters of their own (see make_runner)."""
+    scheduler = make_scheduler(run, cache, manager, requests, served)
+    arrivals = served or not math.isinf(run.args.request_rate)  # most prefill passes are short
+    runner = make_runner(run, model_forward(run, progress), cache, manager, sampler, largest_batch,
+                         progress, arrivals, graph_sampler, eager_when, served)
+    return EngineCore(runner, scheduler, stop_ids)
+
+
 def generate(run, cache, manager, progress: bool = True):
     """Every request of the run through `cache`, with the parts the flags choose: what the
     scripts call."""
     args, requests = run.args, make_requests(run)
-    sampler = make_sampler(args)
-    scheduler = make_scheduler(run, cache, manager, requests)
     largest_batch = min(len(requests), args.max_running or len(requests))
     stop_ids = set() if args.random_weights else run.tokenizer.stop_ids
-    runner = make_runner(run, model_forward(run, progress), cache, manager, sampler, largest_batch,
-                         progress, arrivals=not math.isinf(args.request_rate))
-    return EngineCore(runner, scheduler, stop_ids).generate(progress)
+    return assemble(run, cache, manager, requests, make_sampler(args), largest_batch, progress,
+                    stop_ids=stop_ids).generate(progress)
 
 
 def make_beam_runner(run, cache, manager) -> ModelRunner:

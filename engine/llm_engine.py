@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from engine.build import allocate_kv_cache, make_runner, make_scheduler, model_forward, warm_up
+from engine.build import allocate_kv_cache, assemble, warm_up
 from engine.config import Config
-from engine.engine_core import EngineCore
 from engine.loader import load
 from engine.model_runner import greedy
 from engine.request import ServedRequest, Status
@@ -68,9 +67,6 @@ class LLMEngine:
             raise UserError(ONE_PROCESS)
         if run is None:
             args = Config.from_options(cache, {"max_running": max_num_seqs, **options}, argv)
-            if cache == "virtual":  # as its script does: from the flags, before loading
-                import llama3_virtual
-                llama3_virtual.require_cuda_and_flash_attn(args)
             run = load(args)
         elif run.args.max_running is None:  # the scripts' "all at once": here, every row
             run = dataclasses.replace(run, args=dataclasses.replace(run.args,
@@ -82,14 +78,11 @@ class LLMEngine:
         # Greedy decode steps may be CUDA graphs; a step with a sampling row runs eagerly, with
         # the per-row sampler (a graph would have recorded one path for every row forever).
         # Chosen as each step is launched, which with overlapped steps is a step ahead of the
-        # one `step` returns.
-        self.runner = make_runner(self.run, model_forward(self.run, progress), self.cache,
-                                  self.manager, self.sampler, max_num_seqs, progress,
-                                  arrivals=True,  # a client's, or the server's
-                                  graph_sampler=greedy, eager_when=self.sampler.runs_eagerly,
-                                  served=True)
-        self.scheduler = make_scheduler(self.run, self.cache, self.manager, [], served=True)
-        self.core = EngineCore(self.runner, self.scheduler)  # stops: judged here, in _collect
+        # one `step` returns. Stops: judged here, in _collect.
+        self.core = assemble(self.run, self.cache, self.manager, [], self.sampler, max_num_seqs,
+                             progress, served=True, graph_sampler=greedy,
+                             eager_when=self.sampler.runs_eagerly)
+        self.runner, self.scheduler = self.core.runner, self.core.scheduler
         self.runner.serve(max_num_seqs)
         self.free_rows = deque(range(max_num_seqs))
         self.sequences: dict[int, Sequence] = {}  # by row

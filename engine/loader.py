@@ -18,6 +18,9 @@ from plumbing.inputs import Run
 def load(config: Config) -> Run:
     """The run `config` asks for: under torchrun this process's slice of the model (features/
     tensor_parallel.py), the attention, compiled layers' default, then the model."""
+    if config.cache == "virtual":  # from the flags, before minutes of loading the model
+        import llama3_virtual  # only here: the other runs never touch CUDA's virtual memory
+        llama3_virtual.require_cuda_and_flash_attn(config)
     share = None
     if torchrun_process() is not None:  # torchrun's processes split the model
         config = plug("tensor parallelism", "start")(config)

@@ -35,9 +35,6 @@ def main(script: str, argv=None) -> None:
     kind = cache_of(script)  # paged, naive or virtual
     with one_paragraph_errors(script):
         config = Config.from_args(parser_with_features(kind).parse_args(argv))
-        if kind == "virtual":  # from the flags, before minutes of loading the model
-            import llama3_virtual  # only here: the other runs never touch CUDA's virtual memory
-            llama3_virtual.require_cuda_and_flash_attn(config)
         run = load(config)
         if run.args.beam_width > 1:
             return run_beam_search(run, *allocate_kv_cache(run))

@@ -137,7 +137,7 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
                           max_batched_tokens or chunk_tokens,
                           mixed=bool(continuous and max_batched_tokens), host=host,
                           shares_blocks=isinstance(manager, SharingBlockManager))
-    if hasattr(manager, "watch_queue"):  # as engine/llm_engine.py's make_scheduler does
+    if hasattr(manager, "watch_queue"):  # as engine/build.py's make_scheduler does
         manager.watch_queue(scheduler.waiting)
     sampler = sampler or greedy
     forward, recorded = ModelForward(model, compiled), None

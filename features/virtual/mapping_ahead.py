@@ -153,7 +153,7 @@ class MappingAheadManager(BlockManager):
         return self.mapper.wait(self.mapper.asked)
 
     def watch_queue(self, waiting: deque) -> None:
-        """The scheduler's queue of requests (engine/llm_engine.py's make_scheduler hands it over): the prompts at its
+        """The scheduler's queue of requests (engine/build.py's make_scheduler hands it over): the prompts at its
         head get their pages mapped before they are admitted."""
         self.waiting = waiting
 
