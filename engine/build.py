@@ -17,7 +17,7 @@ import llama3_paged as lesson
 from engine.engine_core import EngineCore
 from engine.kv_cache import EngineKVCache
 from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.sampler import GREEDY_BELOW, ROWS_AT_ONCE, make_sampler
 from engine.scheduler import RequestTooLarge, Scheduler
 from engine.seams import plug
@@ -123,13 +123,13 @@ def allocate_kv_cache(run: Run, served: bool = False):
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 
-def make_requests(run: Run) -> list[ServedRequest]:
+def make_requests(run: Run) -> list[EngineRequest]:
     """One request per sequence: with --samples K, prompt i yields requests i*K .. i*K + K-1,
     each with the prompt's budget of new tokens (plumbing/inputs.new_token_budgets)."""
     args, requests = run.args, []
     arrivals = arrival_times(args, len(run.prompts))
     for prompt, arrival, budget in zip(run.prompts, arrivals, inputs.new_token_budgets(run)):
-        requests += [ServedRequest(len(requests) + k, prompt.prompt_tokens, budget,
+        requests += [EngineRequest(len(requests) + k, prompt.prompt_tokens, budget,
                                     arrival_time=float(arrival)) for k in range(args.samples)]
     return requests
 
@@ -142,7 +142,7 @@ def arrival_times(args, n: int) -> list[float]:
     return plug("arrivals")(n, args.request_rate, args.seed).tolist()
 
 
-def make_scheduler(run, cache, manager, requests: list[ServedRequest],
+def make_scheduler(run, cache, manager, requests: list[EngineRequest],
                    served: bool = False) -> Scheduler:
     """Static batching, or with --continuous a stream with preemption (recomputing, or swapping
     with --preemption swap), in mixed steps with --max-batched-tokens. served: LLMEngine's, whose
@@ -263,7 +263,7 @@ def make_logprobs(run, forward, cache, manager, graph_sampler, sampler, graphs, 
     return plug("log-probabilities", "Logprobs")(len(table), eager, logprob_graphs, every_row)
 
 
-def assemble(run, cache, manager, requests: list[ServedRequest], sampler, largest_batch: int,
+def assemble(run, cache, manager, requests: list[EngineRequest], sampler, largest_batch: int,
              progress: bool = False, served: bool = False, stop_ids=frozenset(),
              graph_sampler=None, eager_when=lambda rows: False) -> EngineCore:
     """The engine over the run's pool, as every engine run builds it (a script's, `generate`;

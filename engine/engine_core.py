@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from engine.model_runner import ModelRunner, ServedGeneration, StepInFlight
+from engine.model_runner import ModelRunner, EngineGeneration, StepInFlight
 from engine.request import Status, append_tokens_at
 from engine.scheduler import Scheduler, Step
 from plumbing import cli
@@ -46,7 +46,7 @@ class EngineCore:
     @torch.inference_mode()  # as the lesson's generate, and the mode CUDA graphs are captured
     # in: without it autograd tracks every op and compiled layers compile for that mode too
     # (W2's prefill took seconds longer on the host: docs/layout.md)
-    def generate(self, progress: bool = True) -> ServedGeneration:
+    def generate(self, progress: bool = True) -> EngineGeneration:
         """Every request queued, stepped to its end: a script's run."""
         runner, scheduler = self.runner, self.scheduler
         requests = list(scheduler.waiting)

@@ -20,7 +20,7 @@ from engine.build import allocate_kv_cache, assemble, warm_up
 from engine.config import Config
 from engine.loader import load
 from engine.model_runner import greedy
-from engine.request import ServedRequest, Status
+from engine.request import EngineRequest, Status
 from engine.sampler import RowSampler, SamplingParams
 from engine.scheduler import RequestTooLarge
 from engine.seams import plug
@@ -31,7 +31,7 @@ from plumbing.cli import ONE_PROCESS, UserError, torchrun_process
 class Sequence:
     """One of a request's n samples: a row of the engine, and what the client has been sent."""
 
-    request: ServedRequest
+    request: EngineRequest
     request_id: str
     index: int
     params: SamplingParams
@@ -173,7 +173,7 @@ class LLMEngine:
         arrived = self.scheduler.now() if arrival_time is None else arrival_time
         rows = [self.free_rows.popleft() for _ in range(params.n)]
         # A request that scores its prompt computes all of it (vLLM skips its prefix cache too)
-        requests = [ServedRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived,
+        requests = [EngineRequest(row, list(prompt_token_ids), max_tokens, arrival_time=arrived,
                                   reads_cached_prefix=params.prompt_logprobs is None)
                     for row in rows]
         try:
@@ -236,7 +236,7 @@ class LLMEngine:
                 return self._collect(step.requests)
         return []
 
-    def _collect(self, requests: list[ServedRequest]) -> list[Sequence]:
+    def _collect(self, requests: list[EngineRequest]) -> list[Sequence]:
         """The step's requests that took a token or finished: stop tokens and strings, text."""
         changed = []
         for request in requests:

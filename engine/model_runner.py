@@ -13,7 +13,7 @@ import torch
 from block_manager import to_device
 from engine.kv_cache import CachedPrefillBatch
 from engine.scheduler import Step
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.seams import plug
 from llama3_paged import DecodeBatch, PrefillBatch, packed_passes
 from plumbing.inputs import TOKENS_PER_PASS
@@ -136,7 +136,7 @@ class StepInFlight:
 
 
 @dataclass
-class ServedSnapshot:
+class EngineSnapshot:
     """The cache at one decode step, in slots (times kv_bytes_per_token: bytes)."""
     step: int
     running_requests: int
@@ -151,13 +151,13 @@ class ServedSnapshot:
 
 
 @dataclass
-class ServedGeneration:
+class EngineGeneration:
     """What a run of the engine gives back: its requests, each with its output tokens, and how
     the time and the cache went."""
     requests: list  # in order, each with its output_tokens
     prefill_seconds: float
     decode_seconds: float
-    timeline: list[ServedSnapshot]  # one per decode or mixed step
+    timeline: list[EngineSnapshot]  # one per decode or mixed step
     num_prefilled_tokens: int = 0  # tokens computed by prefill passes: cached ones are not
     most_running: int = 0  # the most requests running at once
     scheduler: object = None  # who ran when: preemptions, swaps (the scheduler)
@@ -166,10 +166,10 @@ class ServedGeneration:
     prefill_gpu_seconds: float = 0.0  # the prefill steps' time on the GPU
 
     @property
-    def fullest(self) -> ServedSnapshot:
+    def fullest(self) -> EngineSnapshot:
         """The step at which the cache held the most tokens."""
         return max(self.timeline, key=lambda s: s.filled_slots,
-                   default=ServedSnapshot(0, 0, 0, 0))
+                   default=EngineSnapshot(0, 0, 0, 0))
 
     @property
     def output_tokens(self) -> list[list[int]]:
@@ -180,7 +180,7 @@ class ServedGeneration:
         return sum(map(len, self.output_tokens))
 
 
-def tokens_between(request: ServedRequest, start: int, end: int) -> list[int]:
+def tokens_between(request: EngineRequest, start: int, end: int) -> list[int]:
     """request.tokens[start:end], without copying the rest (a step computes a few of many)."""
     past_prompt = lambda i: max(i - len(request.prompt_tokens), 0)
     return (request.prompt_tokens[start:end]
@@ -206,7 +206,7 @@ class ModelRunner:
         self.model, self.cache, self.manager = model, cache, manager
         self.device = manager.block_table.device
         self.tokens_per_pass = tokens_per_pass or TOKENS_PER_PASS
-        self.timeline: list[ServedSnapshot] = []  # one per decode or mixed step
+        self.timeline: list[EngineSnapshot] = []  # one per decode or mixed step
         self.sampler, self.overlap = sampler, overlap
         # looked up once here, not at every decode step
         self.sort_rows = plug("longest first") if longest_first else None
@@ -275,7 +275,7 @@ class ModelRunner:
         self.timer = StepTimer(self.device)
         del self.timeline[:-1]
 
-    def start_run(self, requests: list[ServedRequest]) -> None:
+    def start_run(self, requests: list[EngineRequest]) -> None:
         """A script's run (engine/engine_core.py's generate): each request's last token, by row,
         on the device (its next decode step's input), and a fresh timer and timeline."""
         self.last_tokens = torch.zeros(len(self.manager.num_tokens), dtype=torch.long,
@@ -286,13 +286,13 @@ class ModelRunner:
         self.timer, self.timeline = StepTimer(self.device), []
 
     def generation(self, requests, prefill_seconds: float, decode_seconds: float,
-                   num_prefilled_tokens: int, scheduler) -> ServedGeneration:
+                   num_prefilled_tokens: int, scheduler) -> EngineGeneration:
         """What the run gave, with each step's GPU time read from its events (one sync)."""
         gpu_seconds = self.timer.seconds()
         decoding = [s for s, decodes in zip(gpu_seconds, self.timer.decodes) if decodes]
         for snapshot, step_seconds in zip(self.timeline, decoding):
             snapshot.seconds = step_seconds
-        return ServedGeneration(
+        return EngineGeneration(
             requests, prefill_seconds, decode_seconds, self.timeline,
             num_prefilled_tokens=num_prefilled_tokens, most_running=scheduler.most_running,
             scheduler=scheduler, gpu_idle_seconds=self.timer.idle_seconds(),
@@ -335,7 +335,7 @@ class ModelRunner:
         return in_flight.tokens.numpy()
 
     def note_the_cache(self, scheduler) -> None:
-        self.timeline.append(ServedSnapshot(
+        self.timeline.append(EngineSnapshot(
             len(self.timeline), len(scheduler.running), self.manager.num_reserved_slots,
             self.manager.num_unfilled_slots, waiting_requests=len(scheduler.waiting)))
 

@@ -19,7 +19,7 @@ class Status(Enum):
 
 
 @dataclass(eq=False)
-class ServedRequest:
+class EngineRequest:
     row: int  # its row of the block table while it runs
     prompt_tokens: list[int]
     max_new_tokens: int  # it stops after this many, or at a stop token
@@ -45,7 +45,7 @@ class ServedRequest:
         return len(self.prompt_tokens) + len(self.output_tokens)
 
 
-def append_tokens_at(requests: list[ServedRequest], new_tokens, stop_ids, now: float) -> list:
+def append_tokens_at(requests: list[EngineRequest], new_tokens, stop_ids, now: float) -> list:
     """Append each request's new token, noting when it reached the host (`now`); return those
     done: a stop token of `stop_ids` (a script's run: not kept, as the lesson's loop does; a
     served engine passes none and judges stops itself) or their last allowed token."""

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from engine.request import ServedRequest, Status
+from engine.request import EngineRequest, Status
 from engine.swap import HostBlocks
 from plumbing.inputs import TOKENS_PER_PASS
 
@@ -33,7 +33,7 @@ class Step:
     block table as a one-token chunk after a cached prefix) and which computes each request's
     tokens up to ends[i] only. A request whose chunk stops short of its prompt takes no token."""
     kind: str
-    requests: list[ServedRequest]  # in admission order
+    requests: list[EngineRequest]  # in admission order
     rows: np.ndarray  # [B] their rows
     positions: np.ndarray | None = None  # decode: [B] the position each new token takes
     num_cached: np.ndarray | None = None  # prefill, mixed: [B] tokens in the cache already
@@ -58,7 +58,7 @@ class RequestTooLarge(Exception):
 
 
 class Scheduler:
-    def __init__(self, manager, requests: list[ServedRequest], continuous: bool = False,
+    def __init__(self, manager, requests: list[EngineRequest], continuous: bool = False,
                  max_running: int | None = None, token_budget: int = TOKENS_PER_PASS,
                  mixed: bool = False, host: HostBlocks | None = None, shares_blocks: bool = False,
                  clock=time.perf_counter, sleep=time.sleep):
@@ -66,7 +66,7 @@ class Scheduler:
         if mixed and shares_blocks:
             raise ValueError("mixed steps do not share blocks yet (see the module's docstring)")
         self.manager, self.waiting = manager, deque(requests)
-        self.running: list[ServedRequest] = []  # admission order: the newest is last
+        self.running: list[EngineRequest] = []  # admission order: the newest is last
         self.rows = np.zeros(0, dtype=np.int64)  # [len(running)] their rows, for the manager
         self.continuous, self.mixed, self.host = continuous, mixed, host
         self.max_running, self.budget = max_running or len(requests), token_budget
@@ -78,8 +78,8 @@ class Scheduler:
         self.clock, self.sleep, self.start = clock, sleep, clock()
         self.most_running = self.num_preemptions = self.num_recomputed_tokens = 0
         self.num_swapped, self.said_wait = 0, False
-        self.prefilling: dict[ServedRequest, int] = {}  # mixed: prompt computed in part -> tokens
-        self.swapped: dict[ServedRequest, list[int]] = {}  # -> its blocks in host memory
+        self.prefilling: dict[EngineRequest, int] = {}  # mixed: prompt computed in part -> tokens
+        self.swapped: dict[EngineRequest, list[int]] = {}  # -> its blocks in host memory
         for request in requests if continuous else []:
             self.refuse_if_larger_than_the_pool(request)
 
@@ -93,7 +93,7 @@ class Scheduler:
         swap to, CUDA graphs, compiling) is not counted as the requests' wait."""
         self.start, self.most_running = self.clock(), len(self.running)
 
-    def add_request(self, request: ServedRequest) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Queue a request that arrives while others run (engine/llm_engine.py's LLMEngine),
         once refuse_if_larger_than_the_pool has let it."""
         self.waiting.append(request)
@@ -122,7 +122,7 @@ class Scheduler:
             self.host.flush()  # the K/V copies of its preemptions and returns, before it runs
         return step
 
-    def finish(self, requests: list[ServedRequest]) -> None:
+    def finish(self, requests: list[EngineRequest]) -> None:
         """Requests that are done give every block back at once."""
         for request in requests:
             request.status = Status.FINISHED
@@ -131,7 +131,7 @@ class Scheduler:
             self.running = self.running[:i] + self.running[i + 1:]
             self.rows = np.delete(self.rows, i)
 
-    def drop(self, request: ServedRequest) -> None:
+    def drop(self, request: EngineRequest) -> None:
         """End a request that waits (an abort; a stop token drawn as it was preempted): it leaves
         the queue, and the host blocks it was swapped to are free again."""
         self.waiting.remove(request)
@@ -172,7 +172,7 @@ class Scheduler:
                          num_cached=np.concatenate([positions, starts]),
                          ends=np.concatenate([positions + 1, ends]), num_decoding=len(rows))
 
-    def _admit(self, requests: list[ServedRequest]) -> Step:
+    def _admit(self, requests: list[EngineRequest]) -> Step:
         """Each request's blocks, and a prefill of those with slots to fill (a fork, or a request
         back from the host pool, has none: it joins the decode batch directly)."""
         prefill, num_cached = [], []
@@ -190,7 +190,7 @@ class Scheduler:
         rows = np.array([r.row for r in prefill], dtype=np.int64)
         return Step("prefill", prefill, rows, num_cached=np.array(num_cached, dtype=np.int64))
 
-    def _allocate(self, request: ServedRequest) -> int:
+    def _allocate(self, request: EngineRequest) -> int:
         """The request's blocks; how many of its tokens they hold already. One back from the host
         pool takes blocks for all its tokens but the last (whose K/V its next decode step
         computes, as before it left) and gets its K/V back: nothing to prefill."""
@@ -201,7 +201,7 @@ class Scheduler:
         self.host.copy_in(host, self.manager.owned_blocks[request.row])
         return request.num_tokens - 1
 
-    def _head_that_fits(self) -> list[ServedRequest]:
+    def _head_that_fits(self) -> list[EngineRequest]:
         """The longest head of the queue that can join now. A prefill step reads every weight, as
         a decode step does: one for a few short prompts costs nearly a decode step and adds
         little. So while others run, admission waits until it can take a quarter of the budget,
@@ -228,7 +228,7 @@ class Scheduler:
             return []
         return joining
 
-    def _prompt_chunks(self, budget: int) -> list[tuple[ServedRequest, int, int]]:
+    def _prompt_chunks(self, budget: int) -> list[tuple[EngineRequest, int, int]]:
         """Up to `budget` prompt tokens: chunks of requests prefilling, then of those joining."""
         chunks = []
         for request, computed in self.prefilling.items():  # in admission order
@@ -301,7 +301,7 @@ class Scheduler:
         self.running, self.rows = self.running[:-1], self.rows[:-1]
         self.waiting.appendleft(victim)
 
-    def _swap_out(self, victim: ServedRequest) -> bool:
+    def _swap_out(self, victim: EngineRequest) -> bool:
         """Queue a copy of a decoding victim's K/V to the host pool, if swapping and it fits."""
         decoding = self.manager.num_tokens[victim.row] == victim.num_tokens - 1
         if self.host is None or not decoding:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from block_manager import to_device
 from engine.scheduler import Step
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from plumbing.cli import format_bytes, torchrun_process, write_json
 
 
@@ -117,7 +117,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
                 for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
     # Prefill each prompt once, in its first beam's row; without sharing the others get blocks of
     # their own now, which the first step fills with copies.
-    firsts = [ServedRequest(int(s.rows[0]), s.prompt_tokens, s.max_new_tokens) for s in searches]
+    firsts = [EngineRequest(int(s.rows[0]), s.prompt_tokens, s.max_new_tokens) for s in searches]
     cached = [manager.allocate(r) for r in firsts]
     # A prompt another prompt holds already is forked: it shares every token's blocks but the
     # last. That one it computes itself, so it first takes a slot of its own (copy on write).
@@ -127,7 +127,7 @@ def beam_search(engine, prompts: list[list[int]], width: int, max_new_tokens: li
     if not shares:
         for s in searches:
             for row in s.rows[1:]:
-                manager.allocate(ServedRequest(int(row), s.prompt_tokens, s.max_new_tokens))
+                manager.allocate(EngineRequest(int(row), s.prompt_tokens, s.max_new_tokens))
     step = Step("prefill", firsts, np.array([r.row for r in firsts]), num_cached=np.array(cached))
     candidates = engine.prefill(step).cpu().numpy()  # [N, 2, 2K]
     last_tokens = np.zeros(len(searches) * width, dtype=np.int64)  # each row's next input token
@@ -162,7 +162,7 @@ def advance(manager, cache, search: Prompt, candidates, stop_ids, length_penalty
     if search.done:
         for row in search.rows.tolist():
             if row in manager.owned_blocks:
-                manager.free(ServedRequest(row, search.prompt_tokens, 0))
+                manager.free(EngineRequest(row, search.prompt_tokens, 0))
         return
     if len(candidates) == 1:  # after the prefill: every beam descends from the first row
         parents = np.zeros(len(search.rows), dtype=np.int64)

@@ -126,11 +126,11 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
     layers compiled (engine/model_runner.py's ModelForward; the cache made `compiled` too)."""
     from engine.engine_core import EngineCore
     from engine.model_runner import ModelForward, ModelRunner, SamplingDecoder, greedy
-    from engine.request import ServedRequest
+    from engine.request import EngineRequest
     from engine.scheduler import Scheduler
     from engine.swap import HostBlocks
     from features.sharing.block_manager import SharingBlockManager
-    requests = [ServedRequest(r, p, min(b, max_seq_len - len(p)))
+    requests = [EngineRequest(r, p, min(b, max_seq_len - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     host = HostBlocks(cache, swap_blocks) if continuous and swap_blocks else None
     scheduler = Scheduler(manager, requests, continuous, max_running,
@@ -152,8 +152,8 @@ def generate(model, cache, manager, prompts, budgets, max_seq_len: int, stop_ids
 
 def request(row: int, n: int, first: int = 0):
     """A request of n distinct prompt tokens, for the block manager's tests."""
-    from engine.request import ServedRequest
-    return ServedRequest(row, tokens(n, first), max_new_tokens=1)
+    from engine.request import EngineRequest
+    return EngineRequest(row, tokens(n, first), max_new_tokens=1)
 
 
 def forward_modes(model, monkeypatch) -> list[bool]:

@@ -10,7 +10,7 @@ import torch
 from block_manager import BlockManager
 from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.model_runner import greedy
 from features.arrivals import latency_report, poisson_arrival_times
 from engine.scheduler import Scheduler
@@ -30,9 +30,9 @@ def test_poisson_arrivals_have_the_rate_asked_for():
 
 
 def test_latency_arithmetic_by_hand():
-    a = ServedRequest(0, tokens(3), 3, arrival_time=1.0, token_times=[1.5, 1.7, 2.0])
-    b = ServedRequest(1, tokens(3), 1, arrival_time=0.0, token_times=[0.4])
-    never = ServedRequest(2, tokens(3), 1, arrival_time=3.0)  # no token: not counted
+    a = EngineRequest(0, tokens(3), 3, arrival_time=1.0, token_times=[1.5, 1.7, 2.0])
+    b = EngineRequest(1, tokens(3), 1, arrival_time=0.0, token_times=[0.4])
+    never = EngineRequest(2, tokens(3), 1, arrival_time=3.0)  # no token: not counted
     for r in (a, b):
         r.output_tokens = [7] * len(r.token_times)
     latency = latency_report([a, b, never])
@@ -62,7 +62,7 @@ class FakeClock:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_no_request_is_admitted_before_it_arrives(mixed):
     arrivals = [0.0, 0.0, 2.5, 2.5, 10.0, 30.0]
-    queue = [ServedRequest(r, tokens(5, 10 * r), 3, arrival_time=t) for r, t in enumerate(arrivals)]
+    queue = [EngineRequest(r, tokens(5, 10 * r), 3, arrival_time=t) for r, t in enumerate(arrivals)]
     manager = BlockManager(64, 4, len(queue), 8)
     clock = FakeClock()
     scheduler = Scheduler(manager, queue, continuous=True, token_budget=64, mixed=mixed,
@@ -96,7 +96,7 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
     arrivals = poisson_arrival_times(len(prompts), rate=50.0, seed=0)  # about 0.1 s in all
     cache = EngineKVCache(model.args, 64, 16, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(64, 16, len(prompts), math.ceil(MAX_SEQ_LEN / 16))
-    requests = [ServedRequest(r, p, b, arrival_time=float(t))
+    requests = [EngineRequest(r, p, b, arrival_time=float(t))
                 for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=24 if mixed else 8192,
                           mixed=mixed)
@@ -109,7 +109,7 @@ def test_arrivals_over_time_give_the_static_batchs_tokens(model, mixed):
 
 
 def test_a_long_wait_for_the_next_arrival_is_said_once(capsys):
-    queue = [ServedRequest(r, tokens(5, 10 * r), 2, arrival_time=t) for r, t in enumerate([100.0, 300.0])]
+    queue = [EngineRequest(r, tokens(5, 10 * r), 2, arrival_time=t) for r, t in enumerate([100.0, 300.0])]
     clock = FakeClock()
     scheduler = Scheduler(BlockManager(64, 4, 2, 8), queue, continuous=True, token_budget=64,
                           clock=clock, sleep=clock.sleep)

@@ -114,11 +114,11 @@ def test_a_profiles_floor_counts_the_profiled_runs_token_by_token():
 
 
 def test_the_gpu_waits_for_what_the_steps_wall_time_has_beyond_their_gpu_time():
-    from engine.model_runner import ServedGeneration, ServedSnapshot
-    steps = [ServedSnapshot(i, 4, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
-    generation = ServedGeneration([], 0.0, decode_seconds=0.036, timeline=steps)
+    from engine.model_runner import EngineGeneration, EngineSnapshot
+    steps = [EngineSnapshot(i, 4, 64, 8, seconds=t) for i, t in enumerate([0.010, 0.012, 0.011])]
+    generation = EngineGeneration([], 0.0, decode_seconds=0.036, timeline=steps)
     assert gpu_wait_seconds_per_step(generation) == pytest.approx((0.036 - 0.033) / 3)
-    assert gpu_wait_seconds_per_step(ServedGeneration([], 0.0, 0.0, [])) == 0.0
+    assert gpu_wait_seconds_per_step(EngineGeneration([], 0.0, 0.0, [])) == 0.0
 
 
 def test_workload_n_draws_what_nano_vllms_bench_py_draws():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 
 from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
@@ -86,7 +86,7 @@ def run(model, prompts, budgets, block_size, cascade_on: bool):
         cascade = CascadeAttention(cache.attention_backend, system_blocks, block_size, "cpu",
                                    min_batch=2, table=manager.table)
         cache.attend_with(cascade)
-    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    requests = [EngineRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, max_running=4, token_budget=64,
                           shares_blocks=True)
     runner = ModelRunner(model, cache, manager, greedy, cascade=cascade)

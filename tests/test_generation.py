@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from conftest import engine_model, generate, random_ids, request
@@ -106,7 +106,7 @@ def cached_keys_after_prefill_and_one_decode(model, prompts, num_blocks, block_s
     after a prefill and one decode step of the core engine."""
     cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
-    requests = [ServedRequest(r, p, 5) for r, p in enumerate(prompts)]
+    requests = [EngineRequest(r, p, 5) for r, p in enumerate(prompts)]
     scheduler, engine = Scheduler(manager, requests), Engine(model, cache, manager)
     with torch.inference_mode():
         first = engine.prefill(scheduler.schedule())

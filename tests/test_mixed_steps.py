@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from block_manager import BlockManager
 from conftest import engine_model, tokens
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.model_runner import greedy
 from engine.scheduler import Scheduler
 from engine.engine_core import EngineCore
@@ -30,7 +30,7 @@ def run_mixed(model, prompts, budgets, num_blocks, block_size, max_batched_token
     """Like test_scheduler.run, through the mixed scheduler; also returns every step."""
     cache = EngineKVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, block_size, len(prompts), math.ceil(MAX_SEQ_LEN / block_size))
-    requests = [ServedRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
+    requests = [EngineRequest(r, p, min(b, MAX_SEQ_LEN - len(p)))
                 for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = StepRecorder(manager, requests, True, max_running, max_batched_tokens, mixed=True)
     runner = ModelRunner(model, cache, manager, greedy)
@@ -73,7 +73,7 @@ def test_mixed_steps_give_the_static_batchs_tokens_with_chunks_and_preemption(mo
 def test_mixed_steps_refuse_a_block_manager_that_shares_blocks():
     manager = SharingBlockManager(FakeCache(8, 4), 2, 4, True)
     with pytest.raises(ValueError, match="do not share blocks"):
-        Scheduler(manager, [ServedRequest(0, tokens(3), 2)], True, None, 8, mixed=True,
+        Scheduler(manager, [EngineRequest(0, tokens(3), 2)], True, None, 8, mixed=True,
                   shares_blocks=True)
 
 
@@ -115,7 +115,7 @@ def test_mixed_scheduler_invariants_hold_under_any_workload(requests, block_size
     largest = max(math.ceil((p + g - 1) / block_size) for p, g in requests)
     num_blocks = largest + spare_blocks
     manager = BlockManager(num_blocks, block_size, n, largest)
-    queue = [ServedRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
+    queue = [EngineRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
     scheduler = Scheduler(manager, queue, True, max_running, budget, mixed=True)
     for _ in range(10_000):
         if not scheduler.has_work():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from conftest import engine_model, generate, random_ids
 from engine.scheduler import RequestTooLarge, Scheduler
 from features.sharing.block_manager import SharingBlockManager
@@ -75,7 +75,7 @@ def test_a_request_preempted_is_readmitted_at_once_when_blocks_free(model):
     # readmits the preempted one, which recomputes its prompt and its first token.
     prompts, budgets = random_prompts([4, 4], seed=5), [2, 5]  # 1 grows to 8 tokens: 2 blocks
     manager = BlockManager(2, 4, max_requests=2, max_blocks_per_request=8)
-    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
+    requests = [EngineRequest(r, p, b) for r, (p, b) in enumerate(zip(prompts, budgets))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=64)
     steps = []
     while scheduler.has_work():
@@ -140,7 +140,7 @@ def test_scheduler_invariants_hold_under_any_workload(requests, block_size, spar
     num_blocks, max_blocks = largest + spare_blocks, largest
     manager = (SharingBlockManager(FakeCache(num_blocks, block_size), n, max_blocks, True) if share
                else BlockManager(num_blocks, block_size, n, max_blocks))
-    queue = [ServedRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
+    queue = [EngineRequest(r, p, g) for r, (p, g) in enumerate(zip(prompts, limits))]
     scheduler = Scheduler(manager, queue, True, max_running, chunk_tokens, shares_blocks=share)
     finished: set[int] = set()
     for _ in range(10_000):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from block_manager import OutOfBlocks
 from conftest import tokens
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from llama3_paged import Request
 from features.sharing.block_manager import SharingBlockManager
 
@@ -30,7 +30,7 @@ def manager(num_blocks, block_size, max_requests, prefix_caching=False):
 def test_a_fork_shares_the_prompt_and_its_first_write_into_a_shared_part_full_block_copies_it():
     m = manager(8, 4, 3)
     prompt = tokens(7)
-    a, b, c = (ServedRequest(r, prompt, 5) for r in range(3))
+    a, b, c = (EngineRequest(r, prompt, 5) for r in range(3))
     assert m.allocate(a) == 0  # blocks 0 (full) and 1 (3 of 4 slots)
     assert m.allocate(b) == m.allocate(c) == 6, "forks: every token but the newest is cached"
     assert m.owned_blocks == {0: [0, 1], 1: [0, 1], 2: [0, 1]} and m.num_used_blocks == 2
@@ -51,8 +51,8 @@ def test_a_fork_shares_the_prompt_and_its_first_write_into_a_shared_part_full_bl
 def test_a_fork_of_a_prompt_of_whole_blocks_opens_a_new_block_and_copies_nothing():
     m = manager(8, 4, 2)
     prompt = tokens(9)  # the newest token, 8, opens block 2: the fork shares blocks 0 and 1
-    m.allocate(ServedRequest(0, prompt, 5))
-    m.allocate(ServedRequest(1, prompt, 5))
+    m.allocate(EngineRequest(0, prompt, 5))
+    m.allocate(EngineRequest(1, prompt, 5))
     assert m.owned_blocks[1] == [0, 1] and m.num_tokens[1] == 8
     m.append_token(np.array([1]))
     assert m.num_copied == 0 and m.owned_blocks[1][:2] == [0, 1] and m.owned_blocks[1][2] != 2
@@ -61,26 +61,26 @@ def test_a_fork_of_a_prompt_of_whole_blocks_opens_a_new_block_and_copies_nothing
 def test_a_cached_prefix_is_found_only_after_the_same_tokens():
     m = manager(16, 4, 4, prefix_caching=True)
     a, b, c = tokens(4), tokens(4, first=100), tokens(4, first=200)
-    assert m.allocate(ServedRequest(0, a + b + [7], 1)) == 0  # nothing cached yet
-    assert m.allocate(ServedRequest(1, a + b + [9, 9], 1)) == 8  # both full blocks found
+    assert m.allocate(EngineRequest(0, a + b + [7], 1)) == 0  # nothing cached yet
+    assert m.allocate(EngineRequest(1, a + b + [9, 9], 1)) == 8  # both full blocks found
     assert m.owned_blocks[1][:2] == m.owned_blocks[0][:2]
-    assert m.allocate(ServedRequest(2, c + b, 1)) == 0, "block b after another prefix holds other K and V"
-    assert m.allocate(ServedRequest(3, a + c, 1)) == 4  # the prefix a; its newest token is computed
+    assert m.allocate(EngineRequest(2, c + b, 1)) == 0, "block b after another prefix holds other K and V"
+    assert m.allocate(EngineRequest(3, a + c, 1)) == 4  # the prefix a; its newest token is computed
     assert m.owned_blocks[3][0] == m.owned_blocks[0][0] and m.ref_counts[m.owned_blocks[0][0]] == 3
 
 
 def test_a_freed_block_keeps_its_tokens_findable_until_it_is_reused():
     m = manager(3, 4, 3, prefix_caching=True)
-    first = ServedRequest(0, tokens(8), 1)
+    first = EngineRequest(0, tokens(8), 1)
     m.allocate(first)
     m.free(first)
     assert m.num_free_blocks == 3
-    again = ServedRequest(1, tokens(8) + [5], 1)
+    again = EngineRequest(1, tokens(8) + [5], 1)
     assert m.allocate(again) == 8 and m.num_free_blocks == 0  # both taken back
     m.free(again)
     # The free pool hands out the blocks freed longest ago first; new tokens drop their keys.
-    m.allocate(ServedRequest(2, tokens(12, first=50), 1))
-    assert m.cached_tokens(ServedRequest(0, tokens(8) + [5], 1)) == 0
+    m.allocate(EngineRequest(2, tokens(12, first=50), 1))
+    assert m.cached_tokens(EngineRequest(0, tokens(8) + [5], 1)) == 0
 
 
 ops_strategy = st.lists(st.tuples(st.sampled_from(["admit", "fork", "append", "free"]),
@@ -109,7 +109,7 @@ def test_sharing_invariants_hold_and_no_write_reaches_a_shared_block(ops, block_
         try:
             if op in ("admit", "fork") and row not in held:
                 prompt = held[min(held)].prompt_tokens if op == "fork" and held else new
-                request = ServedRequest(row, list(prompt), 100)
+                request = EngineRequest(row, list(prompt), 100)
                 cached = m.allocate(request)
                 held[row] = request
                 for position in range(cached, int(m.num_tokens[row])):

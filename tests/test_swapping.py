@@ -10,7 +10,7 @@ from block_manager import BlockManager
 from engine.engine_core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache, TorchAttentionAfterPrefix
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.model_runner import greedy
 from engine.scheduler import Scheduler
 from engine.swap import HostBlocks
@@ -55,7 +55,7 @@ def run_swapping(model, num_blocks, swap_blocks, mixed_budget=None):
                           TorchAttentionAfterPrefix())
     manager = BlockManager(num_blocks, BLOCK_SIZE, len(PROMPTS),
                            math.ceil(MAX_SEQ_LEN / BLOCK_SIZE))
-    requests = [ServedRequest(r, p, b) for r, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
+    requests = [EngineRequest(r, p, b) for r, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
     scheduler = Scheduler(manager, requests, continuous=True, token_budget=mixed_budget or 8192,
                           mixed=mixed_budget is not None, host=HostBlocks(cache, swap_blocks))
     runner = ModelRunner(model, cache, manager, greedy)

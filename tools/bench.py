@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
-from engine.request import ServedRequest, append_tokens_at
+from engine.request import EngineRequest, append_tokens_at
 from engine.engine_core import EngineCore
 from engine.model_runner import greedy
 from plumbing.inputs import TOKENS_PER_PASS
@@ -178,7 +178,7 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
     prompt_lens, limits = rng.integers(1, 1000, n), rng.integers(1, 1000, n)
     manager = BlockManager(num_blocks=running * 2048 // block_size, block_size=block_size,
                            max_requests=n, max_blocks_per_request=2048 // block_size)
-    requests = [ServedRequest(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
+    requests = [EngineRequest(r, [0] * int(p), int(g)) for r, (p, g) in enumerate(zip(prompt_lens, limits))]
     scheduler = Scheduler(manager, requests, True, running, TOKENS_PER_PASS)
     times = []
     while scheduler.has_work() and len(times) < steps:
@@ -204,7 +204,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
     for r, n in enumerate(lengths):
         if manager.blocks_needed(n) > manager.num_free_blocks:
             break
-        manager.allocate(ServedRequest(r, [0] * n, 1))
+        manager.allocate(EngineRequest(r, [0] * n, 1))
         fitting.append(n)
     lengths = fitting
     args = setup.model.args
@@ -364,7 +364,7 @@ def bench(a) -> dict:
 
     def run(prompts, budgets, arrivals=None):
         arrivals = arrivals or [0.0] * len(prompts)
-        requests = [ServedRequest(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
+        requests = [EngineRequest(r, p, min(b, a.max_seq_len - len(p)), arrival_time=t)
                     for r, (p, b, t) in enumerate(zip(prompts, budgets, arrivals))]
         return EngineCore(runner, make_scheduler(setup, cache, manager, requests)).generate(False)
     # Warm-up: kernels chosen, caches filled. Prompts the run does not share, so that it finds

@@ -66,7 +66,7 @@ def run_cache(run, model, cache_class, prompts, steps, forced=None) -> ForcedSam
     from block_manager import BlockManager
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
-    from engine.request import ServedRequest
+    from engine.request import EngineRequest
     block_size = 16
     blocks_each = max(len(p) for p in prompts) // block_size + steps // block_size + 2
     num_blocks = blocks_each * len(prompts)
@@ -74,7 +74,7 @@ def run_cache(run, model, cache_class, prompts, steps, forced=None) -> ForcedSam
     manager = BlockManager(num_blocks, block_size, len(prompts), blocks_each, run.device)
     lengths = torch.tensor([len(p) for p in prompts], device=run.device)
     sampler = ForcedSampler(lengths, forced)
-    requests = [ServedRequest(i, p, steps) for i, p in enumerate(prompts)]
+    requests = [EngineRequest(i, p, steps) for i, p in enumerate(prompts)]
     ModelRunner(model, cache, manager, sampler).generate(Scheduler(manager, requests),
                                                              progress=False)
     return sampler

@@ -32,7 +32,7 @@ import torch
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache
 from engine.model_runner import ModelForward
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from llama3_paged import FlashAttention
 from llama3_paged import Decoder
 from plumbing.inputs import random_model
@@ -68,7 +68,7 @@ def one_pool(model, largest_batch: int, context: int, device):
     cache.k.normal_(), cache.v.normal_()
     manager = BlockManager(largest_batch * blocks_each, BLOCK_SIZE, largest_batch, blocks_each, device)
     for r in range(largest_batch):
-        manager.allocate(ServedRequest(r, [0] * context, 1))
+        manager.allocate(EngineRequest(r, [0] * context, 1))
     manager.append_token(np.arange(largest_batch))
     return cache, manager
 

@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 import llama3_virtual
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.engine_core import EngineCore
 from engine.model_runner import greedy
 from features.arrivals import latency_report
@@ -252,7 +252,7 @@ def run_curve(base, name: str, a, bar, save) -> dict:
 def warm_up_engine(runner, setup, cache, manager) -> None:
     """Kernels chosen and compiled before anything is timed, on prompts no point uses."""
     def run_pass(prompts):
-        requests = [ServedRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
+        requests = [EngineRequest(r, prompt, 8) for r, prompt in enumerate(prompts)]
         EngineCore(runner, make_scheduler(setup, cache, manager, requests)).generate(False)
     warm_up(run_pass, setup.args.compile, cache, manager, setup.args.max_seq_len, 8)
 

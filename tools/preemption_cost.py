@@ -45,7 +45,7 @@ from block_manager import BlockManager
 from engine.scheduler import Step
 from engine.model_runner import ModelRunner
 from engine.kv_cache import EngineKVCache
-from engine.request import ServedRequest
+from engine.request import EngineRequest
 from engine.swap import HostBlocks
 from plumbing.inputs import random_model
 from llama3_paged import Llama
@@ -133,7 +133,7 @@ def swap_seconds(host, manager, requests, tokens: int, timer) -> float:
 def recompute_seconds(engine, manager, requests, tokens: int, timer) -> float:
     """Preempt every request by freeing its blocks, then prefill all its tokens again."""
     generator = np.random.default_rng(0)
-    again = [ServedRequest(r.row, generator.integers(0, 1000, tokens).tolist(), 1) for r in requests]
+    again = [EngineRequest(r.row, generator.integers(0, 1000, tokens).tolist(), 1) for r in requests]
 
     def preempt_and_recompute():
         for request in requests:
