@@ -43,26 +43,34 @@ def uniform(seed, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return (x >> 8).float() / 2**24  # 24 bits: exactly representable in float32
 
 
-def draw(logits, temperature, top_p, top_k, seed, sequences, positions) -> torch.Tensor:
+def draw(logits, temperature, top_p, top_k, seed, sequences, positions,
+         narrows: bool = True) -> torch.Tensor:
     """Each row's token, sampled: logits [B, vocab]; temperature, top_p: [B] float; top_k: [B]
     long (0: every token); seed: an int or [B] long; sequences, positions: [B], the sequence a row
-    belongs to and the position its token takes. Returns [B] token ids. The likeliest tokens
-    first: top-k keeps k of them, top-p (over what top-k left, as vLLM) those whose mass before
-    them is below p, and the row's uniform number picks by their running total."""
+    belongs to and the position its token takes. Returns [B] token ids. narrows: whether a row
+    may keep fewer than every token. Then the likeliest tokens come first: top-k keeps k of
+    them, top-p (over what top-k left, as vLLM) those whose mass before them is below p; the
+    row's uniform number picks by the running total of what is kept. Without narrowing nothing
+    is sorted (on the CPU the sort costs twenty times the rest), so the same number picks
+    another token: a caller chooses `narrows` for a whole run, never by the batch."""
     probs = torch.softmax(logits.float() / temperature.clamp(min=GREEDY_BELOW)[:, None], dim=-1)
-    probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
-    k = top_k[:, None]
-    probs = probs.masked_fill((k > 0) & (torch.arange(probs.shape[-1], device=k.device) >= k), 0)
-    # Running totals, not a row sum: on CUDA a sum's order of additions depends on how many rows
-    # there are, and a row's draw must not depend on the rows beside it (a scan's does not).
-    cumulative = probs.cumsum(-1)  # [B, vocab]
-    mass_before = cumulative - probs  # top-p of what top-k kept: its total is the last entry
-    probs = probs.masked_fill(mass_before >= top_p[:, None] * cumulative[:, -1:], 0.0)  # not the
-    cumulative = probs.cumsum(-1)  # first, which nothing comes before
+    order = None
+    if narrows:
+        probs, order = probs.sort(dim=-1, descending=True)  # [B, vocab], likeliest first
+        k = top_k[:, None]
+        probs = probs.masked_fill((k > 0) & (torch.arange(probs.shape[-1], device=k.device) >= k),
+                                  0)
+        # Running totals, not a row sum: on CUDA a sum's order of additions depends on how many
+        # rows there are, and a row's draw must not depend on the rows beside it (a scan's not).
+        cumulative = probs.cumsum(-1)  # [B, vocab]
+        mass_before = cumulative - probs  # top-p of what top-k kept: its total, the last entry
+        probs = probs.masked_fill(mass_before >= top_p[:, None] * cumulative[:, -1:], 0.0)
+    cumulative = probs.cumsum(-1)  # [B, vocab]; the likeliest token always stays
     # Scaled by the row's total, so that rounding in the sums cannot leave a draw past the end
     target = uniform(seed, sequences, positions) * cumulative[:, -1]
     picked = torch.searchsorted(cumulative, target[:, None], right=True)  # first total > target
-    return order.gather(-1, picked.clamp(max=probs.shape[-1] - 1))[:, 0]
+    picked = picked.clamp(max=probs.shape[-1] - 1)
+    return (picked if order is None else order.gather(-1, picked))[:, 0]
 
 
 def make_sampler(args):
@@ -84,7 +92,7 @@ def sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
             each = lambda value, dtype=torch.float32: torch.full(  # a fill: graph-safe
                 (len(part),), value, dtype=dtype, device=part.device)
             drawn.append(draw(part, each(temperature), each(top_p), each(0, torch.long), seed,
-                              sequences[rows], positions[rows]))
+                              sequences[rows], positions[rows], narrows=top_p < 1))
         return torch.cat(drawn)
     return sample
 
@@ -357,7 +365,8 @@ class RowSampler:
         return tokens
 
     def _draw(self, logits, rows, positions) -> torch.Tensor:
-        """Sampling rows drawn, greedy rows (temperature 0) their argmax."""
+        """Sampling rows drawn, greedy rows (temperature 0) their argmax. Every row is drawn
+        sorted (narrows), whatever its top-p and top-k: the rows beside it must not decide."""
         temperature = self.temperature[rows]
         drawn = draw(logits, temperature, self.top_p[rows], self.top_k[rows], self.seed[rows],
                      self.sample[rows], positions)
