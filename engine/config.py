@@ -274,7 +274,7 @@ def add_feature_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt", metavar="TEXT",
                    help="a system turn that begins every request (default: none)")
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
-                   help="the system turn, from a file (system_prompt.txt: about 1,000 tokens)")
+                   help="or the system turn from a file (system_prompt.txt: 1,050 tokens)")
     p.add_argument("--continuous", action="store_true",
                    help="a stream: requests queue, join as blocks free up, are preempted when out")
     p.add_argument("--max-running", type=positive_int,
