@@ -75,6 +75,8 @@ def writes_in_one_kernel(k: torch.Tensor, attention_backend) -> bool:
 
 
 class FlashAttentionAfterPrefix(lesson.FlashAttention):
+    prefill_in_graphs = True  # flash-attn's varlen prefill reads the prompts' bounds on the GPU
+
     def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: CachedPrefillBatch):
         # The causal mask is aligned to each prompt's end: new tokens see all before them.
         return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
@@ -83,6 +85,8 @@ class FlashAttentionAfterPrefix(lesson.FlashAttention):
 
 
 class TorchAttentionAfterPrefix(lesson.TorchAttention):
+    prefill_in_graphs = False  # each prompt is sliced by its bounds on the host
+
     def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: CachedPrefillBatch):
         out = torch.empty_like(q)
         for r in range(len(batch.cu_seqlens_host) - 1):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from llama3_paged import FlashAttention, PrefillBatch
+from llama3_paged import PrefillBatch
 
 BUCKETS = [16, 32, 64, 128] + list(range(192, 1025, 64))  # tokens of a pass that has a graph
 MAX_PROMPTS = 16  # prompts of a pass that has a graph
@@ -26,9 +26,10 @@ LAYOUT = (3 * LARGEST, MAX_PROMPTS + 2, MAX_PROMPTS)
 
 
 def supports_prefill_graphs(cache) -> bool:
-    """A graph can record flash-attn's varlen prefill: it reads the prompts' bounds on the GPU.
-    (The PyTorch reference and the Triton prefill read them on the host.)"""
-    return isinstance(cache.attention_backend, FlashAttention)
+    """Whether a graph can record the cache's prefill: its attention reads the prompts' bounds
+    on the GPU (flash-attn's varlen prefill; the PyTorch reference and the Triton prefill read
+    them on the host)."""
+    return cache.attention_backend.prefill_in_graphs
 
 
 def padded_pass(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,

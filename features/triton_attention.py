@@ -120,6 +120,7 @@ class TritonAttention:
     """Decode through `paged_decode`; prefill through PyTorch's SDPA on the packed prompts."""
 
     name = "triton"
+    prefill_in_graphs = False  # its SDPA's nested tensor is built from the bounds on the host
     paged_decode = staticmethod(paged_decode)  # the kernel itself, for the FP8 caches' float8 blocks
 
     def __init__(self):

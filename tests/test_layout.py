@@ -291,6 +291,8 @@ def test_what_plugs_into_a_seam_answers_what_the_seam_asks():
         asked = [m for m, value in vars(PROTOCOLS[feature.seam]).items()
                  if inspect.isfunction(value) and (not m.startswith("_") or m == "__call__")]
         missing = [m for m in asked if not callable(getattr(answer, m, None))]
+        missing += [a for a in getattr(PROTOCOLS[feature.seam], "__annotations__", {})
+                    if not hasattr(answer, a)]  # what it declares of itself
         assert not missing, (name, missing)
         checked.append((name, asked))
     assert len(checked) >= 8, checked

@@ -15,7 +15,7 @@ from engine.model_runner import ModelForward
 from features.prefill_graphs import BUCKETS, LARGEST, LAYOUT, MAX_PROMPTS, padded_pass
 from llama3_paged import Engine, Llama, PrefillBatch, Request, TorchAttention
 from plumbing.cli import importable
-from plumbing.inputs import random_model
+from plumbing.inputs import PRESETS, random_model
 from conftest import engine_model, random_ids
 
 MAX_SEQ_LEN = 2048
@@ -75,6 +75,25 @@ def test_a_padded_pass_gives_the_pass_logits_and_kv(lengths):
     spare = engine.cache.spare_slot
     torch.testing.assert_close(engine.cache.k[:, :spare], expected_k[:, :spare], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(engine.cache.v[:, :spare], expected_v[:, :spare], rtol=1e-9, atol=1e-9)
+
+
+def test_only_a_prefill_that_reads_its_bounds_on_the_gpu_is_recorded_as_graphs():
+    # flash-attn's varlen prefill (the Triton decode's too) reads cu_seqlens on the GPU; the
+    # PyTorch reference, the Triton prefill and a cascade read them on the host, or were never
+    # recorded. The lesson's class is the truth: prefill graphs were flash-attn's alone.
+    from engine.kv_cache import FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
+    from features.cascade.attention import CascadeAttention
+    from features.prefill_graphs import supports_prefill_graphs
+    from llama3_paged import FlashAttention
+    backends = [FlashAttentionAfterPrefix, TorchAttentionAfterPrefix, CascadeAttention]
+    if importable("triton"):
+        from features.triton_attention import TritonAttention, TritonDecode
+        backends += [TritonAttention, TritonDecode]
+    for backend in backends:  # classes: flash-attn's import with an instance, on CUDA machines
+        assert backend.prefill_in_graphs == issubclass(backend, FlashAttention), backend
+    cache = EngineKVCache(PRESETS["tiny"], 2, 16, torch.float32, "cpu",
+                          TorchAttentionAfterPrefix())
+    assert not supports_prefill_graphs(cache)
 
 
 needs_flash = pytest.mark.skipif(not (torch.cuda.is_available() and importable("flash_attn")),

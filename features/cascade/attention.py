@@ -92,6 +92,8 @@ class CascadeAttention:
     `active`, for batches of `min_batch` or more: prefill is the backend's own. `table`: the block
     table's host copy, which `shared_by` reads before each decode step."""
 
+    prefill_in_graphs = False  # prefill graphs are not recorded under a cascade
+
     def __init__(self, backend, prefix_blocks: int, block_size: int, device, min_batch: int,
                  table=None):
         self.backend, self.name, self.table = backend, backend.name, table
