@@ -315,8 +315,8 @@ def add_fast_path_arguments(p: argparse.ArgumentParser) -> None:
 def add_paged_feature_arguments(parser) -> None:
     """Features of llama3_paged.py's pool alone."""
     add_pool_arguments(parser)
-    parser.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
-                        help="with flash-attn: the decode kernel (triton: faster)")
+    parser.add_argument("--decode-kernel", choices=["auto", "flash", "triton"], default="auto",
+                        help="with flash-attn: the decode kernel (auto: the faster here)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="with a system prompt: compute every prompt in full, reuse no block")
     parser.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
@@ -365,8 +365,9 @@ def parser_with_features(cache: str, served: bool = False) -> argparse.ArgumentP
     add_feature_arguments(parser)
     if served:
         parser.set_defaults(continuous=True)
-    # The paged script's own flags, as their defaults set them, for the other scripts (a
-    # parser's defaults win over its flags': these are the same).
+    # The paged script's own flags for the other scripts, which have no choice of them: their
+    # defaults, but flash-attn's decode kernel, the only one measured on their caches (the
+    # paged flag's own default, auto, stands: a flag's default wins over the parser's).
     parser.set_defaults(beam_width=1, decode_kernel="flash", cascade="auto", no_prefix_cache=False,
                         no_sharing=False, sync_mapping=False)
     add_pool_flags(parser)

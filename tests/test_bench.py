@@ -152,6 +152,30 @@ def test_layers_compile_by_default_only_where_they_can(device, attention, extra,
     assert compiles_by_default(args, SimpleNamespace(name=attention)) is compiles
 
 
+@pytest.mark.parametrize("script, gpu, extra, kernel", [
+    ("paged", (9, 0), [], "triton"),  # H100/H200, bf16: the table's measured entry
+    ("paged", (9, 0), ["-q", "fp8"], "triton"),
+    ("paged", (9, 0), ["--dtype", "fp16"], "flash"),  # not measured: flash-attn's own
+    ("paged", (8, 0), [], "flash"),  # an A100: not measured
+    ("paged", (8, 0), ["--kv-cache-dtype", "fp8"], "triton"),  # flash-attn 2 reads no float8
+    ("paged", (9, 0), ["--decode-kernel", "flash"], "flash"),  # the flag overrides the table
+    ("paged", (8, 0), ["--decode-kernel", "triton"], "triton"),
+    ("paged", (9, 0), ["--attn", "triton"], "flash"),  # no flash-attn prefill: nothing to pair
+    ("naive", (9, 0), [], "flash"),  # only paged has the choice
+    ("virtual", (9, 0), [], "flash"),
+])
+def test_the_engine_decodes_with_the_kernel_its_table_measured_faster(script, gpu, extra, kernel,
+                                                                      monkeypatch):
+    import dataclasses
+    from engine import loader
+    from engine.config import parse_script_arguments
+    args = parse_script_arguments(script, ["4", "--random-weights", "--attn", "flash", *extra])
+    args = dataclasses.replace(args, device=torch.device("cuda"))  # the choice reads the type
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: gpu)
+    monkeypatch.setattr(loader, "importable", lambda module: True)  # flash-attn, as on a GPU
+    assert loader.decode_kernel(args) == kernel
+
+
 def test_the_lessons_rope_is_each_pairs_rotation_matrix():
     # apply_rope's complex multiply against the rotation a float64 rotation matrix gives (the
     # compiled layers' kernel is held to apply_rope's bytes on the GPU: tests/test_gpu.py).

@@ -8,7 +8,7 @@ from conftest import ROOT
 
 from engine.config import Config, cache_of, parser_with_features
 from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                   nano_vllm_bench, power_cap, preemption_cost, serve_bench)
+                   nano_vllm_bench, power_cap, preemption_cost, same_tokens, serve_bench)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target), web links left out below
@@ -85,7 +85,7 @@ def parsers() -> dict:
     argparse.ArgumentParser.parse_args = catch
     try:
         for tool in (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                     nano_vllm_bench, preemption_cost, power_cap):
+                     nano_vllm_bench, preemption_cost, power_cap, same_tokens):
             tool_name = tool.__name__
             with pytest.raises(SystemExit):
                 tool.parse_arguments([])

@@ -64,7 +64,7 @@ from plumbing.cli import standard_json
 from engine.report import scheduling_report, sharing_report
 from plumbing.inputs import DTYPES, shapes_only
 from engine.config import CACHES, Config, add_fast_path_arguments, logprobs_count
-from engine.loader import load
+from engine.loader import decode_kernel, load
 from engine.build import (allocate_kv_cache, arrival_times, make_runner, make_scheduler,
                           model_forward, warm_up)
 from tools.kernel_profile import profile_engine
@@ -247,8 +247,8 @@ def parse_arguments(argv=None):
                    help="virtual only: map pages in the loop, not ahead on a background thread")
     p.add_argument("--attn", choices=["flash", "triton", "torch"], default="flash",
                    help="the attention kernels (triton: ours for prefill and decode)")
-    p.add_argument("--decode-kernel", choices=["flash", "triton"], default="flash",
-                   help="paged with --attn flash: the kernel of decode steps")
+    p.add_argument("--decode-kernel", choices=["auto", "flash", "triton"], default="auto",
+                   help="paged, flash-attn: the decode kernel (auto: the faster)")
     add_fast_path_arguments(p)
     p.add_argument("--system-prompt-file", type=Path, metavar="PATH",
                    help="a system turn before every prompt (system_prompt.txt: about 1,000 tokens)")
@@ -340,7 +340,10 @@ def nano_vllm_requests(num_requests: int) -> tuple[list[list[int]], list[int]]:
 
 
 def bench(a) -> dict:
-    setup = load(script_arguments(a))  # under torchrun: this process's GPU and slice of the model
+    config = script_arguments(a)
+    setup = load(config)  # under torchrun: this process's GPU and slice of the model
+    if a.script == "paged":
+        a.decode_kernel = decode_kernel(config)  # as engine/loader.py's table resolves auto
     process = torchrun_process()
     writes = process is None or process[0] == 0  # rank 0 writes, as it prints
     if not writes:
@@ -581,7 +584,7 @@ def main(argv=None) -> None:
         refuse_output_over_input(a.json, [PROMPTS_FILE, a.system_prompt_file], "--json")
         refuse_output_over_input(a.profile, [PROMPTS_FILE, a.system_prompt_file, a.json],
                                  "--profile")
-        if a.decode_kernel != "flash" and a.script != "paged":
+        if a.decode_kernel != "auto" and a.script != "paged":
             raise UserError(f"--decode-kernel chooses the kernel that reads paged blocks; the "
                             f"{a.script} cache has none to choose: drop it, or bench paged.")
         if not torch.cuda.is_available():
