@@ -42,8 +42,8 @@ def load(config: Config) -> Run:
 # decode kernel by default"). Key: (CUDA compute capability, --dtype, the weights' format). A GPU
 # or format not here keeps flash-attn's kernel, the one llama3_paged.py's plain run reads with.
 FASTER_DECODE_KERNEL = {
-    ((9, 0), "bf16", "bf16"): "triton",  # measured on the H200 (the H100 is 9.0 too): +5-7%
-    ((9, 0), "bf16", "fp8"): "triton",  # -q fp8, on the H200: +7-11%
+    ((9, 0), "bf16", "bf16"): "triton",  # Hopper
+    ((9, 0), "bf16", "fp8"): "triton",  # Hopper, -q fp8
 }
 
 
