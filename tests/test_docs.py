@@ -7,8 +7,9 @@ import pytest
 from conftest import ROOT
 
 from engine.config import Config, cache_of, parser_with_features
-from tools import (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                   nano_vllm_bench, power_cap, preemption_cost, same_tokens, serve_bench)
+from tools import (bench, capacity_table, cascade_cost, decode_kernel_cost, graph_cost,
+                   latency_sweep, nano_vllm_bench, power_cap, preemption_cost, same_tokens,
+                   serve_bench)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target), web links left out below
@@ -84,8 +85,8 @@ def parsers() -> dict:
         raise SystemExit(0)
     argparse.ArgumentParser.parse_args = catch
     try:
-        for tool in (bench, cascade_cost, decode_kernel_cost, graph_cost, latency_sweep,
-                     nano_vllm_bench, preemption_cost, power_cap, same_tokens):
+        for tool in (bench, capacity_table, cascade_cost, decode_kernel_cost, graph_cost,
+                     latency_sweep, nano_vllm_bench, preemption_cost, power_cap, same_tokens):
             tool_name = tool.__name__
             with pytest.raises(SystemExit):
                 tool.parse_arguments([])

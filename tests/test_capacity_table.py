@@ -1,0 +1,57 @@
+"""tools/capacity_table.py: the finder's answer confirmed by fresh processes at N and N + 1."""
+
+import pytest
+
+from tools import capacity_table
+
+
+class KnownCapacity:
+    """Stands in for fresh processes of a script whose largest batch is known."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.runs = capacity, 0
+
+    def completes(self, n: int) -> bool:
+        self.runs += 1
+        return n <= self.capacity
+
+
+@pytest.mark.parametrize("capacity, found, confirmed, runs", [
+    (7, 7, 7, 2),  # the finder was right: 7 completes, 8 does not
+    (7, 5, 7, 4),  # a request or two low (memory the finder's process held): up to 7
+    (7, 9, 7, 3),  # too high: down to 7, whose 8 has failed already
+    (0, 0, 0, 1),  # not even one: 1 fails
+    (30, 7, 20, 14),  # past the upper bound: "at least 20"
+])
+def test_the_table_gives_what_fresh_processes_confirm(capacity, found, confirmed, runs):
+    processes = KnownCapacity(capacity)
+    n, checks = capacity_table.confirmed(processes, found, upper=20)
+    assert n == confirmed and processes.runs == runs == len(checks)
+    assert [n, True] in checks or n == 0
+    assert [n + 1, False] in checks or n == 20
+
+
+def test_each_ratio_is_against_the_bf16_row_of_its_cache_and_budget(capsys):
+    row = lambda cache, lever, n, found=None: {"budget": "24gb", "cache": cache, "lever": lever,
+                                                "requests": n, "found": found or n,
+                                                "at_least": False}
+    capacity_table.print_table({"flags": [], "rows": [
+        row("naive", "bf16", 6), row("naive", "fp8-kv", 12), row("paged", "bf16", 144),
+        row("paged", "fp8-weights", 322, found=321)]})
+    out = capsys.readouterr().out
+    assert "| naive | FP8 K/V | 12 (2.00x) |" in out
+    assert "| paged | FP8 weights | 322 (2.24x); the finder said 321 |" in out
+
+
+@pytest.mark.slow
+def test_the_naive_caches_limits_are_its_budget_over_max_seq_len_slots(tmp_path, capsys):
+    # The naive cache reserves --max-seq-len slots per request: an 8.00 MB budget holds 3
+    # requests of 1,024 tokens x 2 KiB (float32 on the CPU), and 15 of 512 bytes (float8 K/V).
+    capacity_table.main(["--caches", "naive", "--levers", "bf16", "fp8-kv", "--budgets", "0.008",
+                         "--upper", "20", "--json", str(tmp_path / "t.json"), "--", "--model",
+                         "tiny", "--device", "cpu", "--max-seq-len", "1024",
+                         "--max-new-tokens", "8"])
+    budget, slots = 0.008e9, 1024
+    assert 3 == int(budget // (slots * 2048)) and 15 == int(budget // (slots * 512))
+    out = capsys.readouterr().out
+    assert "| naive | bf16 | 3 |" in out and "| naive | FP8 K/V | 15 (5.00x) |" in out

@@ -1,0 +1,179 @@
+"""How many requests fit, lever by lever, all from one path: the engine's --find-max-batch, each
+answer confirmed by fresh processes at N (which completes) and N + 1 (which does not).
+
+    python tools/capacity_table.py                          # naive, paged; 4 levers; 2 budgets
+    python tools/capacity_table.py --caches paged --levers bf16 fp8-kv --budgets 24gb
+    python tools/capacity_table.py --budgets 0.004 --upper 8 -- --model tiny --device cpu
+                                                            # after --: flags for every run
+
+A row is a cache and a lever: bf16 (none), FP8 K/V (--kv-cache-dtype fp8), FP8 weights (-q fp8)
+or both; a column is a budget: 24gb (--gpu-memory-utilization 0.1592, 23.9 GB of an H200's
+150), whole (the default utilization) or a number of GB for the KV cache (--kv-budget-gb, the
+CPU's). Each run is `python -m engine.run llama3_CACHE.py N --random-weights ...`, the engine's
+path, so every figure and ratio comes from the same code; each ratio is against the bf16 row of
+the same cache and budget, from this call. A fresh process can fit a request more or less than
+the finder's attempts in one process (memory the process holds after the first): the table
+gives what fresh processes confirm, and the finder's answer where it differs. At the data set's
+4,000 prompts the table says "at least". (What `python llama3_paged.py N` alone does, the lesson's
+loop, is another path: docs/memory.md gives its limits in their own row.)
+"""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repository's root
+
+from plumbing.interrupt import exit_quietly_on_ctrl_c
+exit_quietly_on_ctrl_c("capacity_table.py")  # before anything slow loads
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+
+from tqdm import tqdm
+
+from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, UserError, first_paragraph,
+                          one_paragraph_errors, positive_int, writable_file)
+from tools.shared import write_and_print
+
+LEVERS = {"bf16": [], "fp8-kv": ["--kv-cache-dtype", "fp8"], "fp8-weights": ["-q", "fp8"],
+          "both": ["-q", "fp8", "--kv-cache-dtype", "fp8"]}
+LEVER_NAMES = {"bf16": "bf16", "fp8-kv": "FP8 K/V", "fp8-weights": "FP8 weights",
+               "both": "FP8 weights + FP8 K/V"}
+BUDGETS = {"24gb": ["--gpu-memory-utilization", "0.1592"], "whole": []}
+PROMPTS = 4000  # sharegpt_filtered.json's: no run can ask for more
+
+
+def budget(text: str) -> str:
+    """24gb, whole, or a KV budget in GB (a positive number)."""
+    if text in BUDGETS:
+        return text
+    try:
+        if float(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected 24gb, whole or a number of GB, got {text!r}")
+
+
+def budget_flags(name: str) -> list[str]:
+    return BUDGETS[name] if name in BUDGETS else ["--kv-budget-gb", name]
+
+
+class Runs:
+    """Fresh processes of one script with one set of flags: the finder's answer, and whether a
+    batch of n completes."""
+
+    def __init__(self, cache: str, flags: list[str], log):
+        self.command = [sys.executable, "-m", "engine.run", f"llama3_{cache}.py"]
+        self.flags, self.log = flags, log
+
+    def run(self, n: int, *more: str) -> int:
+        command = [*self.command, str(n), "--random-weights", *self.flags, *more]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        self.log.write(f"$ {' '.join(command[2:])}\n{done.stdout}{done.stderr}"
+                       f"exit {done.returncode}\n")
+        if done.returncode not in (0, OUT_OF_MEMORY):
+            tail = " ".join((done.stderr or done.stdout).split()[-60:])
+            raise UserError(f"`{' '.join(command[2:])}` exited {done.returncode}, neither "
+                            f"completing nor out of memory: {tail}")
+        return done.returncode
+
+    def found(self, upper: int) -> int:
+        """--find-max-batch's answer, at most `upper`: 0 if not even one request fits."""
+        with tempfile.TemporaryDirectory() as folder:
+            answer = Path(folder) / "found.json"
+            if self.run(upper, "--find-max-batch", "--json", str(answer)) == OUT_OF_MEMORY:
+                return 0
+            return json.loads(answer.read_text())["largest_batch_that_completes"]
+
+    def completes(self, n: int) -> bool:
+        return self.run(n) == 0
+
+
+def confirmed(runs: Runs, found: int, upper: int) -> tuple[int, list[list]]:
+    """The largest n that completes in a fresh process while n + 1 does not (or n is the upper
+    bound), starting from the finder's answer; and each check made, as [n, completes]."""
+    checks = []
+
+    def completes(n: int) -> bool:
+        checks.append([n, runs.completes(n)])
+        return checks[-1][1]
+    n = found
+    while n > 0 and not completes(n):  # down to one that completes: n + 1 has failed
+        n -= 1
+    if not checks or checks[0][1]:  # up while the next completes too
+        while n < upper and completes(n + 1):
+            n += 1
+    return n, checks
+
+
+def measure(a, extra: list[str]) -> dict:
+    entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
+    rows = []
+    with open(a.log, "w") if a.log else tempfile.TemporaryFile("w+") as log:
+        for b, c, lever in tqdm(entries, desc="capacity", unit="row", file=sys.stderr):
+            start = time.perf_counter()
+            runs = Runs(c, [*budget_flags(b), *LEVERS[lever], *extra], log)
+            found = runs.found(a.upper)
+            n, checks = confirmed(runs, found, a.upper)
+            rows.append({"budget": b, "cache": c, "lever": lever, "found": found,
+                         "requests": n, "at_least": n == a.upper, "checks": checks,
+                         "seconds": time.perf_counter() - start})
+    return {"flags": extra, "upper": a.upper, "rows": rows}
+
+
+def print_table(result: dict) -> None:
+    rows = result["rows"]
+    budgets = list(dict.fromkeys(r["budget"] for r in rows))
+    cell = {(r["budget"], r["cache"], r["lever"]): r for r in rows}
+    print(f"Requests that complete, confirmed by fresh processes at N and N + 1 (random weights; "
+          f"flags {' '.join(result['flags']) or 'none'} beside each budget's and lever's):\n")
+    print("| cache | lever | " + " | ".join(budgets) + " |")
+    print("|---|---|" + "---|" * len(budgets))
+    for c, lever in dict.fromkeys((r["cache"], r["lever"]) for r in rows):
+        cells = []
+        for b in budgets:
+            r, base = cell.get((b, c, lever)), cell.get((b, c, "bf16"))
+            if r is None:
+                cells.append("")
+                continue
+            text = f"{'at least ' if r['at_least'] else ''}{r['requests']:,}"
+            if lever != "bf16" and base and base["requests"]:
+                text += f" ({r['requests'] / base['requests']:.2f}x)"
+            if r["found"] != r["requests"]:
+                text += f"; the finder said {r['found']:,}"
+            cells.append(text)
+        print(f"| {c} | {LEVER_NAMES[lever]} | " + " | ".join(cells) + " |")
+
+
+def parse_arguments(argv=None):
+    p = argparse.ArgumentParser(prog="capacity_table.py", description=first_paragraph(__doc__),
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=HelpFormatter)
+    p.add_argument("--caches", nargs="+", choices=["naive", "paged"], default=["naive", "paged"])
+    p.add_argument("--levers", nargs="+", choices=list(LEVERS), default=list(LEVERS))
+    p.add_argument("--budgets", nargs="+", type=budget, default=["24gb", "whole"],
+                   help="24gb, whole, or GB of KV cache (default: 24gb whole)")
+    p.add_argument("--upper", type=positive_int, default=PROMPTS,
+                   help=f"the largest batch tried (default {PROMPTS:,}: every prompt)")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
+    p.add_argument("--log", type=writable_file, metavar="PATH", help="every run's output, here")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: flags for every run")
+    a = p.parse_args(argv)
+    a.flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_arguments(argv)
+    with one_paragraph_errors("capacity_table.py"):
+        if a.upper > PROMPTS:
+            raise UserError(f"--upper {a.upper:,}: the data set holds {PROMPTS:,} prompts.")
+        write_and_print(measure(a, a.flags), a.json, print_table)
+
+
+if __name__ == "__main__":
+    main()
