@@ -342,8 +342,7 @@ def nano_vllm_requests(num_requests: int) -> tuple[list[list[int]], list[int]]:
 def bench(a) -> dict:
     config = script_arguments(a)
     setup = load(config)  # under torchrun: this process's GPU and slice of the model
-    if a.script == "paged":
-        a.decode_kernel = decode_kernel(config)  # as engine/loader.py's table resolves auto
+    a.decode_kernel = decode_kernel(config)  # as engine/loader.py resolves it (auto: its table)
     process = torchrun_process()
     writes = process is None or process[0] == 0  # rank 0 writes, as it prints
     if not writes:
