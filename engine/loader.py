@@ -51,8 +51,8 @@ def decode_kernel(config: Config) -> str:
     """--decode-kernel, or for `auto` the table's kernel for this GPU, dtype and weights. With
     flash-attn's prefill, a float8 cache is always read by the Triton kernel: flash-attn 2
     reads no float8."""
-    flash_prefill = config.device.type == "cuda" and (
-        config.attn == "flash" or config.attn == "auto" and importable("flash_attn"))
+    flash_prefill = (config.device.type == "cuda"
+                     and attention_name(config.attn, config.device, config.dtype) == "flash")
     if not flash_prefill:  # choose_attention refuses "triton" here, and takes "flash" as none
         return "flash" if config.decode_kernel == "auto" else config.decode_kernel
     if config.kv_cache_dtype == "fp8":
@@ -93,16 +93,22 @@ def system_prompt(config: Config) -> str | None:
                         f"{e}") from e
 
 
+def attention_name(name: str, device: torch.device, dtype: str | None) -> str:
+    """--attn with `auto` resolved: flash-attn on CUDA when it imports, else the Triton kernel on
+    CUDA, else the PyTorch reference; for --dtype fp32 the reference, as both kernels read fp16
+    and bf16 only."""
+    if name != "auto":
+        return name
+    return ("torch" if device.type != "cuda" or dtype == "fp32" else
+            "flash" if importable("flash_attn") else
+            "triton" if importable("triton") else "torch")
+
+
 def choose_attention(name: str, device: torch.device, decode_kernel: str = "flash",
                      dtype: str | None = None):
-    """`auto` takes flash-attn on CUDA when it imports, else the Triton kernel on CUDA, else the
-    PyTorch reference; for --dtype fp32 the reference, as both kernels read fp16 and bf16 only.
-    decode_kernel "triton" (llama3_paged.py) decodes through the Triton kernel beside
-    flash-attn's prefill."""
-    if name == "auto":
-        name = ("torch" if device.type != "cuda" or dtype == "fp32" else
-                "flash" if importable("flash_attn") else
-                "triton" if importable("triton") else "torch")
+    """The backend --attn names (attention_name resolves `auto`). decode_kernel "triton"
+    (llama3_paged.py) decodes through the Triton kernel beside flash-attn's prefill."""
+    name = attention_name(name, device, dtype)
     if name != "torch" and dtype == "fp32":
         raise UserError(f"--attn {name} reads fp16 and bf16 only: with --dtype fp32 use --attn "
                         f"torch (the PyTorch reference), or --dtype bf16.")

@@ -13,9 +13,9 @@ CPU's). Each run is `python -m engine.run llama3_CACHE.py N --random-weights ...
 path, so every figure and ratio comes from the same code; each ratio is against the bf16 row of
 the same cache and budget, from this call. A fresh process can fit a request more or less than
 the finder's attempts in one process (memory the process holds after the first): the table
-gives what fresh processes confirm, and the finder's answer where it differs. At the data set's
-4,000 prompts the table says "at least". (What `python llama3_paged.py N` alone does, the lesson's
-loop, is another path: docs/memory.md gives its limits in their own row.)
+gives what fresh processes confirm, and the finder's answer where it differs. Where every prompt
+of the data set fits, the table says "at least". (What `python llama3_paged.py N` alone does, the
+lesson's loop, is another path: docs/memory.md gives its limits in their own row.)
 """
 
 import sys
@@ -29,6 +29,7 @@ exit_quietly_on_ctrl_c("capacity_table.py")  # before anything slow loads
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -37,14 +38,13 @@ from tqdm import tqdm
 
 from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, UserError, first_paragraph,
                           one_paragraph_errors, positive_int, writable_file)
+from plumbing.inputs import PROMPTS_FILE, read_records
 from tools.shared import write_and_print
 
-LEVERS = {"bf16": [], "fp8-kv": ["--kv-cache-dtype", "fp8"], "fp8-weights": ["-q", "fp8"],
-          "both": ["-q", "fp8", "--kv-cache-dtype", "fp8"]}
-LEVER_NAMES = {"bf16": "bf16", "fp8-kv": "FP8 K/V", "fp8-weights": "FP8 weights",
-               "both": "FP8 weights + FP8 K/V"}
+LEVERS = {"bf16": ("bf16", []), "fp8-kv": ("FP8 K/V", ["--kv-cache-dtype", "fp8"]),  # name, flags
+          "fp8-weights": ("FP8 weights", ["-q", "fp8"]),
+          "both": ("FP8 weights + FP8 K/V", ["-q", "fp8", "--kv-cache-dtype", "fp8"])}
 BUDGETS = {"24gb": ["--gpu-memory-utilization", "0.1592"], "whole": []}
-PROMPTS = 4000  # sharegpt_filtered.json's: no run can ask for more
 
 
 def budget(text: str) -> str:
@@ -114,10 +114,10 @@ def confirmed(runs: Runs, found: int, upper: int) -> tuple[int, list[list]]:
 def measure(a, extra: list[str]) -> dict:
     entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
     rows = []
-    with open(a.log, "w") if a.log else tempfile.TemporaryFile("w+") as log:
+    with open(a.log or os.devnull, "w") as log:
         for b, c, lever in tqdm(entries, desc="capacity", unit="row", file=sys.stderr):
             start = time.perf_counter()
-            runs = Runs(c, [*budget_flags(b), *LEVERS[lever], *extra], log)
+            runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log)
             found = runs.found(a.upper)
             n, checks = confirmed(runs, found, a.upper)
             rows.append({"budget": b, "cache": c, "lever": lever, "found": found,
@@ -147,7 +147,7 @@ def print_table(result: dict) -> None:
             if r["found"] != r["requests"]:
                 text += f"; the finder said {r['found']:,}"
             cells.append(text)
-        print(f"| {c} | {LEVER_NAMES[lever]} | " + " | ".join(cells) + " |")
+        print(f"| {c} | {LEVERS[lever][0]} | " + " | ".join(cells) + " |")
 
 
 def parse_arguments(argv=None):
@@ -157,8 +157,8 @@ def parse_arguments(argv=None):
     p.add_argument("--levers", nargs="+", choices=list(LEVERS), default=list(LEVERS))
     p.add_argument("--budgets", nargs="+", type=budget, default=["24gb", "whole"],
                    help="24gb, whole, or GB of KV cache (default: 24gb whole)")
-    p.add_argument("--upper", type=positive_int, default=PROMPTS,
-                   help=f"the largest batch tried (default {PROMPTS:,}: every prompt)")
+    p.add_argument("--upper", type=positive_int,
+                   help="the largest batch tried (default: every prompt of the data set)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     p.add_argument("--log", type=writable_file, metavar="PATH", help="every run's output, here")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: flags for every run")
@@ -170,8 +170,10 @@ def parse_arguments(argv=None):
 def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("capacity_table.py"):
-        if a.upper > PROMPTS:
-            raise UserError(f"--upper {a.upper:,}: the data set holds {PROMPTS:,} prompts.")
+        prompts = len(read_records(PROMPTS_FILE))  # no run can ask for more
+        a.upper = a.upper or prompts
+        if a.upper > prompts:
+            raise UserError(f"--upper {a.upper:,}: the data set holds {prompts:,} prompts.")
         write_and_print(measure(a, a.flags), a.json, print_table)
 
 
