@@ -22,11 +22,13 @@ from block_manager import to_device
 
 TOKENS_PER_TILE = 128  # tokens loaded per loop step, whatever the block size: a tile of 128
                        # tokens spans eight blocks of 16, or half a block of 256
-NUM_WARPS = 4  # with tiles of 128, faster than 8 warps or tiles of 64 at W's and W2's lengths,
-               # blocks of 16 or 256 (tools/decode_kernel_cost.py, docs/speed.md)
+NUM_WARPS = 4  # with tiles of 128: within 2% of the fastest at W's, W2's and N's typical steps;
+               # tiles of 64 in 2 warps win at W2's first, widest steps only (docs/fp8.md)
 # Float8 tiles are half the bytes, and the kernel's time goes to its arithmetic more than to its
-# loads (docs/fp8.md): smaller programs, more of them on each SM at once, hide it better.
-FP8_TOKENS_PER_TILE, FP8_NUM_WARPS = 64, 2
+# loads (docs/fp8.md): the smallest programs, a tile of 32 tokens in one warp, many on each SM at
+# once, hide it best: the fastest of tiles of 16 to 128 and 1 to 8 warps at W's, W2's and N's
+# lengths (tools/decode_kernel_cost.py).
+FP8_TOKENS_PER_TILE, FP8_NUM_WARPS = 32, 1
 
 
 @triton.jit

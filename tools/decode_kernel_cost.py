@@ -2,11 +2,13 @@
 (features/triton_attention.py) at several tile sizes and warp counts, on one layer's cache.
 
     python tools/decode_kernel_cost.py                      # W's and W2's lengths, blocks of 256 and 16
-    python tools/decode_kernel_cost.py --cases W W-16 --tiles 64,128 --warps 4,8
+    python tools/decode_kernel_cost.py --cases W W2-first --tiles 16,32,64 --warps 1,2
 
-Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's are
-W2's own at its middle decode step), longest first as the engine orders them, their K/V of random
-values in blocks scattered over the pool, Llama 3 8B's heads (32 query heads, 8 K/V heads of 128).
+Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's and
+W2-first's are W2's own at its middle and first decode steps), longest first as the engine orders
+them, their K/V of random values in blocks scattered over the pool, Llama 3 8B's heads (32 query
+heads, 8 K/V heads of 128). The Triton kernel is timed at every tile and warp count on the K/V
+in bf16 and again in float8 (features/fp8/cache.py: half the bytes).
 Each kernel is captured as a CUDA graph, as decode steps run it, so that Python's time to launch it
 is not counted (a Triton launch from Python takes tens of microseconds, as long as the kernel at
 W's lengths), and the replays are timed with CUDA events after a warm-up (medians). Each is set
@@ -42,19 +44,26 @@ def drawn(batch: int, fewest: int, most: int):
 
 
 def w2_median_step(generator, device) -> torch.Tensor:
-    return torch.tensor(w2_median_step_lengths(), device=device, dtype=torch.int32)
+    return torch.tensor(w2_step_lengths("median"), device=device, dtype=torch.int32)
+
+
+def w2_first_step(generator, device) -> torch.Tensor:
+    return torch.tensor(w2_step_lengths("first"), device=device, dtype=torch.int32)
 
 
 # name: (each request's cached tokens [B], block size). W's requests halfway through their 256
 # new tokens; W2's at a typical step (batch 220, replies of up to 2,048 tokens); W2 at batch 512;
-# W2-median: not drawn, W2's own requests at its decode step of median batch (below).
+# W2-median, W2-first: not drawn, W2's own requests at its decode step of median batch and at its
+# first (all 2,000 at their prompts' lengths: the short, wide steps), below.
 CASES = {
     "W": (drawn(256, 140, 400), 256),
     "W2": (drawn(220, 200, 2400), 256),
     "W2-512": (drawn(512, 200, 2400), 256),
+    "N": (drawn(256, 200, 1500), 256),  # prompts of 100-1,024 tokens, partway through as many new
     "W-16": (drawn(256, 140, 400), 16),
     "W2-16": (drawn(220, 200, 2400), 16),
     "W2-median": (w2_median_step, 256),
+    "W2-first": (w2_first_step, 256),
 }
 
 
@@ -62,10 +71,10 @@ def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
                    metavar="CASE",
-                   help=f"{', '.join(CASES)} (default: all; -16: blocks of 16)")
-    p.add_argument("--tiles", type=positive_int_list, default=[64, 128],
+                   help=f"{', '.join(CASES)} (default: all)")
+    p.add_argument("--tiles", type=positive_int_list, default=[32, 64, 128],
                    help="tokens the Triton kernel loads per step, powers of 2")
-    p.add_argument("--warps", type=positive_int_list, default=[4, 8],
+    p.add_argument("--warps", type=positive_int_list, default=[1, 2, 4],
                    help="warps per Triton program (powers of two)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write the figures here")
     a = p.parse_args(argv)
@@ -77,9 +86,9 @@ def parse_arguments(argv=None):
     return a
 
 
-def w2_median_step_lengths() -> list[int]:
-    """Each running request's cached tokens at W2's decode step of median batch (tools/bench.py
-    --workload W2): its prompt and the tokens made so far. The H200's pool holds all 2,000
+def w2_step_lengths(which: str) -> list[int]:
+    """Each running request's cached tokens at W2's first decode step or its step of median
+    batch (tools/bench.py --workload W2): its prompt and the tokens made so far. The H200's pool holds all 2,000
     requests, so every prompt is prefilled before the first decode step; then each request
     grows a token a step until its reply's length (end-of-text ignored), its first token from
     the prefill: a reply of r tokens runs decode steps 0 .. r - 2."""
@@ -88,7 +97,8 @@ def w2_median_step_lengths() -> list[int]:
     w2, tokenizer = bench.parse_arguments(["paged", "--workload", "W2"]), load_tokenizer()
     prompts, replies = bench.workload_requests(load_prompts(w2.num_requests, tokenizer),
                                                tokenizer, w2)
-    step = (max(replies) - 1) // 2  # the batch only shrinks: the middle step has the median one
+    # The batch only shrinks: the middle step has the median one.
+    step = 0 if which == "first" else (max(replies) - 1) // 2
     return [len(p) + step + 1 for p, r in zip(prompts, replies) if r - 2 >= step]
 
 
@@ -132,6 +142,11 @@ def measure(a) -> dict:
                                                     cache_seqlens=c["lengths"],
                                                     block_table=c["table"], causal=True)[:, 0]
             row["flash_seconds"], flash_out = median_cuda_seconds(as_graph(flash)), flash()
+        # The same K/V in float8 (features/fp8/cache.py): half the bytes read; its difference
+        # is from the bf16 Triton kernel's output at the same tile and warps.
+        scales = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float() * HEADROOM / FP8_MAX
+        keys8, values8 = quantize(c["keys"], scales[0]), quantize(c["values"], scales[1])
+        row["triton_fp8"] = []
         for tile in a.tiles:
             for warps in a.warps:
                 triton = lambda t=tile, w=warps: paged_decode(c["q"], c["keys"], c["values"],
@@ -141,14 +156,12 @@ def measure(a) -> dict:
                 differs = None if flash_out is None else (out.float() - flash_out.float()).abs().max().item()
                 row["triton"].append({"tile": tile, "warps": warps, "seconds": seconds,
                                       "max_difference_from_flash": differs})
-        # The same K/V in float8 (features/fp8/cache.py), float8's default tile and warps: half the
-        # bytes read; its difference is from the bf16 Triton kernel's output.
-        scales = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float() * HEADROOM / FP8_MAX
-        keys8, values8 = quantize(c["keys"], scales[0]), quantize(c["values"], scales[1])
-        fp8 = lambda: paged_decode(c["q"], keys8, values8, c["table"], c["lengths"], kv_scales=scales)
-        bf16 = paged_decode(c["q"], c["keys"], c["values"], c["table"], c["lengths"])
-        row["triton_fp8"] = {"seconds": median_cuda_seconds(as_graph(fp8)),
-                             "max_difference_from_bf16": (fp8().float() - bf16.float()).abs().max().item()}
+                fp8 = lambda t=tile, w=warps: paged_decode(c["q"], keys8, values8, c["table"],
+                                                          c["lengths"], kv_scales=scales, tile=t,
+                                                          num_warps=w)
+                row["triton_fp8"].append({
+                    "tile": tile, "warps": warps, "seconds": median_cuda_seconds(as_graph(fp8)),
+                    "max_difference_from_bf16": (fp8().float() - out.float()).abs().max().item()})
         cases.append(row)
     return {"device": torch.cuda.get_device_name(device),
             "copy_bandwidth_bytes_per_second": bandwidth, "cases": cases}
@@ -170,10 +183,11 @@ def print_table(result: dict) -> None:
             print(f"{head if i == 0 else '':<37}  {kernel:<22} {seconds * 1e6:>6.1f} us "
                   f"{r['kv_bytes'] / seconds / 1e12:>5.2f} TB/s "
                   f"{'' if differs is None else f'{differs:.1e}':>22}")
-        f = r["triton_fp8"]  # reads half the bytes: its TB/s is of the bytes it reads
-        differs = f"{f['max_difference_from_bf16']:.1e} from bf16"
-        print(f"{'':<37}  {'Triton, fp8 K/V':<22} {f['seconds'] * 1e6:>6.1f} us "
-              f"{r['kv_bytes'] / 2 / f['seconds'] / 1e12:>5.2f} TB/s {differs:>22}")
+        for f in r["triton_fp8"]:  # reads half the bytes: its TB/s is of the bytes it reads
+            kernel = f"fp8, tile {f['tile']}, {f['warps']} warps"
+            print(f"{'':<37}  {kernel:<22} {f['seconds'] * 1e6:>6.1f} us "
+                  f"{r['kv_bytes'] / 2 / f['seconds'] / 1e12:>5.2f} TB/s "
+                  f"{f['max_difference_from_bf16']:.1e} from bf16".rstrip())
 
 
 def main(argv=None) -> None:
