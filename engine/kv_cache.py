@@ -51,9 +51,18 @@ class EngineKVCache(lesson.KVCache):
         """The lesson's, with the write in one kernel on CUDA and prompts after cached tokens."""
         self.write(layer, k, v, batch)
         if isinstance(batch, CachedPrefillBatch):
-            return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
+            return self.attend_after_prefix(layer, q, k, v, batch)
         if isinstance(batch, lesson.PrefillBatch):  # a prompt's own k, v are all it attends to
             return self.attention_backend.prefill(q, k, v, batch)
+        return self.decode_attention(layer, q, batch)
+
+    def attend_after_prefix(self, layer: int, q, k, v, batch: CachedPrefillBatch) -> torch.Tensor:
+        """The prompts' new tokens over their cached tokens and themselves, through the table."""
+        return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
+
+    def decode_attention(self, layer: int, q, batch) -> torch.Tensor:
+        """A decode step's attention, one new token a request over its cached ones: [B, n_heads,
+        head_dim]. Alone, it is what tools/bench.py times as the decode kernel."""
         return self.attention_backend.decode(q, *self.blocks(layer), batch)
 
     def write(self, layer: int, k, v, batch) -> None:

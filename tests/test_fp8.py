@@ -99,6 +99,53 @@ def test_an_fp8_pool_holds_four_times_the_float32_tokens_and_says_so(tmp_path):
     assert "512 bytes per token" in out.stdout
 
 
+class FakeTritonDecode(TorchAttention):
+    """A Triton backend's shape on the CPU: `paged_decode` over float8 blocks with their scales,
+    written here as gather, dequantize and attend in float64."""
+
+    name = "triton"
+
+    @staticmethod
+    def paged_decode(q, key_blocks, value_blocks, block_table, cache_seqlens, kv_scales):
+        out = []
+        for r, n in enumerate(cache_seqlens.tolist()):
+            blocks = block_table[r, :math.ceil(n / key_blocks.shape[1])]
+            k, v = (dequantize(b[blocks].flatten(0, 1)[:n], scale, torch.float64)
+                    for b, scale in zip((key_blocks, value_blocks), kv_scales))
+            out.append(attend64(q[r].double(), k, v))
+        return torch.stack(out).to(q.dtype)
+
+
+def test_a_decode_step_hands_a_triton_backend_the_layers_float8_blocks_table_and_scales():
+    # Two layers, so that the scales and blocks must be the layer's own; the truth quantizes the
+    # K/V as the cache does and attends in float64.
+    args, block_size, lengths = PRESETS["tiny"], 16, [7, 21]
+    cache = FP8KVCache(args, 6, block_size, torch.float32, "cpu", FakeTritonDecode())
+    g = torch.Generator().manual_seed(3)
+    rows = [[4, 1], [0, 5]]
+    slots = torch.tensor([rows[r][t // block_size] * block_size + t % block_size
+                          for r, n in enumerate(lengths) for t in range(n)])
+    bounds = [0, lengths[0], sum(lengths)]
+    prefill = PrefillBatch(slots, torch.tensor(bounds, dtype=torch.int32), bounds, max(lengths))
+    kv = {}
+    for layer, spread in ((0, 1.0), (1, 7.0)):
+        k, v = (torch.randn(sum(lengths), args.n_kv_heads, args.head_dim, generator=g) * spread
+                for _ in range(2))
+        cache.attention(layer, torch.randn(sum(lengths), args.n_heads, args.head_dim, generator=g),
+                        k, v, prefill)
+        kv[layer] = k, v
+    q = torch.randn(2, args.n_heads, args.head_dim, generator=g)
+    batch = DecodeBatch(None, torch.tensor(rows, dtype=torch.int32),
+                        torch.tensor(lengths, dtype=torch.int32), max(lengths))
+    out = cache.decode_attention(1, q, batch)
+    k_scale, v_scale = (torch.tensor(x.abs().max().item() * HEADROOM / FP8_MAX) for x in kv[1])
+    for r in range(2):
+        part = slice(bounds[r], bounds[r + 1])
+        keys, values = (dequantize(quantize(x[part], scale), scale, torch.float64)
+                        for x, scale in ((kv[1][0], k_scale), (kv[1][1], v_scale)))
+        assert (out[r].double() - attend64(q[r].double(), keys, values)).abs().max() < 1e-4
+
+
 def outputs_after_a_cached_prefix(attention, device, dtype, block_size: int):
     """A prefill after a cached prefix through an FP8 cache, and its truth in float64. Prompt 0
     begins with block_size + 4 cached tokens (in blocks 5 and 2) and brings 9 new ones; prompt 1

@@ -195,8 +195,9 @@ def bookkeeping_seconds_per_step(block_size: int, running: int = 1000, steps: in
 
 def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float, int]:
     """One layer's decode attention alone, for requests cached to `lengths` (as many of the
-    first as the pool holds), over the pool's current contents: the kernel that --attn chooses,
-    without the rest of the step. Returns the seconds and how many requests it took."""
+    first as the pool holds), over the pool's current contents: the cache's own decode call
+    (a float8 cache's with its scales), without the rest of the step. Returns the seconds and
+    how many requests it took."""
     block_size, device = cache.block_size, setup.device
     manager = BlockManager(cache.num_blocks, block_size, len(lengths),
                            -(-max(lengths) // block_size), device)
@@ -211,9 +212,7 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
     q = torch.randn(len(lengths), args.n_heads, args.head_dim, dtype=setup.dtype, device=device)
     batch = DecodeBatch(None, manager.block_table[:len(lengths)],
                         torch.tensor(lengths, dtype=torch.int32, device=device), max(lengths))
-    key_blocks = cache.k[0, :cache.num_slots].view(cache.block_shape)
-    value_blocks = cache.v[0, :cache.num_slots].view(cache.block_shape)
-    seconds = median_cuda_seconds(lambda: setup.attention.decode(q, key_blocks, value_blocks, batch))
+    seconds = median_cuda_seconds(lambda: cache.decode_attention(0, q, batch))
     return seconds, len(lengths)
 
 

@@ -108,13 +108,10 @@ class FP8KVCache(Float8Writes, EngineKVCache):
         self.init_scales(args.n_layers, device, split_heads)
         self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
 
-    @torch.compiler.disable  # left out of compiled layers, as the engine's cache
-    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+    def write(self, layer: int, k, v, batch) -> None:
         self.write_float8(layer, k, v, batch, self.k[layer], self.v[layer])
-        if isinstance(batch, CachedPrefillBatch):  # some prompts begin with cached tokens
-            return self.attend_after_prefix(layer, q, k, v, batch)
-        if isinstance(batch, PrefillBatch):  # the fresh bf16 K/V: nothing cached before them
-            return self.attention_backend.prefill(q, k, v, batch)
+
+    def decode_attention(self, layer: int, q, batch) -> torch.Tensor:
         key_blocks, value_blocks = self.blocks(layer)
         if self.attention_backend.name == "torch":
             k_scale, v_scale = self.scales[layer, 0], self.scales[layer, 1]
