@@ -1,7 +1,7 @@
 """The decode attention kernels side by side: flash-attn's paged kernel against the Triton kernel
 (features/triton_attention.py) at several tile sizes and warp counts, on one layer's cache.
 
-    python tools/decode_kernel_cost.py                      # W's and W2's lengths, blocks of 256 and 16
+    python tools/decode_kernel_cost.py                      # every case, blocks of 256 and 16
     python tools/decode_kernel_cost.py --cases W W2-first --tiles 16,32,64 --warps 1,2
 
 Each case is a batch of requests with random lengths (uniform between two bounds; W2-median's and
@@ -43,12 +43,10 @@ def drawn(batch: int, fewest: int, most: int):
                                                    generator=generator, dtype=torch.int32)
 
 
-def w2_median_step(generator, device) -> torch.Tensor:
-    return torch.tensor(w2_step_lengths("median"), device=device, dtype=torch.int32)
-
-
-def w2_first_step(generator, device) -> torch.Tensor:
-    return torch.tensor(w2_step_lengths("first"), device=device, dtype=torch.int32)
+def w2_step(which: str):
+    """W2's own requests' lengths at its "first" or "median" decode step (w2_step_lengths)."""
+    return lambda generator, device: torch.tensor(w2_step_lengths(which), device=device,
+                                                  dtype=torch.int32)
 
 
 # name: (each request's cached tokens [B], block size). W's requests halfway through their 256
@@ -59,11 +57,11 @@ CASES = {
     "W": (drawn(256, 140, 400), 256),
     "W2": (drawn(220, 200, 2400), 256),
     "W2-512": (drawn(512, 200, 2400), 256),
-    "N": (drawn(256, 200, 1500), 256),  # prompts of 100-1,024 tokens, partway through as many new
+    "N": (drawn(256, 200, 1500), 256),  # prompts of 100-1,024 tokens, partway through their replies
     "W-16": (drawn(256, 140, 400), 16),
     "W2-16": (drawn(220, 200, 2400), 16),
-    "W2-median": (w2_median_step, 256),
-    "W2-first": (w2_first_step, 256),
+    "W2-median": (w2_step("median"), 256),
+    "W2-first": (w2_step("first"), 256),
 }
 
 
@@ -88,10 +86,10 @@ def parse_arguments(argv=None):
 
 def w2_step_lengths(which: str) -> list[int]:
     """Each running request's cached tokens at W2's first decode step or its step of median
-    batch (tools/bench.py --workload W2): its prompt and the tokens made so far. The H200's pool holds all 2,000
-    requests, so every prompt is prefilled before the first decode step; then each request
-    grows a token a step until its reply's length (end-of-text ignored), its first token from
-    the prefill: a reply of r tokens runs decode steps 0 .. r - 2."""
+    batch (tools/bench.py --workload W2): its prompt and the tokens made so far. The H200's pool
+    holds all 2,000 requests, so every prompt is prefilled before the first decode step; then each
+    request grows a token a step until its reply's length (end-of-text ignored), its first token
+    from the prefill: a reply of r tokens runs decode steps 0 .. r - 2."""
     from tools import bench
     from plumbing.inputs import load_prompts, load_tokenizer
     w2, tokenizer = bench.parse_arguments(["paged", "--workload", "W2"]), load_tokenizer()
@@ -187,7 +185,7 @@ def print_table(result: dict) -> None:
             kernel = f"fp8, tile {f['tile']}, {f['warps']} warps"
             print(f"{'':<37}  {kernel:<22} {f['seconds'] * 1e6:>6.1f} us "
                   f"{r['kv_bytes'] / 2 / f['seconds'] / 1e12:>5.2f} TB/s "
-                  f"{f['max_difference_from_bf16']:.1e} from bf16".rstrip())
+                  f"{f['max_difference_from_bf16']:.1e} from bf16")
 
 
 def main(argv=None) -> None:
