@@ -1,5 +1,7 @@
 """tools/capacity_table.py: the finder's answer confirmed by fresh processes at N and N + 1."""
 
+import time
+
 import pytest
 
 from tools import capacity_table
@@ -41,6 +43,51 @@ def test_each_ratio_is_against_the_bf16_row_of_its_cache_and_budget(capsys):
     out = capsys.readouterr().out
     assert "| naive | FP8 K/V | 12 (2.00x) |" in out
     assert "| paged | FP8 weights | 322 (2.24x); the finder said 321 |" in out
+
+
+class FakeRuns(KnownCapacity):
+    """Runs of a script whose capacity is known per lever, each writing a line to the log; the
+    bf16 row's finder waits, so that rows measured at once finish out of order."""
+
+    CAPACITY = {"bf16": 5, "fp8-kv": 11, "fp8-weights": 8, "both": 17}
+
+    def __init__(self, cache: str, flags: list[str], log):
+        lever = next(name for name, (_, lever_flags) in reversed(capacity_table.LEVERS.items())
+                     if all(f in flags for f in lever_flags))
+        super().__init__(self.CAPACITY[lever])
+        self.lever, self.log = lever, log
+
+    def found(self, upper: int) -> int:
+        if self.lever == "bf16":
+            time.sleep(0.2)
+        self.log.write(f"{self.lever} found\n")
+        return self.capacity - 1  # low by one: a fresh process confirms one more
+
+    def completes(self, n: int) -> bool:
+        self.log.write(f"{self.lever} {n}\n")
+        return super().completes(n)
+
+
+@pytest.mark.parametrize("jobs", [1, 4])
+def test_rows_measured_at_once_keep_the_tables_order_and_each_rows_log_together(
+        tmp_path, monkeypatch, jobs):
+    monkeypatch.setattr(capacity_table, "Runs", FakeRuns)
+    a = capacity_table.parse_arguments(["--caches", "paged", "--budgets", "24gb", "--jobs",
+                                        str(jobs), "--upper", "30", "--log",
+                                        str(tmp_path / "log")])
+    rows = capacity_table.measure(a, [])["rows"]
+    assert [(r["lever"], r["requests"], r["found"]) for r in rows] == [
+        (lever, n, n - 1) for lever, n in FakeRuns.CAPACITY.items()]
+    log = (tmp_path / "log").read_text().split()
+    assert log[:6] == ["bf16", "found", "bf16", "4", "bf16", "5"]  # the first row's runs first
+
+
+def test_runs_at_once_must_fit_the_gpu_together(capsys):
+    for flags, advice in ((["--budgets", "whole", "--jobs", "2"], "with --jobs 1"),
+                          (["--budgets", "24gb", "--jobs", "6"], "--jobs 5 or fewer")):
+        with pytest.raises(SystemExit) as e:
+            capacity_table.main(flags)
+        assert e.value.code == 2 and advice in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ answer confirmed by fresh processes at N (which completes) and N + 1 (which does
 
     python tools/capacity_table.py                          # naive, paged; 4 levers; 2 budgets
     python tools/capacity_table.py --caches paged --levers bf16 fp8-kv --budgets 24gb
+    python tools/capacity_table.py --budgets 24gb --jobs 5  # five rows at once on one GPU
     python tools/capacity_table.py --budgets 0.004 --upper 8 -- --model tiny --device cpu
                                                             # after --: flags for every run
 
@@ -28,16 +29,18 @@ from plumbing.interrupt import exit_quietly_on_ctrl_c
 exit_quietly_on_ctrl_c("capacity_table.py")  # before anything slow loads
 
 import argparse
+import io
 import json
 import os
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from tqdm import tqdm
 
-from plumbing.cli import (OUT_OF_MEMORY, HelpFormatter, UserError, first_paragraph,
-                          one_paragraph_errors, positive_int, writable_file)
+from plumbing.cli import (GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, HelpFormatter, UserError,
+                          first_paragraph, one_paragraph_errors, positive_int, writable_file)
 from plumbing.inputs import PROMPTS_FILE, read_records
 from tools.shared import write_and_print
 
@@ -111,19 +114,33 @@ def confirmed(runs: Runs, found: int, upper: int) -> tuple[int, list[list]]:
     return n, checks
 
 
+def measure_row(entry: tuple[str, str, str], upper: int, extra: list[str]) -> tuple[dict, str]:
+    """One row: the finder, then fresh processes around its answer. Returns the row, and its
+    runs' output for the log."""
+    b, c, lever = entry
+    log, start = io.StringIO(), time.perf_counter()
+    runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log)
+    found = runs.found(upper)
+    n, checks = confirmed(runs, found, upper)
+    return {"budget": b, "cache": c, "lever": lever, "found": found, "requests": n,
+            "at_least": n == upper, "checks": checks,
+            "seconds": time.perf_counter() - start}, log.getvalue()
+
+
 def measure(a, extra: list[str]) -> dict:
+    """Every row, --jobs at a time: each run's budget counts its own process's memory (what it
+    allocated, plumbing/inputs.py's kv_budget_bytes), so rows that share the GPU should find
+    what they would alone as long as their shares fit it together."""
     entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
-    rows = []
+    with ThreadPoolExecutor(a.jobs) as pool:
+        futures = [pool.submit(measure_row, entry, a.upper, extra) for entry in entries]
+        for _ in tqdm(as_completed(futures), total=len(futures), desc="capacity", unit="row",
+                      file=sys.stderr):
+            pass
+        measured = [future.result() for future in futures]  # in the table's order
     with open(a.log or os.devnull, "w") as log:
-        for b, c, lever in tqdm(entries, desc="capacity", unit="row", file=sys.stderr):
-            start = time.perf_counter()
-            runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log)
-            found = runs.found(a.upper)
-            n, checks = confirmed(runs, found, a.upper)
-            rows.append({"budget": b, "cache": c, "lever": lever, "found": found,
-                         "requests": n, "at_least": n == a.upper, "checks": checks,
-                         "seconds": time.perf_counter() - start})
-    return {"flags": extra, "upper": a.upper, "rows": rows}
+        log.writelines(text for _, text in measured)
+    return {"flags": extra, "upper": a.upper, "rows": [row for row, _ in measured]}
 
 
 def print_table(result: dict) -> None:
@@ -161,6 +178,8 @@ def parse_arguments(argv=None):
                    help="the largest batch tried (default: every prompt of the data set)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     p.add_argument("--log", type=writable_file, metavar="PATH", help="every run's output, here")
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="rows measured at once: their budgets must fit the GPU together")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: flags for every run")
     a = p.parse_args(argv)
     a.flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
@@ -174,6 +193,15 @@ def main(argv=None) -> None:
         a.upper = a.upper or prompts
         if a.upper > prompts:
             raise UserError(f"--upper {a.upper:,}: the data set holds {prompts:,} prompts.")
+        if a.jobs > 1 and "whole" in a.budgets:
+            raise UserError(f"--jobs {a.jobs} with the whole GPU's budget: each run takes "
+                            f"{GPU_MEMORY_UTILIZATION:.0%} of it, so two would not fit at once. "
+                            f"Measure the whole GPU with --jobs 1.")
+        shares = [float(BUDGETS[b][1]) for b in a.budgets if b == "24gb"]
+        if shares and a.jobs * max(shares) > GPU_MEMORY_UTILIZATION:
+            raise UserError(f"--jobs {a.jobs} runs of {max(shares):.1%} of the GPU each would "
+                            f"take more than {GPU_MEMORY_UTILIZATION:.0%} of it together: use "
+                            f"--jobs {int(GPU_MEMORY_UTILIZATION // max(shares))} or fewer.")
         write_and_print(measure(a, a.flags), a.json, print_table)
 
 
