@@ -1,5 +1,6 @@
 """tools/capacity_table.py: the finder's answer confirmed by fresh processes at N and N + 1."""
 
+import math
 import time
 
 import pytest
@@ -21,9 +22,9 @@ class KnownCapacity:
 @pytest.mark.parametrize("capacity, found, confirmed, runs", [
     (7, 7, 7, 2),  # the finder was right: 7 completes, 8 does not
     (7, 5, 7, 4),  # a request or two low (memory the finder's process held): up to 7
-    (7, 9, 7, 3),  # too high: down to 7, whose 8 has failed already
+    (7, 9, 7, 4),  # too high: 8 fails too, 6 completes, then 7 between them
     (0, 0, 0, 1),  # not even one: 1 fails
-    (30, 7, 20, 14),  # past the upper bound: "at least 20"
+    (30, 7, 20, 5),  # past the upper bound: 8, 10, 14, then 20, "at least 20"
 ])
 def test_the_table_gives_what_fresh_processes_confirm(capacity, found, confirmed, runs):
     processes = KnownCapacity(capacity)
@@ -31,6 +32,15 @@ def test_the_table_gives_what_fresh_processes_confirm(capacity, found, confirmed
     assert n == confirmed and processes.runs == runs == len(checks)
     assert [n, True] in checks or n == 0
     assert [n + 1, False] in checks or n == 20
+
+
+@pytest.mark.parametrize("capacity, start", [(2_715, 2_900), (2_715, 144), (144, 2_715)])
+def test_a_start_far_from_the_answer_costs_runs_as_the_log_of_the_distance(capacity, start):
+    # The lesson's loop is searched from the engine's answer, which can be a few hundred off.
+    processes = KnownCapacity(capacity)
+    n, checks = capacity_table.confirmed(processes, start, upper=4_000)
+    assert n == capacity and [n, True] in checks and [n + 1, False] in checks
+    assert len(checks) <= 2 * math.log2(abs(capacity - start)) + 3
 
 
 def test_each_ratio_is_against_the_bf16_row_of_its_cache_and_budget(capsys):
@@ -46,18 +56,22 @@ def test_each_ratio_is_against_the_bf16_row_of_its_cache_and_budget(capsys):
 
 
 class FakeRuns(KnownCapacity):
-    """Runs of a script whose capacity is known per lever, each writing a line to the log; the
-    bf16 row's finder waits, so that rows measured at once finish out of order."""
+    """Runs of a script whose capacity is known per lever (the script alone, engine=False, fits
+    fewer), each writing a line to the log; the bf16 row's finder waits, so that rows measured
+    at once finish out of order."""
 
     CAPACITY = {"bf16": 5, "fp8-kv": 11, "fp8-weights": 8, "both": 17}
+    LESSON_LOOP = 4
 
-    def __init__(self, cache: str, flags: list[str], log):
+    def __init__(self, cache: str, flags: list[str], log, engine: bool):
         lever = next(name for name, (_, lever_flags) in reversed(capacity_table.LEVERS.items())
-                     if all(f in flags for f in lever_flags))
-        super().__init__(self.CAPACITY[lever])
+                     if name in self.CAPACITY and all(f in flags for f in lever_flags))
+        lever = lever if engine else "loop"
+        super().__init__(self.CAPACITY[lever] if engine else self.LESSON_LOOP)
         self.lever, self.log = lever, log
 
     def found(self, upper: int) -> int:
+        assert self.lever != "loop", "the lesson's loop has no finder"
         if self.lever == "bf16":
             time.sleep(0.2)
         self.log.write(f"{self.lever} found\n")
@@ -70,21 +84,27 @@ class FakeRuns(KnownCapacity):
 
 @pytest.mark.parametrize("jobs", [1, 4])
 def test_rows_measured_at_once_keep_the_tables_order_and_each_rows_log_together(
-        tmp_path, monkeypatch, jobs):
+        tmp_path, monkeypatch, capsys, jobs):
     monkeypatch.setattr(capacity_table, "Runs", FakeRuns)
     a = capacity_table.parse_arguments(["--caches", "paged", "--budgets", "24gb", "--jobs",
                                         str(jobs), "--upper", "30", "--log",
                                         str(tmp_path / "log")])
-    rows = capacity_table.measure(a, [])["rows"]
-    assert [(r["lever"], r["requests"], r["found"]) for r in rows] == [
-        (lever, n, n - 1) for lever, n in FakeRuns.CAPACITY.items()]
+    result = capacity_table.measure(a, [])
+    assert [(r["lever"], r["requests"], r["found"]) for r in result["rows"]] == [
+        *((lever, n, n - 1) for lever, n in FakeRuns.CAPACITY.items()),
+        ("lesson-loop", 4, 5)]  # searched from the engine's bf16 answer: 5 fails, 4 completes
     log = (tmp_path / "log").read_text().split()
     assert log[:6] == ["bf16", "found", "bf16", "4", "bf16", "5"]  # the first row's runs first
+    assert log[-4:] == ["loop", "5", "loop", "4"]
+    capacity_table.print_table(result)
+    assert "| paged | bf16, the lesson's loop (the script alone) | 4 |" in capsys.readouterr().out
 
 
-def test_runs_at_once_must_fit_the_gpu_together(capsys):
+def test_what_cannot_be_measured_as_asked_is_refused_in_one_paragraph(capsys):
     for flags, advice in ((["--budgets", "whole", "--jobs", "2"], "with --jobs 1"),
-                          (["--budgets", "24gb", "--jobs", "6"], "--jobs 5 or fewer")):
+                          (["--budgets", "24gb", "--jobs", "6"], "--jobs 5 or fewer"),
+                          (["--levers", "fp8-kv", "lesson-loop"], "add bf16 to --levers"),
+                          (["--", "--no-compile"], "takes no engine flag")):
         with pytest.raises(SystemExit) as e:
             capacity_table.main(flags)
         assert e.value.code == 2 and advice in capsys.readouterr().err
@@ -93,8 +113,10 @@ def test_runs_at_once_must_fit_the_gpu_together(capsys):
 @pytest.mark.slow
 def test_the_naive_caches_limits_are_its_budget_over_max_seq_len_slots(tmp_path, capsys):
     # The naive cache reserves --max-seq-len slots per request: an 8.00 MB budget holds 3
-    # requests of 1,024 tokens x 2 KiB (float32 on the CPU), and 15 of 512 bytes (float8 K/V).
-    capacity_table.main(["--caches", "naive", "--levers", "bf16", "fp8-kv", "--budgets", "0.008",
+    # requests of 1,024 tokens x 2 KiB (float32 on the CPU), and 15 of 512 bytes (float8 K/V),
+    # through the engine or, bf16, the script's own loop alike.
+    capacity_table.main(["--caches", "naive", "--levers", "bf16", "fp8-kv", "lesson-loop",
+                         "--budgets", "0.008",
                          "--upper", "20", "--json", str(tmp_path / "t.json"), "--", "--model",
                          "tiny", "--device", "cpu", "--max-seq-len", "1024",
                          "--max-new-tokens", "8"])
@@ -102,3 +124,4 @@ def test_the_naive_caches_limits_are_its_budget_over_max_seq_len_slots(tmp_path,
     assert 3 == int(budget // (slots * 2048)) and 15 == int(budget // (slots * 512))
     out = capsys.readouterr().out
     assert "| naive | bf16 | 3 |" in out and "| naive | FP8 K/V | 15 (5.00x) |" in out
+    assert "| naive | bf16, the lesson's loop (the script alone) | 3 |" in out  # the same budget

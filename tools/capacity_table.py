@@ -1,7 +1,7 @@
 """How many requests fit, lever by lever, all from one path: the engine's --find-max-batch, each
 answer confirmed by fresh processes at N (which completes) and N + 1 (which does not).
 
-    python tools/capacity_table.py                          # naive, paged; 4 levers; 2 budgets
+    python tools/capacity_table.py                # naive, paged; 4 levers, the lesson's loop; 2 budgets
     python tools/capacity_table.py --caches paged --levers bf16 fp8-kv --budgets 24gb
     python tools/capacity_table.py --budgets 24gb --jobs 5  # five rows at once on one GPU
     python tools/capacity_table.py --budgets 0.004 --upper 8 -- --model tiny --device cpu
@@ -15,8 +15,10 @@ path, so every figure and ratio comes from the same code; each ratio is against 
 the same cache and budget, from this call. A fresh process can fit a request more or less than
 the finder's attempts in one process (memory the process holds after the first): the table
 gives what fresh processes confirm, and the finder's answer where it differs. Where every prompt
-of the data set fits, the table says "at least". (What `python llama3_paged.py N` alone does, the
-lesson's loop, is another path: docs/memory.md gives its limits in their own row.)
+of the data set fits, the table says "at least". The last row of each cache, lesson-loop, is
+another path in its own row: the script alone (`python llama3_paged.py N`, the lesson's loop, no
+engine), which has no finder: fresh processes search from the engine's bf16 answer, in steps
+that double until they pass it, then halve; no ratio stands beside it.
 """
 
 import sys
@@ -44,9 +46,11 @@ from plumbing.cli import (GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, HelpFormatter, 
 from plumbing.inputs import PROMPTS_FILE, read_records
 from tools.shared import write_and_print
 
+LESSON_LOOP = "lesson-loop"  # not the engine: the script alone, searched from the engine's bf16 answer
 LEVERS = {"bf16": ("bf16", []), "fp8-kv": ("FP8 K/V", ["--kv-cache-dtype", "fp8"]),  # name, flags
           "fp8-weights": ("FP8 weights", ["-q", "fp8"]),
-          "both": ("FP8 weights + FP8 K/V", ["-q", "fp8", "--kv-cache-dtype", "fp8"])}
+          "both": ("FP8 weights + FP8 K/V", ["-q", "fp8", "--kv-cache-dtype", "fp8"]),
+          LESSON_LOOP: ("bf16, the lesson's loop (the script alone)", [])}
 BUDGETS = {"24gb": ["--gpu-memory-utilization", "0.1592"], "whole": []}
 
 
@@ -67,22 +71,24 @@ def budget_flags(name: str) -> list[str]:
 
 
 class Runs:
-    """Fresh processes of one script with one set of flags: the finder's answer, and whether a
-    batch of n completes."""
+    """Fresh processes of one script with one set of flags, through the engine (`python -m
+    engine.run`) or, engine=False, the script alone: the finder's answer, and whether a batch of
+    n completes."""
 
-    def __init__(self, cache: str, flags: list[str], log):
-        self.command = [sys.executable, "-m", "engine.run", f"llama3_{cache}.py"]
+    def __init__(self, cache: str, flags: list[str], log, engine: bool = True):
+        engine_program = ["-m", "engine.run"] if engine else []
+        self.command = [sys.executable, *engine_program, f"llama3_{cache}.py"]
         self.flags, self.log = flags, log
 
     def run(self, n: int, *more: str) -> int:
         command = [*self.command, str(n), "--random-weights", *self.flags, *more]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        self.log.write(f"$ {' '.join(command[2:])}\n{done.stdout}{done.stderr}"
-                       f"exit {done.returncode}\n")
+        shown = " ".join(["python", *command[1:]])
+        self.log.write(f"$ {shown}\n{done.stdout}{done.stderr}exit {done.returncode}\n")
         if done.returncode not in (0, OUT_OF_MEMORY):
             tail = " ".join((done.stderr or done.stdout).split()[-60:])
-            raise UserError(f"`{' '.join(command[2:])}` exited {done.returncode}, neither "
-                            f"completing nor out of memory: {tail}")
+            raise UserError(f"`{shown}` exited {done.returncode}, neither completing nor out "
+                            f"of memory: {tail}")
         return done.returncode
 
     def found(self, upper: int) -> int:
@@ -99,48 +105,72 @@ class Runs:
 
 def confirmed(runs: Runs, found: int, upper: int) -> tuple[int, list[list]]:
     """The largest n that completes in a fresh process while n + 1 does not (or n is the upper
-    bound), starting from the finder's answer; and each check made, as [n, completes]."""
+    bound), searched from `found` (the finder's answer, or another path's): steps of 1, 2, 4 ...
+    away from it until the answer is passed, then halving the gap. Returns n and each check
+    made, as [n, completes]."""
     checks = []
 
     def completes(n: int) -> bool:
         checks.append([n, runs.completes(n)])
         return checks[-1][1]
-    n = found
-    while n > 0 and not completes(n):  # down to one that completes: n + 1 has failed
-        n -= 1
-    if not checks or checks[0][1]:  # up while the next completes too
-        while n < upper and completes(n + 1):
-            n += 1
-    return n, checks
+    lo, hi = 0, upper + 1  # lo completes (0 requests trivially), hi does not (past the bound)
+    start = min(found, upper)
+    if start > 0:
+        lo, hi = (start, hi) if completes(start) else (lo, start)
+    step = 1
+    while hi == upper + 1 and lo < upper:  # up from an n that completes
+        probe = min(lo + step, upper)
+        lo, hi = (probe, hi) if completes(probe) else (lo, probe)
+        step *= 2
+    while lo == 0 and hi > 1:  # down from an n that does not
+        probe = max(hi - step, 1)
+        lo, hi = (probe, hi) if completes(probe) else (lo, probe)
+        step *= 2
+    while hi - lo > 1:
+        middle = (lo + hi) // 2
+        lo, hi = (middle, hi) if completes(middle) else (lo, middle)
+    return lo, checks
 
 
-def measure_row(entry: tuple[str, str, str], upper: int, extra: list[str]) -> tuple[dict, str]:
-    """One row: the finder, then fresh processes around its answer. Returns the row, and its
-    runs' output for the log."""
+def measure_row(entry: tuple[str, str, str], upper: int, extra: list[str],
+                start: int | None = None) -> tuple[dict, str]:
+    """One row: the finder (or, for the lesson's loop, `start`: the engine's answer), then fresh
+    processes around its answer. Returns the row, and its runs' output for the log."""
     b, c, lever = entry
-    log, start = io.StringIO(), time.perf_counter()
-    runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log)
-    found = runs.found(upper)
+    log, began = io.StringIO(), time.perf_counter()
+    runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log, lever != LESSON_LOOP)
+    found = start if lever == LESSON_LOOP else runs.found(upper)
     n, checks = confirmed(runs, found, upper)
     return {"budget": b, "cache": c, "lever": lever, "found": found, "requests": n,
             "at_least": n == upper, "checks": checks,
-            "seconds": time.perf_counter() - start}, log.getvalue()
+            "seconds": time.perf_counter() - began}, log.getvalue()
 
 
 def measure(a, extra: list[str]) -> dict:
     """Every row, --jobs at a time: each run's budget counts its own process's memory (what it
     allocated, plumbing/inputs.py's kv_budget_bytes), so rows that share the GPU should find
-    what they would alone as long as their shares fit it together."""
+    what they would alone as long as their shares fit it together. The lesson's loop rows come
+    last, each searched from its cache and budget's bf16 answer."""
     entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
+    engine_rows = [e for e in entries if e[2] != LESSON_LOOP]
+    measured = dict(zip(engine_rows, measure_rows(engine_rows, a, extra)))
+    loop_rows = [e for e in entries if e[2] == LESSON_LOOP]
+    starts = [measured[(b, c, "bf16")][0]["requests"] for b, c, _ in loop_rows]
+    measured |= dict(zip(loop_rows, measure_rows(loop_rows, a, extra, starts)))
+    with open(a.log or os.devnull, "w") as log:
+        log.writelines(measured[e][1] for e in entries)
+    return {"flags": extra, "upper": a.upper, "rows": [measured[e][0] for e in entries]}
+
+
+def measure_rows(entries: list, a, extra: list[str], starts: list | None = None) -> list:
+    """measure_row of each entry, --jobs at a time, in the entries' order."""
     with ThreadPoolExecutor(a.jobs) as pool:
-        futures = [pool.submit(measure_row, entry, a.upper, extra) for entry in entries]
+        futures = [pool.submit(measure_row, entry, a.upper, extra, start)
+                   for entry, start in zip(entries, starts or [None] * len(entries))]
         for _ in tqdm(as_completed(futures), total=len(futures), desc="capacity", unit="row",
                       file=sys.stderr):
             pass
-        measured = [future.result() for future in futures]  # in the table's order
-    with open(a.log or os.devnull, "w") as log:
-        log.writelines(text for _, text in measured)
-    return {"flags": extra, "upper": a.upper, "rows": [row for row, _ in measured]}
+        return [future.result() for future in futures]
 
 
 def print_table(result: dict) -> None:
@@ -159,9 +189,9 @@ def print_table(result: dict) -> None:
                 cells.append("")
                 continue
             text = f"{'at least ' if r['at_least'] else ''}{r['requests']:,}"
-            if lever != "bf16" and base and base["requests"]:
+            if lever not in ("bf16", LESSON_LOOP) and base and base["requests"]:
                 text += f" ({r['requests'] / base['requests']:.2f}x)"
-            if r["found"] != r["requests"]:
+            if r["found"] != r["requests"] and lever != LESSON_LOOP:
                 text += f"; the finder said {r['found']:,}"
             cells.append(text)
         print(f"| {c} | {LEVERS[lever][0]} | " + " | ".join(cells) + " |")
@@ -186,6 +216,21 @@ def parse_arguments(argv=None):
     return a
 
 
+def check_lesson_loop(a) -> None:
+    """The lesson's loop row is searched from the engine's bf16 row, and runs the script alone:
+    only with flags the lesson takes (another would hand the run to the engine)."""
+    if "bf16" not in a.levers:
+        raise UserError("The lesson's loop is searched from the engine's bf16 answer: add bf16 "
+                        "to --levers.")
+    from plumbing.cli import add_pool_arguments, needs_features
+    for c in a.caches:
+        for b in a.budgets:
+            argv = ["1", "--random-weights", *budget_flags(b), *a.flags]
+            if needs_features(f"llama3_{c}.py", argv, add_pool_arguments if c == "paged" else None):
+                raise UserError(f"The lesson's loop takes no engine flag, and `{' '.join(a.flags)}`"
+                                f" holds one: leave lesson-loop out of --levers, or those flags.")
+
+
 def main(argv=None) -> None:
     a = parse_arguments(argv)
     with one_paragraph_errors("capacity_table.py"):
@@ -193,6 +238,8 @@ def main(argv=None) -> None:
         a.upper = a.upper or prompts
         if a.upper > prompts:
             raise UserError(f"--upper {a.upper:,}: the data set holds {prompts:,} prompts.")
+        if LESSON_LOOP in a.levers:
+            check_lesson_loop(a)
         if a.jobs > 1 and "whole" in a.budgets:
             raise UserError(f"--jobs {a.jobs} with the whole GPU's budget: each run takes "
                             f"{GPU_MEMORY_UTILIZATION:.0%} of it, so two would not fit at once. "
