@@ -153,23 +153,23 @@ def measure(a, extra: list[str]) -> dict:
     last, each searched from its cache and budget's bf16 answer."""
     entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
     engine_rows = [e for e in entries if e[2] != LESSON_LOOP]
-    measured = dict(zip(engine_rows, measure_rows(engine_rows, a, extra)))
     loop_rows = [e for e in entries if e[2] == LESSON_LOOP]
-    starts = [measured[(b, c, "bf16")][0]["requests"] for b, c, _ in loop_rows]
-    measured |= dict(zip(loop_rows, measure_rows(loop_rows, a, extra, starts)))
+    with tqdm(total=len(entries), desc="capacity", unit="row", file=sys.stderr) as bar:
+        measured = dict(zip(engine_rows, measure_rows(engine_rows, a, extra, bar)))
+        starts = [measured[(b, c, "bf16")][0]["requests"] for b, c, _ in loop_rows]
+        measured |= dict(zip(loop_rows, measure_rows(loop_rows, a, extra, bar, starts)))
     with open(a.log or os.devnull, "w") as log:
         log.writelines(measured[e][1] for e in entries)
     return {"flags": extra, "upper": a.upper, "rows": [measured[e][0] for e in entries]}
 
 
-def measure_rows(entries: list, a, extra: list[str], starts: list | None = None) -> list:
+def measure_rows(entries: list, a, extra: list[str], bar, starts: list | None = None) -> list:
     """measure_row of each entry, --jobs at a time, in the entries' order."""
     with ThreadPoolExecutor(a.jobs) as pool:
         futures = [pool.submit(measure_row, entry, a.upper, extra, start)
                    for entry, start in zip(entries, starts or [None] * len(entries))]
-        for _ in tqdm(as_completed(futures), total=len(futures), desc="capacity", unit="row",
-                      file=sys.stderr):
-            pass
+        for _ in as_completed(futures):
+            bar.update()
         return [future.result() for future in futures]
 
 
