@@ -493,6 +493,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return f"{action.help} (default: {','.join(map(str, action.default))})"
         return super()._get_help_string(action)
 
+    def _fill_text(self, text, width, indent):
+        """Each paragraph filled to the width, as argparse fills one; a paragraph of indented
+        lines (commands to copy, in a tool's epilog) kept line by line."""
+        fill = super()._fill_text
+        return "\n\n".join(paragraph if paragraph.startswith("    ") else fill(paragraph, width, indent)
+                           for paragraph in text.split("\n\n"))
+
 
 class FlagParser(argparse.ArgumentParser):
     """An argument parser that keeps every flag it defines by its field's name (`flags`), so that

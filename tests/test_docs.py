@@ -109,3 +109,16 @@ def test_every_flag_is_described_in_one_line_at_100_columns(monkeypatch):
                     if len(formatter._split_lines(text, 100 - 24)) > 1:
                         too_long.append((prog, action.option_strings or action.dest))
     assert not too_long, too_long
+
+
+@pytest.mark.parametrize("tool", [same_tokens, capacity_table])
+def test_a_tools_help_keeps_its_example_commands_one_per_line(tool, capsys, monkeypatch):
+    # Its epilog is the docstring after the first paragraph: the commands, then the prose,
+    # which is filled to the width as argparse fills text.
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        tool.parse_arguments(["--help"])
+    shown = capsys.readouterr().out.splitlines()
+    examples = tool.__doc__.split("\n\n")[1].splitlines()
+    assert all(line in shown for line in examples)
+    assert all(len(line) <= 100 for line in shown)

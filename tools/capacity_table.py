@@ -1,7 +1,7 @@
 """How many requests fit, lever by lever, all from one path: the engine's --find-max-batch, each
 answer confirmed by fresh processes at N (which completes) and N + 1 (which does not).
 
-    python tools/capacity_table.py                # naive, paged; 4 levers, the lesson's loop; 2 budgets
+    python tools/capacity_table.py                          # naive, paged; every lever; 2 budgets
     python tools/capacity_table.py --caches paged --levers bf16 fp8-kv --budgets 24gb
     python tools/capacity_table.py --budgets 24gb --jobs 5  # five rows at once on one GPU
     python tools/capacity_table.py --budgets 0.004 --upper 8 -- --model tiny --device cpu
@@ -201,7 +201,8 @@ def parse_arguments(argv=None):
     p = argparse.ArgumentParser(prog="capacity_table.py", description=first_paragraph(__doc__),
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=HelpFormatter)
     p.add_argument("--caches", nargs="+", choices=["naive", "paged"], default=["naive", "paged"])
-    p.add_argument("--levers", nargs="+", choices=list(LEVERS), default=list(LEVERS))
+    p.add_argument("--levers", nargs="+", choices=list(LEVERS), default=list(LEVERS),
+                   metavar="LEVER", help=f"{', '.join(LEVERS)} (default: all)")
     p.add_argument("--budgets", nargs="+", type=budget, default=["24gb", "whole"],
                    help="24gb, whole, or GB of KV cache (default: 24gb whole)")
     p.add_argument("--upper", type=positive_int,
