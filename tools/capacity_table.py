@@ -113,23 +113,24 @@ def confirmed(runs: Runs, found: int, upper: int) -> tuple[int, list[list]]:
     def completes(n: int) -> bool:
         checks.append([n, runs.completes(n)])
         return checks[-1][1]
-    lo, hi = 0, upper + 1  # lo completes (0 requests trivially), hi does not (past the bound)
+    # as features/max_batch.py's search: `fits` completes (0 trivially), `fails` does not
+    fits, fails = 0, upper + 1
     start = min(found, upper)
     if start > 0:
-        lo, hi = (start, hi) if completes(start) else (lo, start)
+        fits, fails = (start, fails) if completes(start) else (fits, start)
     step = 1
-    while hi == upper + 1 and lo < upper:  # up from an n that completes
-        probe = min(lo + step, upper)
-        lo, hi = (probe, hi) if completes(probe) else (lo, probe)
+    while fails == upper + 1 and fits < upper:  # up from an n that completes
+        probe = min(fits + step, upper)
+        fits, fails = (probe, fails) if completes(probe) else (fits, probe)
         step *= 2
-    while lo == 0 and hi > 1:  # down from an n that does not
-        probe = max(hi - step, 1)
-        lo, hi = (probe, hi) if completes(probe) else (lo, probe)
+    while fits == 0 and fails > 1:  # down from an n that does not
+        probe = max(fails - step, 1)
+        fits, fails = (probe, fails) if completes(probe) else (fits, probe)
         step *= 2
-    while hi - lo > 1:
-        middle = (lo + hi) // 2
-        lo, hi = (middle, hi) if completes(middle) else (lo, middle)
-    return lo, checks
+    while fails - fits > 1:
+        middle = (fits + fails) // 2
+        fits, fails = (middle, fails) if completes(middle) else (fits, middle)
+    return fits, checks
 
 
 def measure_row(entry: tuple[str, str, str], upper: int, extra: list[str],
