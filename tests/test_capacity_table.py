@@ -93,11 +93,34 @@ def test_rows_measured_at_once_keep_the_tables_order_and_each_rows_log_together(
     assert [(r["lever"], r["requests"], r["found"]) for r in result["rows"]] == [
         *((lever, n, n - 1) for lever, n in FakeRuns.CAPACITY.items()),
         ("lesson-loop", 4, 5)]  # searched from the engine's bf16 answer: 5 fails, 4 completes
-    log = (tmp_path / "log").read_text().split()
-    assert log[:6] == ["bf16", "found", "bf16", "4", "bf16", "5"]  # the first row's runs first
-    assert log[-4:] == ["loop", "5", "loop", "4"]
+    rows = (tmp_path / "log").read_text().split("## ")[1:]  # in the order they ended
+    if jobs > 1:  # bf16's finder waits: the rows measured beside it end first
+        assert rows[0].startswith("paged, FP8") and rows[3].startswith("paged, bf16, 24gb: 5")
+    for row in rows:  # each row's runs together, under its heading
+        runs = row.split("\n", 1)[1].split()
+        assert len(set(runs[::2])) == 1 and len(runs) >= 4
+    assert rows[-1].split("\n", 1)[1].split() == ["loop", "5", "loop", "4"]
     capacity_table.print_table(result)
-    assert "| paged | bf16, the lesson's loop (the script alone) | 4 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "paged, bf16, 24gb: 5 (the finder said 4)" in out  # as the row ended
+    assert "| paged | bf16, the lesson's loop (the script alone) | 4 |" in out
+
+
+def test_a_run_stopped_part_way_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys):
+    class StoppedAtFP8Weights(FakeRuns):
+        def found(self, upper: int) -> int:
+            if self.lever == "fp8-weights":
+                raise KeyboardInterrupt  # as a time limit's signal would
+            return super().found(upper)
+    monkeypatch.setattr(capacity_table, "Runs", StoppedAtFP8Weights)
+    a = capacity_table.parse_arguments(["--caches", "paged", "--budgets", "24gb", "--upper",
+                                        "30", "--log", str(tmp_path / "log")])
+    with pytest.raises(KeyboardInterrupt):
+        capacity_table.measure(a, [])
+    assert [row.split(":")[0] for row in (tmp_path / "log").read_text().split("## ")[1:]] == [
+        "paged, bf16, 24gb", "paged, FP8 K/V, 24gb"]
+    out = capsys.readouterr().out
+    assert "paged, bf16, 24gb: 5" in out and "paged, FP8 K/V, 24gb: 11" in out
 
 
 def test_what_cannot_be_measured_as_asked_is_refused_in_one_paragraph(capsys):

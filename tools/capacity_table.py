@@ -155,23 +155,31 @@ def measure(a, extra: list[str]) -> dict:
     entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
     engine_rows = [e for e in entries if e[2] != LESSON_LOOP]
     loop_rows = [e for e in entries if e[2] == LESSON_LOOP]
-    with tqdm(total=len(entries), desc="capacity", unit="row", file=sys.stderr) as bar:
-        measured = dict(zip(engine_rows, measure_rows(engine_rows, a, extra, bar)))
-        starts = [measured[(b, c, "bf16")][0]["requests"] for b, c, _ in loop_rows]
-        measured |= dict(zip(loop_rows, measure_rows(loop_rows, a, extra, bar, starts)))
-    with open(a.log or os.devnull, "w") as log:
-        log.writelines(measured[e][1] for e in entries)
-    return {"flags": extra, "upper": a.upper, "rows": [measured[e][0] for e in entries]}
+    with (tqdm(total=len(entries), desc="capacity", unit="row", file=sys.stderr) as bar,
+          open(a.log or os.devnull, "w") as log):
+        measured = dict(zip(engine_rows, measure_rows(engine_rows, a, extra, bar, log)))
+        starts = [measured[(b, c, "bf16")]["requests"] for b, c, _ in loop_rows]
+        measured |= dict(zip(loop_rows, measure_rows(loop_rows, a, extra, bar, log, starts)))
+    return {"flags": extra, "upper": a.upper, "rows": [measured[e] for e in entries]}
 
 
-def measure_rows(entries: list, a, extra: list[str], bar, starts: list | None = None) -> list:
-    """measure_row of each entry, --jobs at a time, in the entries' order."""
+def measure_rows(entries: list, a, extra: list[str], bar, log, starts: list | None = None) -> list:
+    """measure_row of each entry, --jobs at a time, in the entries' order. As each row ends, its
+    runs go to the log together and its answer to the terminal: a run stopped part way (a time
+    limit) keeps every row it finished."""
     with ThreadPoolExecutor(a.jobs) as pool:
         futures = [pool.submit(measure_row, entry, a.upper, extra, start)
                    for entry, start in zip(entries, starts or [None] * len(entries))]
-        for _ in as_completed(futures):
+        for future in as_completed(futures):
+            row, runs = future.result()
+            start = "searched from" if row["lever"] == LESSON_LOOP else "the finder said"
+            heading = (f"{row['cache']}, {LEVERS[row['lever']][0]}, {row['budget']}: "
+                       f"{row['requests']:,} ({start} {row['found']:,}), {row['seconds']:.0f} s")
+            log.write(f"## {heading}\n{runs}")
+            log.flush()
+            bar.write(heading, file=sys.stdout)
             bar.update()
-        return [future.result() for future in futures]
+        return [future.result()[0] for future in futures]
 
 
 def print_table(result: dict) -> None:
