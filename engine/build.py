@@ -56,7 +56,7 @@ def kv_cache(run: Run, num_blocks: int, block_size: int) -> lesson.KVCache:
     with inputs.checked_kv_allocation(run, num_blocks, block_size):
         if run.kv_cache_dtype is not None:
             return plug("FP8 K/V")(run.model.args, num_blocks, block_size, run.dtype, run.device,
-                              run.attention, split_heads=run.split)
+                              run.attention, group=run.group)
         return EngineKVCache(run.model.args, num_blocks, block_size, run.dtype, run.device,
                              run.attention, spare_slot=decodes_with_graphs(run))
 
@@ -119,7 +119,7 @@ def allocate_kv_cache(run: Run, served: bool = False):
         if run.kv_cache_dtype is None:
             return allocate_virtual(run)
         from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
-        return allocate_virtual(run, functools.partial(FP8VirtualKVCache, split_heads=run.split))
+        return allocate_virtual(run, functools.partial(FP8VirtualKVCache, group=run.group))
     return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 

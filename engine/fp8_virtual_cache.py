@@ -23,9 +23,9 @@ class FP8VirtualKVCache(plug("FP8 K/V", "Float8Writes"),
     """Rows of float8 K and V, with a scale for each per layer."""
 
     def __init__(self, args, max_requests: int, max_seq_len: int, dtype, device, attention,
-                 layout: str, split_heads: bool = False):
+                 layout: str, group=None):
         super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
-        self.init_scales(args.n_layers, device, split_heads)
+        self.init_scales(args.n_layers, device, group)
 
     @torch.compiler.disable  # left out of compiled layers (engine/kv_cache.py)
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:

@@ -21,15 +21,16 @@ def load(config: Config) -> Run:
     if config.cache == "virtual":  # from the flags, before minutes of loading the model
         import llama3_virtual  # only here: the other runs never touch CUDA's virtual memory
         llama3_virtual.require_cuda_and_flash_attn(config)
-    share = None
+    share = group = None
     if torchrun_process() is not None:  # torchrun's processes split the model
         config = plug("tensor parallelism", "start")(config)
-        share = plug("tensor parallelism", "SHARE")
+        share, group = plug("tensor parallelism", "SHARE"), plug("tensor parallelism", "group")()
     attention = choose_attention(config.attn, config.device, decode_kernel(config), config.dtype)
     if config.compile is None:
         config = dataclasses.replace(config, compile=compiles_by_default(config, attention))
     sequences = config.samples * config.beam_width
-    run = inputs.load_run(config, lesson.Llama, attention, system_prompt(config), sequences, share)
+    run = inputs.load_run(config, lesson.Llama, attention, system_prompt(config), sequences, share,
+                          group)
     if config.quantization == "fp8":
         use_fp8_weights(run)
     if config.kv_cache_dtype == "fp8":
@@ -67,7 +68,7 @@ def decode_kernel(config: Config) -> str:
 def use_fp8_weights(run: Run) -> None:
     """--quantization fp8: the loaded model's projections in float8 (features/fp8/weights.py),
     before the KV budget is taken from what the GPU has left: the pool gets what they free."""
-    before, after = plug("FP8 weights")(run.model, run.split)
+    before, after = plug("FP8 weights")(run.model, run.group)
     fixed = run.args.kv_budget_gb or run.device.type != "cuda"
     print(f"FP8 weights (--quantization fp8): the projections in float8, weights "
           f"{format_bytes(after)} where {str(run.dtype).removeprefix('torch.')} takes "

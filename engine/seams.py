@@ -86,7 +86,7 @@ FEATURES = {
                                   ("MappingAheadManager", "MappingFailed")),
     "FP8 weights": Feature(TRANSFORM, "features.fp8.weights", ("quantize_weights",)),
     "tensor parallelism": Feature(PROCESS_GROUP, "features.tensor_parallel",
-                                  ("start", "SHARE", "least_over_processes",
+                                  ("start", "SHARE", "group", "least_over_processes",
                                    "summed_over_processes", "report_line")),
     "decode graphs": Feature(LAUNCH, "features.cuda_graphs", ("GraphDecoder",)),
     "prefill graphs": Feature(LAUNCH, "features.prefill_graphs",

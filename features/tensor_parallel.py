@@ -50,6 +50,12 @@ def start(config):
     return dataclasses.replace(config, **changes)
 
 
+def group():
+    """The processes start() joined: what a feature that computes over them all is handed (FP8's
+    scales, the largest value over every process's slice, and its sums), not torch's globals."""
+    return dist.group.WORLD
+
+
 def refuse_what_is_not_split_yet(args) -> None:
     """Compiled layers, with all-reduces inside the compiled code, are not run over several
     processes yet: an explicit --compile ends here, in one paragraph, before loading."""

@@ -718,7 +718,11 @@ class Run:
     num_sequences: int  # what the scheduler runs: a request per prompt, or per sample or beam
     system_prompt: str | None = None  # the system turn every request begins with, if any
     kv_cache_dtype: torch.dtype | None = None  # the pool's, where not the model's (fp8)
-    split: bool = False  # the model split over processes (loaded with a Share)
+    group: object = None  # the processes a split model runs over (loaded with a Share); None: one
+
+    @property
+    def split(self) -> bool:
+        return self.group is not None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -743,10 +747,10 @@ class Share:
 
 
 def load_run(args, model_class, attention, system_prompt: str | None = None,
-             sequences_per_prompt: int = 1, share: Share | None = None) -> Run:
+             sequences_per_prompt: int = 1, share: Share | None = None, group=None) -> Run:
     """Tokenizer, prompts and model (`model_class`: llama3_paged.py's Llama, or with `share` one
-    process's slice of it), in that order: a bad prompt file is found before minutes of loading
-    weights."""
+    process's slice of it, run over the processes of `group`), in that order: a bad prompt file
+    is found before minutes of loading weights."""
     device = args.device
     if args.gpu_memory_utilization is not None and device.type != "cuda":  # would change nothing
         raise UserError(f"--gpu-memory-utilization shares out a GPU's memory; on the CPU the KV "
@@ -791,7 +795,7 @@ def load_run(args, model_class, attention, system_prompt: str | None = None,
         raise UserError(f"The checkpoint's vocabulary has {model.args.vocab_size:,} tokens, the "
                         f"tokenizer's {tokenizer.n_vocab:,}: they do not belong together.")
     return Run(args, device, dtype, model, attention, tokenizer, prompts,
-               len(prompts) * sequences_per_prompt, system_prompt, split=share is not None)
+               len(prompts) * sequences_per_prompt, system_prompt, group=group)
 
 
 def new_token_budgets(run: Run) -> list[int]:

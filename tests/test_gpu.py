@@ -300,7 +300,7 @@ def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_
     for backend in ("torch", "flash"):  # the PyTorch reference's write, then the kernel's
         writer = Float8Writes()
         writer.attention_backend = SimpleNamespace(name=backend)
-        writer.init_scales(1, "cuda", split_heads=False)
+        writer.init_scales(1, "cuda", group=None)
         writer.scales[0] = torch.tensor([0.01, 0.02])  # |k| / 0.01 reaches ~1,200: past 448
         writer.scaled = [True]
         slots = [torch.zeros(num_slots, n_kv, d, dtype=FP8, device="cuda") for _ in range(2)]

@@ -53,10 +53,10 @@ class Float8Writes:
     rows (engine/fp8_virtual_cache.py). A layer's first prefill sets its scales; every write
     quantizes with them."""
 
-    def init_scales(self, n_layers: int, device, split_heads: bool) -> None:
-        """split_heads: this process holds some of the heads (features/tensor_parallel.py), and
-        a layer's scale is the largest value over all processes', as one process's would be."""
-        self.split_heads = split_heads
+    def init_scales(self, n_layers: int, device, group) -> None:
+        """group: the processes that each hold some of the heads (the process-group seam's), or
+        None; a layer's scale is the largest value over them all, as one process's would be."""
+        self.group = group
         # [n_layers, 2]: K's and V's scale; 1 until the layer's first prefill sets them
         self.scales = torch.ones(n_layers, 2, dtype=torch.float32, device=device)
         self.scaled = [False] * n_layers  # on the host: no sync to ask
@@ -82,8 +82,8 @@ class Float8Writes:
         key_slots and value_slots ([slots, n_kv_heads, head_dim], float8)."""
         if isinstance(batch, (PrefillBatch, CachedPrefillBatch)) and not self.scaled[layer]:
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()  # [2], no host sync
-            if self.split_heads:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+            if self.group is not None:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
             self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
             self.scaled[layer] = True
         if writes_in_one_kernel(k, self.attention_backend):  # one kernel, not ten
@@ -102,10 +102,10 @@ class FP8KVCache(Float8Writes, EngineKVCache):
     """The pool in float8, with a spare slot for CUDA graphs' padding rows (used or not)."""
 
     def __init__(self, args, num_blocks: int, block_size: int, dtype, device, attention,
-                 split_heads: bool = False):
+                 group=None):
         super().__init__(args, num_blocks, block_size, FP8, device, attention,  # float8, any dtype
                          spare_slot=True)
-        self.init_scales(args.n_layers, device, split_heads)
+        self.init_scales(args.n_layers, device, group)
         self._copy_of = self._copy = None  # the last prefill batch after a prefix, and its copy's
 
     def write(self, layer: int, k, v, batch) -> None:

@@ -15,13 +15,13 @@ from torch import nn
 from features.fp8.cache import FP8_MAX, quantize
 
 
-def quantize_rows(x: torch.Tensor, sliced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [rows, n] -> (x / scale in float8 [rows, n], scale [rows, 1] float32), each row's
     scale its largest |value| over FP8_MAX (a row of zeros: a tiny scale, zeros stay zeros).
-    sliced: each process holds a slice of every row; the largest is over all of them."""
+    group: each of its processes holds a slice of every row; the largest is over all of them."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    if sliced:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = (amax / FP8_MAX).clamp(min=1e-12)
     return quantize(x, scale), scale
 
@@ -37,19 +37,20 @@ def split_k_fits(n_in: int, n_out: int) -> bool:
 class Float8Linear(nn.Module):
     """y = x W^T with W in float8 and a scale per output channel; x quantized per token."""
 
-    def __init__(self, linear: nn.Linear, sliced_inputs: bool = False, to_residual: bool = False):
-        """sliced_inputs: under torchrun, this process holds a slice of the input features (o's
-        and down's), and its output is a part of the sum the processes add up. to_residual: o and
+    def __init__(self, linear: nn.Linear, group=None, to_residual: bool = False):
+        """group: the processes that each hold a slice of the input features (o's and down's
+        under torchrun), whose outputs are parts of the sum they add up; None: one process holds
+        them all. to_residual: o and
         down, whose few output columns the residual add takes: at a decode step's rows their sum
         splits over K (features/fp8/split_k.py), above them the scales wait for the add."""
         super().__init__()
-        self.sliced_inputs = sliced_inputs
-        weight, scale = quantize_rows(linear.weight.detach(), sliced_inputs)  # [out, in], [out, 1]
+        self.group = group
+        weight, scale = quantize_rows(linear.weight.detach(), group)  # [out, in], [out, 1]
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)  # [1, out]
         # _scaled_mm multiplies float8 on CUDA and writes bf16 with row-wise scales
         self.uses_scaled_mm = weight.is_cuda and linear.weight.dtype == torch.bfloat16
-        self.split_k = (to_residual and self.uses_scaled_mm and not sliced_inputs
+        self.split_k = (to_residual and self.uses_scaled_mm and group is None
                         and split_k_fits(linear.in_features, linear.out_features))
         # At o's and down's 4,096 columns and a decode step's 129 to 256 rows, cuBLAS's kernel
         # for one scale per matrix is faster than its row-wise one (down at 256 rows with the
@@ -61,7 +62,7 @@ class Float8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out], in x's dtype."""
-        return self.multiply(*quantize_rows(x, self.sliced_inputs), x.dtype)
+        return self.multiply(*quantize_rows(x, self.group), x.dtype)
 
     def multiply(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype) -> torch.Tensor:
         """An input quantized per token, x8: [T, in] float8 and x_scale: [T, 1], -> [T, out]."""
@@ -79,8 +80,8 @@ class Float8Linear(nn.Module):
                                    out_dtype=dtype)
         else:
             out = reference_matmul(x8, x_scale, self.weight, self.scale).to(dtype)
-        if self.sliced_inputs:
-            dist.all_reduce(out)  # this process's part of the sum: the whole output
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)  # this process's part of the sum: the whole
         return out
 
     def sums(self, x8: torch.Tensor, dtype) -> torch.Tensor:
@@ -118,11 +119,11 @@ def reference_matmul(x8, x_scale, w8, w_scale) -> torch.Tensor:
     return (x8.float() @ w8.float().t()) * x_scale * w_scale
 
 
-def quantize_weights(model, split: bool = False) -> tuple[int, int]:
+def quantize_weights(model, group=None) -> tuple[int, int]:
     """Every projection of every layer in float8, each replaced as it is quantized, so that the
     16-bit copy of one matrix at most is alive beside the float8 ones. Returns the weights'
-    bytes before and after (tied weights counted once). split: the model is split over
-    torchrun's processes (features/tensor_parallel.py), so o and down hold input slices."""
+    bytes before and after (tied weights counted once). group: the processes the model is split
+    over (the process-group seam's; None: one), so o and down hold input slices."""
     before = sum(p.nbytes for p in model.parameters())
     for layer in model.layers:
         # o and down write the residual stream: under torchrun their inputs are sliced, and their
@@ -131,12 +132,13 @@ def quantize_weights(model, split: bool = False) -> tuple[int, int]:
                                          (layer.attention, "wo", True),
                                          (layer.feed_forward, "w_gate_up", False),
                                          (layer.feed_forward, "w_down", True)):
-            setattr(block, name, Float8Linear(getattr(block, name), split and to_residual,
+            setattr(block, name, Float8Linear(getattr(block, name),
+                                              group if to_residual else None,
                                               to_residual=to_residual))
         # On CUDA SwiGLU and down's quantization in one kernel; not under torchrun, where a row
         # of down's input is sliced over the processes and its largest value is over them all
         down = layer.feed_forward.w_down
-        if down.uses_scaled_mm and not split:
+        if down.uses_scaled_mm and group is None:
             layer.feed_forward = Float8FeedForward(layer.feed_forward.w_gate_up, down)
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the 16-bit matrices' memory back to the GPU, for the pool
