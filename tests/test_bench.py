@@ -1,5 +1,9 @@
 """bench.py's arithmetic against PyTorch's own FLOP counter."""
 
+import os
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -8,6 +12,7 @@ from llama3_paged import TorchAttention
 from tools.bench import (gpu_wait_seconds_per_step, parse_arguments, prefill_flops,
                          script_arguments, weight_bytes_read_per_step)
 from plumbing.inputs import random_model
+from tools.shared import ClockSampler, clock_line
 from llama3_paged import Llama
 from llama3_paged import DecodeBatch, KVCache, PrefillBatch
 
@@ -246,3 +251,24 @@ def test_compiled_layers_leave_short_prefill_passes_eager():
     assert max(map(len, warm_up_prompts(True, pool(1000), 109, 8)[2])) == 100  # + 8 + 1 = 109
     assert max(map(len, warm_up_prompts(True, pool(10), 8192, 8)[2])) == 4 * 16 - 8  # half the pool
     assert warm_up_prompts(True, pool(2), 8192, 8) == []  # too small for two prompts: no warm-up
+
+
+def test_the_clock_sampler_reads_nvidia_smis_samples_and_skips_what_is_not_one(tmp_path,
+                                                                               monkeypatch):
+    # A stand-in nvidia-smi: ten samples (SM MHz, W), then "[N/A]" and a half-written line, then
+    # it samples on until stopped, as the real one does under -lms.
+    lines = [f"{1000 + 100 * i}, {600 + i}" for i in range(10)] + ["[N/A], [N/A]", "19"]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(f"'{x}'" for x in lines)
+                    + "\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda: SimpleNamespace(uuid="x"))
+    sampler = ClockSampler()
+    time.sleep(0.5)  # the samples written before it is stopped
+    clocks = sampler.stop()
+    assert clocks == {"sm_clock_mhz": 1450, "sm_clock_tenth_mhz": 1100, "power_watts": 604.5,
+                      "samples": 10}
+    assert "SM 1,450 MHz median, a tenth of the time below 1,100; power 604 W" in clock_line(clocks)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert ClockSampler().stop() == {} and "not sampled" in clock_line({})

@@ -68,8 +68,9 @@ from engine.loader import decode_kernel, load
 from engine.build import (allocate_kv_cache, arrival_times, decodes_with_graphs, make_runner,
                           make_scheduler, model_forward, warm_up)
 from tools.kernel_profile import profile_engine
-from tools.shared import (as_graph, collective_seconds_per_step, copy_bandwidth,
-                          matmul_flops_per_second, median_cuda_seconds, write_profile)
+from tools.shared import (ClockSampler, as_graph, clock_line, collective_seconds_per_step,
+                          copy_bandwidth, matmul_flops_per_second, median_cuda_seconds,
+                          write_profile)
 
 WORKLOADS = {  # what each flag left unset takes
     "W": dict(num_requests=256, new_tokens=256, sharegpt_replies=False, max_seq_len=1536,
@@ -382,10 +383,10 @@ def bench(a) -> dict:
     torch.cuda.synchronize()
     mapping_before = mapping_seconds(cache, manager) if a.script == "virtual" else None
     say(f"Timing workload {a.workload}: {len(prompts):,} requests, {sum(budgets):,} new tokens ...")
-    start = time.perf_counter()
+    sampler, start = ClockSampler(), time.perf_counter()
     result = run(prompts, budgets, arrival_times(setup.args, len(prompts)))
     torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    wall, clocks = time.perf_counter() - start, sampler.stop()
     if result.num_generated_tokens != sum(budgets):
         raise UserError(f"{result.num_generated_tokens} tokens generated, {sum(budgets)} asked for: "
                         f"raise --max-seq-len so that every prompt has room for its new tokens.")
@@ -448,6 +449,7 @@ def bench(a) -> dict:
         "num_generated_tokens": result.num_generated_tokens,
         "wall_seconds": wall,
         "output_tokens_per_second": result.num_generated_tokens / wall,
+        "clock": clocks,
         "prefill_seconds": result.prefill_seconds,
         "prefill_gpu_seconds": result.prefill_gpu_seconds,
         "prefill_flops": flops,
@@ -523,6 +525,7 @@ def print_table(r: dict) -> None:
     print(f"  wall                {r['wall_seconds']:.2f} s, "
           f"{r['output_tokens_per_second']:,.0f} output tokens/s; "
           f"{outside:.2f} s of it outside the steps")
+    print(f"  clock               {clock_line(r['clock'])}")
     share = r["prefill_share_of_matmul_rate"]
     print(f"  prefill             {r['prefill_seconds']:.2f} s ({r['prefill_gpu_seconds']:.2f} s on the GPU)"
           + (f", {r['prefill_flops'] / r['prefill_seconds'] / 1e12:.0f} TFLOP/s = "

@@ -36,6 +36,7 @@ from plumbing.cli import (HelpFormatter, first_paragraph, fraction, one_paragrap
 from plumbing.inputs import PROMPTS_FILE, load_prompts, load_tokenizer
 from engine.loader import system_prompt
 from tools.bench import WORKLOADS, workload_requests
+from tools.shared import ClockSampler, clock_line
 
 
 def parse_arguments(argv=None):
@@ -119,10 +120,10 @@ def run(a, prompts: list[list[int]], budgets: list[int]) -> dict:
         params = [SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=b) for b in budgets]
         llm.generate([[1] * len(p) for p in prompts[:8]], params[:8], use_tqdm=False)  # warm-up
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        sampler, start = ClockSampler(), time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - start  # nano-vllm shuts itself down at exit
+        wall, clocks = time.perf_counter() - start, sampler.stop()  # nano-vllm shuts down at exit
         if a.profile:  # after the timed run, on the workload's first requests, as bench.py's
             def generated(prompts, budgets):
                 params = [SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=b)
@@ -136,7 +137,7 @@ def run(a, prompts: list[list[int]], budgets: list[int]) -> dict:
     generated = sum(len(o["token_ids"]) for o in outputs)
     return {"workload": a.workload, "num_requests": len(prompts), "device": torch.cuda.get_device_name(),
             "num_prompt_tokens": sum(map(len, prompts)), "num_generated_tokens": generated,
-            "wall_seconds": wall, "output_tokens_per_second": generated / wall,
+            "wall_seconds": wall, "output_tokens_per_second": generated / wall, "clock": clocks,
             "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens}
 
 
@@ -159,6 +160,7 @@ def main(argv=None) -> None:
               f"generated; {result['device']}")
         print(f"  wall  {result['wall_seconds']:.2f} s, {result['output_tokens_per_second']:,.0f} "
               f"output tokens/s")
+        print(f"  clock {clock_line(result['clock'])}")
 
 
 if __name__ == "__main__":

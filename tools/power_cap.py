@@ -15,9 +15,7 @@ nvidia-smi is not on the PATH the times are printed alone).
 """
 
 import argparse
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,10 +33,7 @@ from plumbing.cli import (HelpFormatter, UserError, first_paragraph, one_paragra
 from tools.arguments import milliseconds_list
 from llama3_paged import TransformerBlock
 from plumbing.inputs import PRESETS
-from tools.shared import write_and_print
-
-SAMPLE_MS = 100  # nvidia-smi's sampling period
-
+from tools.shared import ClockSampler, write_and_print
 
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
@@ -69,34 +64,6 @@ def decode_step_matmuls(batch: int, device):
                 for linear in projections[layer % 2]:
                     linear(inputs[linear.in_features])
     return step
-
-
-class ClockSampler:
-    """nvidia-smi in the background: SM clock (MHz) and power (W) every SAMPLE_MS, of torch's GPU
-    (named by its UUID: nvidia-smi's numbers ignore CUDA_VISIBLE_DEVICES)."""
-    def __init__(self):
-        self.process = None
-        if shutil.which("nvidia-smi"):
-            self.process = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                 f"-lms={SAMPLE_MS}", f"--id=GPU-{torch.cuda.get_device_properties().uuid}"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-    def stop(self) -> dict:
-        if self.process is None:
-            return {}
-        self.process.terminate()
-        out, _ = self.process.communicate()
-        samples = []
-        for line in out.splitlines():
-            try:
-                samples.append([float(x) for x in line.split(",")])
-            except ValueError:  # a half-written last line, or "[N/A]"
-                pass
-        if not samples:
-            return {}
-        return {"sm_clock_mhz": statistics.median(s[0] for s in samples),
-                "power_watts": statistics.median(s[1] for s in samples), "samples": len(samples)}
 
 
 def run_case(step, idle_ms: float, seconds: int) -> dict:

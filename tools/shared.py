@@ -8,7 +8,9 @@ and the matmul rate, measured on this GPU, timed with CUDA events after a warm-u
 """
 
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +26,53 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
 
 from plumbing.cli import write_atomically, standard_json
+
+
+SAMPLE_MS = 100  # nvidia-smi's sampling period
+
+
+class ClockSampler:
+    """nvidia-smi in the background: SM clock (MHz) and power (W) every SAMPLE_MS, of torch's GPU
+    (named by its UUID: nvidia-smi's numbers ignore CUDA_VISIBLE_DEVICES). A GPU at its power cap
+    lowers its clock, and the same kernels run longer (docs/speed.md): what a run's figure meets
+    is said beside it. Without nvidia-smi on the PATH, stop() says nothing."""
+
+    def __init__(self):
+        self.process = None
+        if shutil.which("nvidia-smi"):
+            self.process = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                 f"-lms={SAMPLE_MS}", f"--id=GPU-{torch.cuda.get_device_properties().uuid}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> dict:
+        """The medians, and the clock that a tenth of the samples were below."""
+        if self.process is None:
+            return {}
+        self.process.terminate()
+        out, _ = self.process.communicate()
+        samples = []
+        for line in out.splitlines():
+            try:
+                clock, power = (float(x) for x in line.split(","))
+            except ValueError:  # a half-written last line, or "[N/A]"
+                continue
+            samples.append((clock, power))
+        if not samples:
+            return {}
+        clocks = sorted(s[0] for s in samples)
+        return {"sm_clock_mhz": statistics.median(clocks),
+                "sm_clock_tenth_mhz": clocks[len(clocks) // 10],
+                "power_watts": statistics.median(s[1] for s in samples), "samples": len(samples)}
+
+
+def clock_line(clocks: dict) -> str:
+    """ClockSampler's figures in a report's words, or why there are none."""
+    if not clocks:
+        return "not sampled (no nvidia-smi)"
+    return (f"SM {clocks['sm_clock_mhz']:,.0f} MHz median, a tenth of the time below "
+            f"{clocks['sm_clock_tenth_mhz']:,.0f}; power {clocks['power_watts']:.0f} W median "
+            f"({clocks['samples']:,} samples of nvidia-smi, every {SAMPLE_MS} ms)")
 
 
 def median_cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:
