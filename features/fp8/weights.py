@@ -40,9 +40,9 @@ class Float8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group=None, to_residual: bool = False):
         """group: the processes that each hold a slice of the input features (o's and down's
         under torchrun), whose outputs are parts of the sum they add up; None: one process holds
-        them all. to_residual: o and
-        down, whose few output columns the residual add takes: at a decode step's rows their sum
-        splits over K (features/fp8/split_k.py), above them the scales wait for the add."""
+        them all. to_residual: o and down, whose few output columns the residual add takes: at a
+        decode step's rows their sum splits over K (features/fp8/split_k.py), above them the
+        scales wait for the add."""
         super().__init__()
         self.group = group
         weight, scale = quantize_rows(linear.weight.detach(), group)  # [out, in], [out, 1]
