@@ -12,6 +12,7 @@ More in docs/engine-notes.md.
 
 import torch
 
+from engine.kv_cache import left_out_of_compiled_layers
 from engine.seams import plug
 from llama3_paged import PrefillBatch
 
@@ -27,7 +28,7 @@ class FP8VirtualKVCache(plug("FP8 K/V", "Float8Writes"),
         super().__init__(args, max_requests, max_seq_len, FP8, device, attention, layout)
         self.init_scales(args.n_layers, device, group)
 
-    @torch.compiler.disable  # left out of compiled layers (engine/kv_cache.py)
+    @left_out_of_compiled_layers
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in float8, then attend."""
         slots = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # [rows * row_tokens, ...]

@@ -12,6 +12,13 @@ import torch.nn.functional as F
 import llama3_paged as lesson
 
 
+def left_out_of_compiled_layers(method):
+    """`method` as compiled layers' graphs leave it out (torch.compiler.disable): a call between
+    them, in kernels of its own. Only where a run can compile, a machine with CUDA: elsewhere the
+    compiler's import would make every engine run slower to start (docs/engine-notes.md)."""
+    return torch.compiler.disable(method) if torch.cuda.is_available() else method
+
+
 @dataclass
 class CachedPrefillBatch:
     """Prompts packed into one sequence of T new tokens, some after tokens cached already: each
@@ -46,7 +53,7 @@ class EngineKVCache(lesson.KVCache):
         """Attention through `backend` from now on (features/cascade/attention.py's)."""
         self.attention_backend = backend
 
-    @torch.compiler.disable
+    @left_out_of_compiled_layers
     def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
         """The lesson's, with the write in one kernel on CUDA and prompts after cached tokens."""
         self.write(layer, k, v, batch)
