@@ -7,6 +7,7 @@ layers, and each decode step's rows read once per step, not once per layer.
 import torch
 
 import llama3_virtual
+from engine.kv_cache import left_out_of_compiled_layers
 from virtual_pages import PageManager, check, driver
 from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
 
@@ -17,7 +18,7 @@ class EngineVirtualKVCache(llama3_virtual.VirtualKVCache):
         self._rows_batch = self._rows = None  # the last decode batch's rows (rows_of)
 
     # Left out of compiled layers (engine/compiled_layers.py), as the engine's paged cache
-    attention = torch.compiler.disable(llama3_virtual.VirtualKVCache.attention)
+    attention = left_out_of_compiled_layers(llama3_virtual.VirtualKVCache.attention)
 
     def rows_of(self, batch) -> torch.Tensor:
         """The lesson's, once per step rather than once per layer (two small kernels less in
