@@ -1,5 +1,6 @@
 """tools/capacity_table.py: the finder's answer confirmed by fresh processes at N and N + 1."""
 
+import json
 import math
 import time
 
@@ -114,13 +115,17 @@ def test_a_run_stopped_part_way_keeps_the_rows_it_finished(tmp_path, monkeypatch
             return super().found(upper)
     monkeypatch.setattr(capacity_table, "Runs", StoppedAtFP8Weights)
     a = capacity_table.parse_arguments(["--caches", "paged", "--budgets", "24gb", "--upper",
-                                        "30", "--log", str(tmp_path / "log")])
+                                        "30", "--log", str(tmp_path / "log"), "--json",
+                                        str(tmp_path / "t.json")])
     with pytest.raises(KeyboardInterrupt):
         capacity_table.measure(a, [])
     assert [row.split(":")[0] for row in (tmp_path / "log").read_text().split("## ")[1:]] == [
         "paged, bf16, 24gb", "paged, FP8 K/V, 24gb"]
     out = capsys.readouterr().out
     assert "paged, bf16, 24gb: 5" in out and "paged, FP8 K/V, 24gb: 11" in out
+    kept = json.loads((tmp_path / "t.json").read_text())
+    assert not kept["complete"] and [(r["lever"], r["requests"]) for r in kept["rows"]] == [
+        ("bf16", 5), ("fp8-kv", 11)]
 
 
 def test_what_cannot_be_measured_as_asked_is_refused_in_one_paragraph(capsys):
@@ -148,3 +153,5 @@ def test_the_naive_caches_limits_are_its_budget_over_max_seq_len_slots(tmp_path,
     out = capsys.readouterr().out
     assert "| naive | bf16 | 3 |" in out and "| naive | FP8 K/V | 15 (5.00x) |" in out
     assert "| naive | bf16, the lesson's loop (the script alone) | 3 |" in out  # the same budget
+    written = json.loads((tmp_path / "t.json").read_text())
+    assert written["complete"] and [r["requests"] for r in written["rows"]] == [3, 15, 3]

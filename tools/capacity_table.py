@@ -42,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from tqdm import tqdm
 
 from plumbing.cli import (GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, HelpFormatter, UserError,
-                          first_paragraph, one_paragraph_errors, positive_int, writable_file)
+                          first_paragraph, one_paragraph_errors, positive_int, standard_json,
+                          writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, read_records
-from tools.shared import write_and_print
 
 LESSON_LOOP = "lesson-loop"  # not the engine: the script alone, searched from the engine's bf16 answer
 LEVERS = {"bf16": ("bf16", []), "fp8-kv": ("FP8 K/V", ["--kv-cache-dtype", "fp8"]),  # name, flags
@@ -155,17 +155,27 @@ def measure(a, extra: list[str]) -> dict:
     entries = [(b, c, lever) for b in a.budgets for c in a.caches for lever in a.levers]
     engine_rows = [e for e in entries if e[2] != LESSON_LOOP]
     loop_rows = [e for e in entries if e[2] == LESSON_LOOP]
+    finished = {}
+
+    def keep(row: dict) -> None:  # --json holds every finished row, in the table's order
+        finished[row["budget"], row["cache"], row["lever"]] = row
+        if a.json:
+            so_far = {"flags": extra, "upper": a.upper, "complete": len(finished) == len(entries),
+                      "rows": [finished[e] for e in entries if e in finished]}
+            write_atomically(a.json, lambda path: path.write_text(standard_json(so_far)))
     with (tqdm(total=len(entries), desc="capacity", unit="row", file=sys.stderr) as bar,
           open(a.log or os.devnull, "w") as log):
-        measured = dict(zip(engine_rows, measure_rows(engine_rows, a, extra, bar, log)))
-        starts = [measured[(b, c, "bf16")]["requests"] for b, c, _ in loop_rows]
-        measured |= dict(zip(loop_rows, measure_rows(loop_rows, a, extra, bar, log, starts)))
-    return {"flags": extra, "upper": a.upper, "rows": [measured[e] for e in entries]}
+        measure_rows(engine_rows, a, extra, bar, log, keep)
+        starts = [finished[b, c, "bf16"]["requests"] for b, c, _ in loop_rows]
+        measure_rows(loop_rows, a, extra, bar, log, keep, starts)
+    return {"flags": extra, "upper": a.upper, "complete": True,
+            "rows": [finished[e] for e in entries]}
 
 
-def measure_rows(entries: list, a, extra: list[str], bar, log, starts: list | None = None) -> list:
-    """measure_row of each entry, --jobs at a time, in the entries' order. As each row ends, its
-    runs go to the log together and its answer to the terminal: a run stopped part way (a time
+def measure_rows(entries: list, a, extra: list[str], bar, log, keep,
+                 starts: list | None = None) -> None:
+    """measure_row of each entry, --jobs at a time. As each row ends, its runs go to the log
+    together, its answer to the terminal, and the row to `keep`: a run stopped part way (a time
     limit) keeps every row it finished."""
     with ThreadPoolExecutor(a.jobs) as pool:
         futures = [pool.submit(measure_row, entry, a.upper, extra, start)
@@ -179,7 +189,7 @@ def measure_rows(entries: list, a, extra: list[str], bar, log, starts: list | No
             log.flush()
             bar.write(heading, file=sys.stdout)
             bar.update()
-        return [future.result()[0] for future in futures]
+            keep(row)
 
 
 def print_table(result: dict) -> None:
@@ -259,7 +269,7 @@ def main(argv=None) -> None:
             raise UserError(f"--jobs {a.jobs} runs of {max(shares):.1%} of the GPU each would "
                             f"take more than {GPU_MEMORY_UTILIZATION:.0%} of it together: use "
                             f"--jobs {int(GPU_MEMORY_UTILIZATION // max(shares))} or fewer.")
-        write_and_print(measure(a, a.flags), a.json, print_table)
+        print_table(measure(a, a.flags))  # --json is written as each row ends
 
 
 if __name__ == "__main__":
