@@ -497,8 +497,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         """Each paragraph filled to the width, as argparse fills one; a paragraph of indented
         lines (commands to copy, in a tool's epilog) kept line by line."""
         fill = super()._fill_text
-        return "\n\n".join(paragraph if paragraph.startswith("    ") else fill(paragraph, width, indent)
-                           for paragraph in text.split("\n\n"))
+        return "\n\n".join(p if p.startswith("    ") else fill(p, width, indent)
+                           for p in text.split("\n\n"))
 
 
 class FlagParser(argparse.ArgumentParser):

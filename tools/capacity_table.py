@@ -46,7 +46,7 @@ from plumbing.cli import (GPU_MEMORY_UTILIZATION, OUT_OF_MEMORY, HelpFormatter, 
                           writable_file, write_atomically)
 from plumbing.inputs import PROMPTS_FILE, read_records
 
-LESSON_LOOP = "lesson-loop"  # not the engine: the script alone, searched from the engine's bf16 answer
+LESSON_LOOP = "lesson-loop"  # the script alone, not the engine: searched from the engine's bf16
 LEVERS = {"bf16": ("bf16", []), "fp8-kv": ("FP8 K/V", ["--kv-cache-dtype", "fp8"]),  # name, flags
           "fp8-weights": ("FP8 weights", ["-q", "fp8"]),
           "both": ("FP8 weights + FP8 K/V", ["-q", "fp8", "--kv-cache-dtype", "fp8"]),
@@ -157,19 +157,21 @@ def measure(a, extra: list[str]) -> dict:
     loop_rows = [e for e in entries if e[2] == LESSON_LOOP]
     finished = {}
 
-    def keep(row: dict) -> None:  # --json holds every finished row, in the table's order
+    def table() -> dict:  # every finished row, in the table's order
+        return {"flags": extra, "upper": a.upper, "complete": len(finished) == len(entries),
+                "rows": [finished[e] for e in entries if e in finished]}
+
+    def keep(row: dict) -> None:
         finished[row["budget"], row["cache"], row["lever"]] = row
         if a.json:
-            so_far = {"flags": extra, "upper": a.upper, "complete": len(finished) == len(entries),
-                      "rows": [finished[e] for e in entries if e in finished]}
+            so_far = table()
             write_atomically(a.json, lambda path: path.write_text(standard_json(so_far)))
     with (tqdm(total=len(entries), desc="capacity", unit="row", file=sys.stderr) as bar,
           open(a.log or os.devnull, "w") as log):
         measure_rows(engine_rows, a, extra, bar, log, keep)
         starts = [finished[b, c, "bf16"]["requests"] for b, c, _ in loop_rows]
         measure_rows(loop_rows, a, extra, bar, log, keep, starts)
-    return {"flags": extra, "upper": a.upper, "complete": True,
-            "rows": [finished[e] for e in entries]}
+    return table()
 
 
 def measure_rows(entries: list, a, extra: list[str], bar, log, keep,

@@ -142,7 +142,8 @@ def measure(a) -> dict:
             row["flash_seconds"], flash_out = median_cuda_seconds(as_graph(flash)), flash()
         # The same K/V in float8 (features/fp8/cache.py): half the bytes read; its difference
         # is from the bf16 Triton kernel's output at the same tile and warps.
-        scales = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float() * HEADROOM / FP8_MAX
+        amax = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float()
+        scales = amax * HEADROOM / FP8_MAX
         keys8, values8 = quantize(c["keys"], scales[0]), quantize(c["values"], scales[1])
         row["triton_fp8"] = []
         for tile in a.tiles:
