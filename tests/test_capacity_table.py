@@ -64,12 +64,12 @@ class FakeRuns(KnownCapacity):
     CAPACITY = {"bf16": 5, "fp8-kv": 11, "fp8-weights": 8, "both": 17}
     LESSON_LOOP = 4
 
-    def __init__(self, cache: str, flags: list[str], log, engine: bool):
+    def __init__(self, cache: str, flags: list[str], log, engine: bool, gpu=None):
         lever = next(name for name, (_, lever_flags) in reversed(capacity_table.LEVERS.items())
                      if name in self.CAPACITY and all(f in flags for f in lever_flags))
         lever = lever if engine else "loop"
         super().__init__(self.CAPACITY[lever] if engine else self.LESSON_LOOP)
-        self.lever, self.log = lever, log
+        self.lever, self.log, self.gpu = lever, log, gpu
 
     def found(self, upper: int) -> int:
         assert self.lever != "loop", "the lesson's loop has no finder"
@@ -107,6 +107,25 @@ def test_rows_measured_at_once_keep_the_tables_order_and_each_rows_log_together(
     assert "| paged | bf16, the lesson's loop (the script alone) | 4 |" in out
 
 
+def test_rows_at_once_over_several_gpus_each_have_a_gpu_of_their_own(tmp_path, monkeypatch):
+    running, seen = [], []  # the GPU of each row running now; of every run
+
+    class OnGPUs(FakeRuns):
+        def completes(self, n: int) -> bool:
+            running.append(self.gpu)
+            seen.append(sorted(running))
+            time.sleep(0.05)  # long enough for the rows beside it to start
+            running.remove(self.gpu)
+            return super().completes(n)
+    monkeypatch.setattr(capacity_table, "Runs", OnGPUs)
+    a = capacity_table.parse_arguments(["--caches", "paged", "--budgets", "whole", "--gpus", "2",
+                                        "--jobs", "2", "--upper", "30"])
+    result = capacity_table.measure(a, [])
+    assert [r["requests"] for r in result["rows"]] == [*FakeRuns.CAPACITY.values(), 4]
+    assert all(len(set(gpus)) == len(gpus) for gpus in seen)  # never two rows on one GPU
+    assert [0, 1] in seen and {g for gpus in seen for g in gpus} == {0, 1}
+
+
 def test_a_run_stopped_part_way_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys):
     class StoppedAtFP8Weights(FakeRuns):
         def found(self, upper: int) -> int:
@@ -129,8 +148,12 @@ def test_a_run_stopped_part_way_keeps_the_rows_it_finished(tmp_path, monkeypatch
 
 
 def test_what_cannot_be_measured_as_asked_is_refused_in_one_paragraph(capsys):
-    for flags, advice in ((["--budgets", "whole", "--jobs", "2"], "with --jobs 1"),
+    for flags, advice in ((["--budgets", "whole", "--jobs", "2"], "with --jobs 1,"),
+                          (["--budgets", "whole", "--gpus", "2", "--jobs", "3"],
+                           "with --jobs 2 or fewer"),
                           (["--budgets", "24gb", "--jobs", "6"], "--jobs 5 or fewer"),
+                          (["--budgets", "24gb", "--gpus", "2", "--jobs", "11"],
+                           "--jobs 10 or fewer"),
                           (["--levers", "fp8-kv", "lesson-loop"], "add bf16 to --levers"),
                           (["--", "--no-compile"], "takes no engine flag")):
         with pytest.raises(SystemExit) as e:

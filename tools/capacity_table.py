@@ -4,6 +4,7 @@ answer confirmed by fresh processes at N (which completes) and N + 1 (which does
     python tools/capacity_table.py                          # naive, paged; every lever; 2 budgets
     python tools/capacity_table.py --caches paged --levers bf16 fp8-kv --budgets 24gb
     python tools/capacity_table.py --budgets 24gb --jobs 5  # five rows at once on one GPU
+    python tools/capacity_table.py --budgets whole --gpus 4 --jobs 4  # a row on each of 4 GPUs
     python tools/capacity_table.py --budgets 0.004 --upper 8 -- --model tiny --device cpu
                                                             # after --: flags for every run
 
@@ -34,6 +35,7 @@ import argparse
 import io
 import json
 import os
+import queue
 import subprocess
 import tempfile
 import time
@@ -75,14 +77,17 @@ class Runs:
     engine.run`) or, engine=False, the script alone: the finder's answer, and whether a batch of
     n completes."""
 
-    def __init__(self, cache: str, flags: list[str], log, engine: bool = True):
+    def __init__(self, cache: str, flags: list[str], log, engine: bool = True,
+                 gpu: int | None = None):
+        """gpu: the one GPU the runs see (CUDA_VISIBLE_DEVICES), where the rows share several."""
         engine_program = ["-m", "engine.run"] if engine else []
         self.command = [sys.executable, *engine_program, f"llama3_{cache}.py"]
         self.flags, self.log = flags, log
+        self.env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
 
     def run(self, n: int, *more: str) -> int:
         command = [*self.command, str(n), "--random-weights", *self.flags, *more]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=self.env)
         shown = " ".join(["python", *command[1:]])
         self.log.write(f"$ {shown}\n{done.stdout}{done.stderr}exit {done.returncode}\n")
         if done.returncode not in (0, OUT_OF_MEMORY):
@@ -134,12 +139,13 @@ def confirmed(runs: Runs, found: int, upper: int) -> tuple[int, list[list]]:
 
 
 def measure_row(entry: tuple[str, str, str], upper: int, extra: list[str],
-                start: int | None = None) -> tuple[dict, str]:
+                start: int | None = None, gpu: int | None = None) -> tuple[dict, str]:
     """One row: the finder (or, for the lesson's loop, `start`: the engine's answer), then fresh
-    processes around its answer. Returns the row, and its runs' output for the log."""
+    processes around its answer, on `gpu` if given. Returns the row, and its runs' output for
+    the log."""
     b, c, lever = entry
     log, began = io.StringIO(), time.perf_counter()
-    runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log, lever != LESSON_LOOP)
+    runs = Runs(c, [*budget_flags(b), *LEVERS[lever][1], *extra], log, lever != LESSON_LOOP, gpu)
     found = start if lever == LESSON_LOOP else runs.found(upper)
     n, checks = confirmed(runs, found, upper)
     return {"budget": b, "cache": c, "lever": lever, "found": found, "requests": n,
@@ -178,9 +184,20 @@ def measure_rows(entries: list, a, extra: list[str], bar, log, keep,
                  starts: list | None = None) -> None:
     """measure_row of each entry, --jobs at a time. As each row ends, its runs go to the log
     together, its answer to the terminal, and the row to `keep`: a run stopped part way (a time
-    limit) keeps every row it finished."""
+    limit) keeps every row it finished. With --gpus G, the rows at once go round the G GPUs: a
+    row takes a GPU's place from `places` and gives it back as it ends."""
+    places = queue.SimpleQueue()  # which GPU each of --jobs rows at once runs on (None: as given)
+    for j in range(a.jobs):
+        places.put(j % a.gpus if a.gpus > 1 else None)
+
+    def measure_on_a_gpu(entry, start):
+        gpu = places.get()
+        try:
+            return measure_row(entry, a.upper, extra, start, gpu)
+        finally:
+            places.put(gpu)
     with ThreadPoolExecutor(a.jobs) as pool:
-        futures = [pool.submit(measure_row, entry, a.upper, extra, start)
+        futures = [pool.submit(measure_on_a_gpu, entry, start)
                    for entry, start in zip(entries, starts or [None] * len(entries))]
         for future in as_completed(futures):
             row, runs = future.result()
@@ -231,7 +248,9 @@ def parse_arguments(argv=None):
     p.add_argument("--json", type=writable_file, metavar="PATH", help="write every figure here")
     p.add_argument("--log", type=writable_file, metavar="PATH", help="every run's output, here")
     p.add_argument("--jobs", type=positive_int, default=1,
-                   help="rows measured at once: their budgets must fit the GPU together")
+                   help="rows measured at once: their budgets must fit the GPUs together")
+    p.add_argument("--gpus", type=positive_int, default=1,
+                   help="GPUs to spread the rows at once over, each run on one (default: 1)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: flags for every run")
     a = p.parse_args(argv)
     a.flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
@@ -262,15 +281,18 @@ def main(argv=None) -> None:
             raise UserError(f"--upper {a.upper:,}: the data set holds {prompts:,} prompts.")
         if LESSON_LOOP in a.levers:
             check_lesson_loop(a)
-        if a.jobs > 1 and "whole" in a.budgets:
-            raise UserError(f"--jobs {a.jobs} with the whole GPU's budget: each run takes "
-                            f"{GPU_MEMORY_UTILIZATION:.0%} of it, so two would not fit at once. "
-                            f"Measure the whole GPU with --jobs 1.")
+        per_gpu = -(-a.jobs // a.gpus)  # rows at once on the busiest GPU
+        if per_gpu > 1 and "whole" in a.budgets:
+            raise UserError(f"--jobs {a.jobs} over --gpus {a.gpus} with the whole GPU's budget: "
+                            f"each run takes {GPU_MEMORY_UTILIZATION:.0%} of its GPU, so two "
+                            f"would not fit on one at once. Measure the whole GPU with --jobs "
+                            f"{a.gpus}{' or fewer' if a.gpus > 1 else ''}, a row on each GPU.")
         shares = [float(BUDGETS[b][1]) for b in a.budgets if b == "24gb"]
-        if shares and a.jobs * max(shares) > GPU_MEMORY_UTILIZATION:
-            raise UserError(f"--jobs {a.jobs} runs of {max(shares):.1%} of the GPU each would "
-                            f"take more than {GPU_MEMORY_UTILIZATION:.0%} of it together: use "
-                            f"--jobs {int(GPU_MEMORY_UTILIZATION // max(shares))} or fewer.")
+        if shares and per_gpu * max(shares) > GPU_MEMORY_UTILIZATION:
+            fit = int(GPU_MEMORY_UTILIZATION // max(shares)) * a.gpus
+            raise UserError(f"--jobs {a.jobs} runs of {max(shares):.1%} of a GPU each, over "
+                            f"--gpus {a.gpus}, would take more than {GPU_MEMORY_UTILIZATION:.0%} "
+                            f"of one together: use --jobs {fit} or fewer.")
         print_table(measure(a, a.flags))  # --json is written as each row ends
 
 
