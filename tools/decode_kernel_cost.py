@@ -124,7 +124,7 @@ def one_case(name: str, device) -> dict:
 
 def measure(a) -> dict:
     from flash_attn import flash_attn_with_kvcache
-    from features.fp8.cache import FP8_MAX, HEADROOM, quantize
+    from features.fp8.cache import quantize, scales_for
     from features.triton_attention import paged_decode
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -143,7 +143,7 @@ def measure(a) -> dict:
         # The same K/V in float8 (features/fp8/cache.py): half the bytes read; its difference
         # is from the bf16 Triton kernel's output at the same tile and warps.
         amax = torch.stack([c["keys"].abs().amax(), c["values"].abs().amax()]).float()
-        scales = amax * HEADROOM / FP8_MAX
+        scales = scales_for(amax)  # as the cache's first prefill sets them
         keys8, values8 = quantize(c["keys"], scales[0]), quantize(c["values"], scales[1])
         row["triton_fp8"] = []
         for tile in a.tiles:

@@ -24,6 +24,11 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 HEADROOM = 2.0  # scales leave room for later tokens twice the first prefill's largest
 
 
+def scales_for(amax: torch.Tensor) -> torch.Tensor:
+    """A layer's K and V scales from their largest |values| ([2] float32), with HEADROOM."""
+    return (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale in float8, clamped: PyTorch's cast turns what is out of range into NaN."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -84,7 +89,7 @@ class Float8Writes:
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()  # [2], no host sync
             if self.group is not None:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            self.scales[layer] = (amax * HEADROOM / FP8_MAX).clamp(min=1e-8)
+            self.scales[layer] = scales_for(amax)
             self.scaled[layer] = True
         if writes_in_one_kernel(k, self.attention_backend):  # one kernel, not ten
             from engine.cache_write import write_rows
