@@ -64,6 +64,7 @@ class ForcedSampler:
 def run_cache(run, model, cache_class, prompts, steps, forced=None) -> ForcedSampler:
     import torch
     from block_manager import BlockManager
+    from engine.engine_core import EngineCore
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
     from engine.request import EngineRequest
@@ -75,8 +76,8 @@ def run_cache(run, model, cache_class, prompts, steps, forced=None) -> ForcedSam
     lengths = torch.tensor([len(p) for p in prompts], device=run.device)
     sampler = ForcedSampler(lengths, forced)
     requests = [EngineRequest(i, p, steps) for i, p in enumerate(prompts)]
-    ModelRunner(model, cache, manager, sampler).generate(Scheduler(manager, requests),
-                                                             progress=False)
+    runner = ModelRunner(model, cache, manager, sampler)
+    EngineCore(runner, Scheduler(manager, requests), stop_ids=set()).generate(progress=False)
     return sampler
 
 
