@@ -35,6 +35,7 @@ from llama3_paged import TransformerBlock
 from plumbing.inputs import PRESETS
 from tools.shared import ClockSampler, write_and_print
 
+
 def parse_arguments(argv=None):
     p = argparse.ArgumentParser(description=first_paragraph(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--batch", type=positive_int, default=256, help="tokens in the decode step")
