@@ -12,9 +12,9 @@ More in docs/engine-notes.md.
 
 import torch
 
+from engine.attention_metadata import AttentionMetadata, Phase
 from engine.kv_cache import left_out_of_compiled_layers
 from engine.seams import plug
-from llama3_paged import PrefillBatch
 
 FP8 = plug("FP8 K/V", "FP8")
 
@@ -29,11 +29,11 @@ class FP8VirtualKVCache(plug("FP8 K/V", "Float8Writes"),
         self.init_scales(args.n_layers, device, group)
 
     @left_out_of_compiled_layers
-    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+    def attention(self, layer: int, q, k, v, batch: AttentionMetadata) -> torch.Tensor:
         """Store this batch's k, v (`[T, n_kv_heads, head_dim]`) in float8, then attend."""
         slots = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # [rows * row_tokens, ...]
         self.write_float8(layer, k, v, batch, *slots)
-        if isinstance(batch, PrefillBatch):
+        if batch.phase is Phase.PREFILL:
             return self.attention_backend.prefill(q, k, v, batch)
         rows = self.rows_of(batch)[:, None]  # [B, 1]: each request's whole row, one block
         return self.attention_backend.paged_decode(  # TritonDecode's (engine/loader.py)

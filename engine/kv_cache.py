@@ -4,12 +4,11 @@ More in docs/engine-notes.md.
 """
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 import llama3_paged as lesson
+from engine.attention_metadata import AttentionMetadata, Phase
 
 
 def left_out_of_compiled_layers(method):
@@ -17,21 +16,6 @@ def left_out_of_compiled_layers(method):
     them, in kernels of its own. Only where a run can compile, a machine with CUDA: elsewhere the
     compiler's import would make every engine run slower to start (docs/engine-notes.md)."""
     return torch.compiler.disable(method) if torch.cuda.is_available() else method
-
-
-@dataclass
-class CachedPrefillBatch:
-    """Prompts packed into one sequence of T new tokens, some after tokens cached already: each
-    new token attends to its prompt's every token, cached and new, read through the block table.
-    (A pass with nothing cached is the lesson's PrefillBatch.)"""
-    slot_mapping: torch.Tensor  # [T] int64: the slot each new token's K/V is written to
-    cu_seqlens: torch.Tensor  # [B + 1] int32: prompt r's new tokens are cu_seqlens[r]:[r+1]
-    cu_seqlens_host: list[int]
-    max_seqlen: int
-    block_table: torch.Tensor  # [B, max_blocks] int32: each prompt's blocks
-    cu_seqlens_k: torch.Tensor  # [B + 1] int32: prompt r's tokens, cached and new
-    cu_seqlens_k_host: list[int]
-    max_seqlen_k: int
 
 
 class EngineKVCache(lesson.KVCache):
@@ -54,16 +38,18 @@ class EngineKVCache(lesson.KVCache):
         self.attention_backend = backend
 
     @left_out_of_compiled_layers
-    def attention(self, layer: int, q, k, v, batch) -> torch.Tensor:
+    def attention(self, layer: int, q, k, v, batch: AttentionMetadata) -> torch.Tensor:
         """The lesson's, with the write in one kernel on CUDA and prompts after cached tokens."""
         self.write(layer, k, v, batch)
-        if isinstance(batch, CachedPrefillBatch):
-            return self.attend_after_prefix(layer, q, k, v, batch)
-        if isinstance(batch, lesson.PrefillBatch):  # a prompt's own k, v are all it attends to
-            return self.attention_backend.prefill(q, k, v, batch)
-        return self.decode_attention(layer, q, batch)
+        match batch.phase:
+            case Phase.AFTER_PREFIX:
+                return self.attend_after_prefix(layer, q, k, v, batch)
+            case Phase.PREFILL:  # a prompt's own k, v are all it attends to
+                return self.attention_backend.prefill(q, k, v, batch)
+            case Phase.DECODE:
+                return self.decode_attention(layer, q, batch)
 
-    def attend_after_prefix(self, layer: int, q, k, v, batch: CachedPrefillBatch) -> torch.Tensor:
+    def attend_after_prefix(self, layer: int, q, k, v, batch: AttentionMetadata) -> torch.Tensor:
         """The prompts' new tokens over their cached tokens and themselves, through the table."""
         return self.attention_backend.prefill_after_prefix(q, *self.blocks(layer), batch)
 
@@ -93,7 +79,7 @@ def writes_in_one_kernel(k: torch.Tensor, attention_backend) -> bool:
 class FlashAttentionAfterPrefix(lesson.FlashAttention):
     prefill_in_graphs = True  # flash-attn's varlen prefill reads the prompts' bounds on the GPU
 
-    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: CachedPrefillBatch):
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: AttentionMetadata):
         # The causal mask is aligned to each prompt's end: new tokens see all before them.
         return self.varlen(q, key_blocks, value_blocks, batch.cu_seqlens, batch.cu_seqlens_k,
                            batch.max_seqlen, batch.max_seqlen_k, causal=True,
@@ -103,7 +89,7 @@ class FlashAttentionAfterPrefix(lesson.FlashAttention):
 class TorchAttentionAfterPrefix(lesson.TorchAttention):
     prefill_in_graphs = False  # each prompt is sliced by its bounds on the host
 
-    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: CachedPrefillBatch):
+    def prefill_after_prefix(self, q, key_blocks, value_blocks, batch: AttentionMetadata):
         out = torch.empty_like(q)
         for r in range(len(batch.cu_seqlens_host) - 1):
             out[slice(*batch.cu_seqlens_host[r:r + 2])] = attend_after_prefix(

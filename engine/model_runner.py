@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from engine.kv_cache import CachedPrefillBatch
+from engine.attention_metadata import AttentionMetadata, Phase
 from engine.scheduler import Step
 from engine.request import EngineRequest
 from engine.seams import plug
-from llama3_paged import DecodeBatch, PrefillBatch, packed_passes
+from llama3_paged import packed_passes
 from plumbing.inputs import TOKENS_PER_PASS
 
 
@@ -38,7 +38,7 @@ class ModelForward:
 
     def __call__(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
         if (self.compiled and not self.any_length
-                and len(tokens) < self.shortest[not isinstance(batch, DecodeBatch)]):
+                and len(tokens) < self.shortest[batch.prefills]):
             with torch.compiler.set_stance("force_eager"):
                 return self.model(tokens, positions, kv_cache, batch, logits_at)
         return self.model(tokens, positions, kv_cache, batch, logits_at)
@@ -70,8 +70,9 @@ class SamplingDecoder:
 
     def logits(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
         """tokens, positions, rows, slots: [B] on the device. Returns [B, vocab]."""
-        batch = DecodeBatch(slot_mapping=slots, block_table=self.block_table[rows],  # their rows
-                            cache_seqlens=(positions + 1).int(), max_cache_seqlen=max_cache_seqlen)
+        batch = AttentionMetadata(Phase.DECODE, slots, block_table=self.block_table[rows],
+                                  cache_seqlens=(positions + 1).int(),  # their rows' lengths
+                                  max_cache_seqlen=max_cache_seqlen)
         return self.model(tokens, positions, self.cache, batch)
 
     def decode(self, tokens, positions, rows, slots, max_cache_seqlen: int) -> torch.Tensor:
@@ -246,8 +247,9 @@ class ModelRunner:
         on_device = lambda a, dtype=torch.long: to_device(a, self.device, dtype)
         lengths = np.array([len(p) for p in prompts])
         cu_seqlens, positions, slots = self._pass_slots(rows, lengths, np.zeros_like(lengths))
-        batch = PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
-                             cu_seqlens.tolist(), int(lengths.max()))
+        batch = AttentionMetadata(Phase.PREFILL, on_device(slots),
+                                  on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(),
+                                  int(lengths.max()))
         return self.model(on_device(np.concatenate(prompts)), on_device(positions), self.cache,
                           batch, logits_at=on_device(cu_seqlens[1:] - 1))  # [B, vocab]
 
@@ -372,13 +374,12 @@ class ModelRunner:
             return self._choose(self.prefill_logits(rows, new_tokens), rows, lengths, logprobs)
         cu_seqlens, positions, slots = self._pass_slots(rows, new, starts)
         cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
-        batch = (CachedPrefillBatch(
-            on_device(slots), on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(),
-            int(new.max()), self.manager.block_table[on_device(rows)],
-            on_device(cu_seqlens_k, torch.int32), cu_seqlens_k.tolist(), int(lengths.max()))
-            if starts.any() else  # prompts scored whole: nothing cached before them
-            PrefillBatch(on_device(slots), on_device(cu_seqlens, torch.int32),
-                         cu_seqlens.tolist(), int(new.max())))
+        batch = AttentionMetadata(  # prompts scored whole, nothing cached before them: a prefill
+            Phase.AFTER_PREFIX if starts.any() else Phase.PREFILL, on_device(slots),
+            on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(), int(new.max()),
+            block_table=self.manager.block_table[on_device(rows)],
+            cu_seqlens_k=on_device(cu_seqlens_k, torch.int32),
+            cu_seqlens_k_host=cu_seqlens_k.tolist(), max_seqlen_k=int(lengths.max()))
         last = cu_seqlens[1:] - 1  # [B]: each one's last token, whose logits choose the next
         if not scores_prompts:
             logits = self.model(on_device(np.concatenate(new_tokens)), on_device(positions),

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from block_manager import to_device
-from llama3_paged import PrefillBatch
+from engine.attention_metadata import AttentionMetadata, Phase
 
 BUCKETS = [16, 32, 64, 128] + list(range(192, 1025, 64))  # tokens of a pass that has a graph
 MAX_PROMPTS = 16  # prompts of a pass that has a graph
@@ -65,7 +65,8 @@ class GraphPrefill:
         tokens, positions, slots = per_token.view(3, LARGEST)
 
         def prefill(bucket):
-            batch = PrefillBatch(slots[:bucket], cu_seqlens.int(), None, max_seqlen=bucket)
+            batch = AttentionMetadata(Phase.PREFILL, slots[:bucket], cu_seqlens.int(),
+                                      max_seqlen=bucket)
             return engine.model(tokens[:bucket], positions[:bucket], self.cache, batch,
                                 logits_at=last_token_at)  # [MAX_PROMPTS, vocab]
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.attention_metadata import AttentionMetadata, Phase
 from engine.kv_cache import FlashAttentionAfterPrefix, attend_after_prefix
-from llama3_paged import PrefillBatch
 from block_manager import to_device
 
 TOKENS_PER_TILE = 128  # tokens loaded per loop step, whatever the block size: a tile of 128
@@ -173,10 +173,10 @@ class TritonAttention:
                 device = batch.slot_mapping.device
                 tokens = to_device(np.flatnonzero(np.repeat(fresh, new_tokens)), device)
                 bounds = np.concatenate([[0], np.cumsum(new_tokens[fresh])])
-                fresh_batch = PrefillBatch(slot_mapping=batch.slot_mapping[tokens],
-                                           cu_seqlens=to_device(bounds, device, torch.int32),
-                                           cu_seqlens_host=bounds.tolist(),
-                                           max_seqlen=int(new_tokens[fresh].max()))
+                fresh_batch = AttentionMetadata(
+                    Phase.PREFILL, batch.slot_mapping[tokens],
+                    cu_seqlens=to_device(bounds, device, torch.int32),
+                    cu_seqlens_host=bounds.tolist(), max_seqlen=int(new_tokens[fresh].max()))
                 self._split = tokens, fresh_batch, np.flatnonzero(~fresh).tolist()
         return self._split
 

@@ -14,7 +14,8 @@ from tools.bench import (gpu_wait_seconds_per_step, parse_arguments, prefill_flo
 from plumbing.inputs import random_model
 from tools.shared import ClockSampler, clock_line
 from llama3_paged import Llama
-from llama3_paged import DecodeBatch, KVCache, PrefillBatch
+from engine.attention_metadata import AttentionMetadata, Phase
+from llama3_paged import KVCache, PrefillBatch
 
 
 def test_prefill_flops_match_pytorchs_count():
@@ -213,7 +214,7 @@ def test_short_passes_launched_from_python_run_eager_and_graphs_record_them_comp
             lambda tokens, positions, kv_cache, batch, logits_at=None: tokens * 2, backend=counter))
 
     forward = ModelForward(CompiledStandIn(), compiled=True)
-    decode = DecodeBatch(None, None, None, 1)
+    decode = AttentionMetadata(Phase.DECODE, None)
     assert torch.equal(forward(torch.ones(520), None, None, decode), torch.full((520,), 2.0))
     assert counter.frame_count == 0
     with forward.at_any_length():
@@ -233,7 +234,8 @@ def test_compiled_layers_leave_short_prefill_passes_eager():
     model = random_model(Llama, "tiny", "cpu", torch.float32, 256, seed=5)
     cache = EngineKVCache(model.args, 16, 16, torch.float32, "cpu", TorchAttention())
     tokens = torch.arange(40) % 100 + 1
-    batch = PrefillBatch(torch.arange(40), torch.tensor([0, 25, 40], dtype=torch.int32), [0, 25, 40], 25)
+    batch = AttentionMetadata(Phase.PREFILL, torch.arange(40),
+                              torch.tensor([0, 25, 40], dtype=torch.int32), [0, 25, 40], 25)
     positions = torch.cat([torch.arange(25), torch.arange(15)])
     logits_at = torch.tensor([24, 39])
     eager = model(tokens, positions, cache, batch, logits_at=logits_at)

@@ -9,9 +9,10 @@ import torch
 from conftest import ROOT, assert_one_paragraph, engine_model, run_main
 from test_scripts import TINY, run_script
 
-from engine.kv_cache import CachedPrefillBatch, TorchAttentionAfterPrefix
+from engine.attention_metadata import AttentionMetadata, Phase
+from engine.kv_cache import TorchAttentionAfterPrefix
 from features.fp8.cache import FP8_MAX, HEADROOM, FP8KVCache, dequantize, quantize
-from llama3_paged import DecodeBatch, PrefillBatch, TorchAttention
+from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from plumbing.inputs import PRESETS
 
@@ -47,15 +48,18 @@ def test_the_cache_stores_scaled_float8_and_decodes_as_dequantize_then_attend():
     k, v = (torch.randn(sum(lengths), kv_heads, d, generator=g) * 5 for _ in range(2))
     q = torch.randn(sum(lengths), heads, d, generator=g)
     bounds = [0, lengths[0], sum(lengths)]
-    cache.attention(0, q, k, v, PrefillBatch(slots, torch.tensor(bounds, dtype=torch.int32), bounds,
-                                             max(lengths)))
+    cache.attention(0, q, k, v, AttentionMetadata(Phase.PREFILL, slots,
+                                                  torch.tensor(bounds, dtype=torch.int32), bounds,
+                                                  max(lengths)))
     k_scale, v_scale = cache.scales[0].tolist()
     assert k_scale == pytest.approx(k.abs().max().item() * HEADROOM / FP8_MAX)
     assert cache.k.dtype == torch.float8_e4m3fn
     # decode: the last token of each request again, attending over everything cached
     last = torch.tensor([lengths[0] - 1, sum(lengths) - 1])
     table = torch.tensor(rows, dtype=torch.int32)
-    batch = DecodeBatch(slots[last], table, torch.tensor(lengths, dtype=torch.int32), max(lengths))
+    batch = AttentionMetadata(Phase.DECODE, slots[last], block_table=table,
+                              cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                              max_cache_seqlen=max(lengths))
     out = cache.attention(0, q[last], k[last], v[last], batch)
     for r in range(2):
         keys = dequantize(quantize(k[bounds[r]:bounds[r + 1]], torch.tensor(k_scale)), torch.tensor(k_scale), torch.float64)
@@ -75,7 +79,8 @@ def test_scales_forgotten_after_a_warm_up_are_set_by_the_next_prefill_as_a_fresh
     warm_k, warm_v = (torch.full(shape, 0.01) for _ in range(2))
     k, v = (torch.randn(*shape, generator=g) * 7 for _ in range(2))
     q = torch.randn(8, args.n_heads, args.head_dim, generator=g)
-    batch = PrefillBatch(torch.arange(8), torch.tensor([0, 8], dtype=torch.int32), [0, 8], 8)
+    batch = AttentionMetadata(Phase.PREFILL, torch.arange(8),
+                              torch.tensor([0, 8], dtype=torch.int32), [0, 8], 8)
     warmed, fresh = (FP8KVCache(args, 4, 16, torch.float32, "cpu", TorchAttention()) for _ in range(2))
     warmed.attention(0, q, warm_k, warm_v, batch)
     warmed.forget_scales()
@@ -126,7 +131,8 @@ def test_a_decode_step_hands_a_triton_backend_the_layers_float8_blocks_table_and
     slots = torch.tensor([rows[r][t // block_size] * block_size + t % block_size
                           for r, n in enumerate(lengths) for t in range(n)])
     bounds = [0, lengths[0], sum(lengths)]
-    prefill = PrefillBatch(slots, torch.tensor(bounds, dtype=torch.int32), bounds, max(lengths))
+    prefill = AttentionMetadata(Phase.PREFILL, slots, torch.tensor(bounds, dtype=torch.int32),
+                                bounds, max(lengths))
     kv = {}
     for layer, spread in ((0, 1.0), (1, 7.0)):
         k, v = (torch.randn(sum(lengths), args.n_kv_heads, args.head_dim, generator=g) * spread
@@ -135,8 +141,9 @@ def test_a_decode_step_hands_a_triton_backend_the_layers_float8_blocks_table_and
                         k, v, prefill)
         kv[layer] = k, v
     q = torch.randn(2, args.n_heads, args.head_dim, generator=g)
-    batch = DecodeBatch(None, torch.tensor(rows, dtype=torch.int32),
-                        torch.tensor(lengths, dtype=torch.int32), max(lengths))
+    batch = AttentionMetadata(Phase.DECODE, None, block_table=torch.tensor(rows, dtype=torch.int32),
+                              cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                              max_cache_seqlen=max(lengths))
     out = cache.decode_attention(1, q, batch)
     k_scale, v_scale = (torch.tensor(x.abs().max().item() * HEADROOM / FP8_MAX) for x in kv[1])
     for r in range(2):
@@ -165,15 +172,18 @@ def outputs_after_a_cached_prefix(attention, device, dtype, block_size: int):
     q = random(sum(new), heads, 1.0)
     # The prefix's own prefill: it sets the layer's scales and stores the prefix.
     cache.attention(0, *on(random(cached[0], heads).to(dtype), prefix_k.to(dtype), prefix_v.to(dtype)),
-                    PrefillBatch(*on(torch.tensor([slot(0, p) for p in range(cached[0])]),
-                                     torch.tensor([0, cached[0]], dtype=torch.int32)),
-                                 [0, cached[0]], cached[0]))
+                    AttentionMetadata(Phase.PREFILL,
+                                      *on(torch.tensor([slot(0, p) for p in range(cached[0])]),
+                                          torch.tensor([0, cached[0]], dtype=torch.int32)),
+                                      [0, cached[0]], cached[0]))
     bounds, bounds_k = [0, new[0], sum(new)], [0, lengths[0], sum(lengths)]
     slots = torch.tensor([slot(r, p) for r in range(2) for p in range(cached[r], lengths[r])])
-    batch = CachedPrefillBatch(
-        *on(slots, torch.tensor(bounds, dtype=torch.int32)), bounds, max(new),
-        *on(torch.tensor(tables, dtype=torch.int32), torch.tensor(bounds_k, dtype=torch.int32)),
-        bounds_k, max(lengths))
+    table, cu_seqlens_k = on(torch.tensor(tables, dtype=torch.int32),
+                             torch.tensor(bounds_k, dtype=torch.int32))
+    batch = AttentionMetadata(
+        Phase.AFTER_PREFIX, *on(slots, torch.tensor(bounds, dtype=torch.int32)), bounds, max(new),
+        block_table=table, cu_seqlens_k=cu_seqlens_k, cu_seqlens_k_host=bounds_k,
+        max_seqlen_k=max(lengths))
     out = cache.attention(0, *on(q.to(dtype), k.to(dtype), v.to(dtype)), batch)
     k_scale, v_scale = (cache.scales[0, i].cpu() for i in range(2))
     stored = lambda x, scale: dequantize(quantize(x.to(dtype).cpu(), scale), scale, torch.float64)

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kv_cache import EngineKVCache
+from engine.model_runner import SamplingDecoder
 from engine.request import EngineRequest
 from llama3_paged import TorchAttention
 from block_manager import BlockManager
 from conftest import engine_model, generate, random_ids, request
 from block_manager import OutOfBlocks
-from llama3_paged import Decoder, Engine
+from llama3_paged import Engine
 from llama3_paged import Scheduler
 from llama3_paged import KVCache
 
@@ -24,7 +26,8 @@ def model():
 
 
 def run(model, prompts, budgets, num_blocks, block_size, stop_ids=frozenset(), chunk_tokens=64):
-    cache = KVCache(model.args, num_blocks, block_size, torch.float32, "cpu", TorchAttention())
+    cache = EngineKVCache(model.args, num_blocks, block_size, torch.float32, "cpu",
+                          TorchAttention())
     manager = BlockManager(num_blocks, block_size, max_requests=len(prompts),
                            max_blocks_per_request=math.ceil(MAX_SEQ_LEN / block_size))
     result = generate(model, cache, manager, prompts, budgets, MAX_SEQ_LEN, stop_ids,
@@ -130,14 +133,13 @@ def test_prefill_and_decode_write_each_token_where_slots_says(model):
 
 def test_padding_rows_write_only_the_spare_slot_and_change_no_answer(model):
     # CUDA graphs pad a batch up to a fixed size with rows that write the spare slot.
-    from engine.kv_cache import EngineKVCache
     cache = EngineKVCache(model.args, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu",
                           attention=TorchAttention(), spare_slot=True)
     manager = BlockManager(8, 4, max_requests=2, max_blocks_per_request=4)
     torch.manual_seed(8)
     cache.k.normal_(), cache.v.normal_()  # stand-ins for the tokens cached so far
     manager.allocate(request(0, 7)), manager.allocate(request(1, 4))  # the newest at 6 and 3
-    decoder = Decoder(model, cache, manager.block_table)
+    decoder = SamplingDecoder(model, cache, manager.block_table)  # the one CUDA graphs record
     rows, positions = np.array([0, 1]), np.array([6, 3])
     fed = torch.tensor([11, 12])  # the newest tokens, on the device
     before = cache.k.clone()

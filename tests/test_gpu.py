@@ -13,8 +13,8 @@ import torch
 
 from conftest import ROOT
 
-from engine.kv_cache import (CachedPrefillBatch, EngineKVCache, FlashAttentionAfterPrefix,
-                             TorchAttentionAfterPrefix)
+from engine.attention_metadata import AttentionMetadata, Phase
+from engine.kv_cache import EngineKVCache, FlashAttentionAfterPrefix, TorchAttentionAfterPrefix
 from conftest import generate
 from features.sharing.block_manager import SharingBlockManager
 from plumbing.cli import importable
@@ -295,7 +295,7 @@ def test_the_float8_write_kernel_stores_the_bytes_of_the_pytorch_write(dtype, n_
     from features.fp8.cache import FP8, FP8_MAX, Float8Writes
     num_slots = 1000
     k, v, slot_mapping = fresh_rows(dtype, n_kv, d, num_slots, spread=3)
-    batch = DecodeBatch(slot_mapping, None, None, 0)
+    batch = AttentionMetadata(Phase.DECODE, slot_mapping)
     pools = []
     for backend in ("torch", "flash"):  # the PyTorch reference's write, then the kernel's
         writer = Float8Writes()
@@ -590,8 +590,9 @@ def test_prefill_after_a_cached_prefix_matches_the_reference(attention, cached, 
     slots = torch.cat([table[r, torch.arange(s, n, device="cuda") // block_size] * block_size
                        + torch.arange(s, n, device="cuda") % block_size
                        for r, (s, n) in enumerate(zip(starts, lengths))]).long()  # the new tokens'
-    info = CachedPrefillBatch(slots, to_cuda(q_bounds), q_bounds, max(new), table,
-                              to_cuda(k_bounds), k_bounds, max(lengths))
+    info = AttentionMetadata(Phase.AFTER_PREFIX, slots, to_cuda(q_bounds), q_bounds, max(new),
+                             block_table=table, cu_seqlens_k=to_cuda(k_bounds),
+                             cu_seqlens_k_host=k_bounds, max_seqlen_k=max(lengths))
     backend = FlashAttentionAfterPrefix() if attention == "flash" else TritonAttention()
     out = backend.prefill_after_prefix(q, keys, values, info)
     reference = TorchAttentionAfterPrefix().prefill_after_prefix(q.double(), keys.double(), values.double(), info)

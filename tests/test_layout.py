@@ -227,6 +227,24 @@ def test_no_class_of_the_engine_or_a_feature_subclasses_the_lessons_loop():
     assert not found, found
 
 
+def test_every_pass_of_the_engine_carries_one_attention_metadata_object():
+    """The model runner builds one AttentionMetadata per pass (engine/attention_metadata.py), and
+    the caches ask its phase: no file of engine/ or features/ builds or imports the lesson's
+    batch classes, nor tells a batch's kind by isinstance."""
+    found = []
+    for name, path in project_modules().items():
+        if name.split(".")[0] not in ("engine", "features"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in LESSON_MODULES:
+                found += [f"{name} imports {a.name}" for a in node.names
+                          if a.name in ("PrefillBatch", "DecodeBatch")]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "isinstance" and "Batch" in ast.unparse(node.args[1])):
+                found.append(f"{name}: {ast.unparse(node)}")
+    assert not found, found
+
+
 def plugged(node) -> bool:
     """Whether `node` is a call plug("feature", ...) of engine/seams.py."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)

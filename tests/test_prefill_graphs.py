@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from block_manager import BlockManager
+from engine.attention_metadata import AttentionMetadata, Phase
 from engine.kv_cache import EngineKVCache
-from engine.model_runner import ModelForward
+from engine.model_runner import ModelForward, ModelRunner
 from features.prefill_graphs import BUCKETS, LARGEST, LAYOUT, MAX_PROMPTS, padded_pass
-from llama3_paged import Engine, Llama, PrefillBatch, Request, TorchAttention
+from llama3_paged import Llama, Request, TorchAttention
 from plumbing.cli import importable
 from plumbing.inputs import PRESETS, random_model
 from conftest import engine_model, random_ids
@@ -39,7 +40,7 @@ def engine_with_blocks(model, cache_class, attention, prompts, block_size, devic
                            device)
     for row, prompt in enumerate(prompts):
         manager.allocate(Request(row, prompt, 1))
-    return Engine(ModelForward(model, compiled), cache, manager)
+    return ModelRunner(ModelForward(model, compiled), cache, manager)
 
 
 @pytest.mark.parametrize("lengths", CPU_CASES)
@@ -67,7 +68,8 @@ def test_a_padded_pass_gives_the_pass_logits_and_kv(lengths):
     per_token, cu_seqlens, last_token_at = inputs.split(LAYOUT)
     tokens, positions_in, slots_in = per_token.view(3, LARGEST)[:, :bucket]
     assert cu_seqlens[-1] == bucket and len(cu_seqlens) == MAX_PROMPTS + 2
-    batch = PrefillBatch(slots_in, cu_seqlens.int(), cu_seqlens.tolist(), max_seqlen=bucket)
+    batch = AttentionMetadata(Phase.PREFILL, slots_in, cu_seqlens.int(), cu_seqlens.tolist(),
+                              max_seqlen=bucket)
     padded = model(tokens, positions_in, engine.cache, batch, logits_at=last_token_at)
 
     assert padded.shape[0] == MAX_PROMPTS

@@ -47,11 +47,12 @@ import numpy as np
 import torch
 
 from block_manager import BlockManager
+from engine.attention_metadata import AttentionMetadata, Phase
 from engine.request import EngineRequest, append_tokens_at
 from engine.engine_core import EngineCore
 from engine.model_runner import greedy
 from plumbing.inputs import TOKENS_PER_PASS
-from llama3_paged import DecodeBatch, Llama
+from llama3_paged import Llama
 from features.arrivals import latency_report
 from engine.scheduler import Scheduler
 from features.virtual.mapping_ahead import MappingAheadManager, mapping_seconds
@@ -213,8 +214,10 @@ def attention_seconds_per_layer(setup, cache, lengths: list[int]) -> tuple[float
     lengths = fitting
     args = setup.model.args
     q = torch.randn(len(lengths), args.n_heads, args.head_dim, dtype=setup.dtype, device=device)
-    batch = DecodeBatch(None, manager.block_table[:len(lengths)],
-                        torch.tensor(lengths, dtype=torch.int32, device=device), max(lengths))
+    batch = AttentionMetadata(Phase.DECODE, None, block_table=manager.block_table[:len(lengths)],
+                              cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                                         device=device),
+                              max_cache_seqlen=max(lengths))
 
     def attend():
         return cache.decode_attention(0, q, batch)

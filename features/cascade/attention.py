@@ -9,10 +9,10 @@ More in docs/engine-notes.md.
 """
 
 import contextlib
+import dataclasses
 
 import torch
 
-from llama3_paged import DecodeBatch
 
 # When the cascade pays (tools/cascade_cost.py, docs/sharing.md): its two kernels and the merge
 # cost more than the plain kernel's reads of the prefix until the batch x the prefix reaches some
@@ -142,9 +142,10 @@ class CascadeAttention:
         shared = self.parts.shared(q, key_blocks, value_blocks, self.prefix_table)
         # Every request has tokens after the prefix (its own turn, its last token); padding
         # rows of a CUDA graph (cache_seqlens 1) read one slot of the batch's first request.
-        own = DecodeBatch(batch.slot_mapping, batch.block_table[:, self.prefix_blocks:],
-                          (batch.cache_seqlens - self.prefix_tokens).clamp(min=1),
-                          max(batch.max_cache_seqlen - self.prefix_tokens, 1))
+        own = dataclasses.replace(
+            batch, block_table=batch.block_table[:, self.prefix_blocks:],
+            cache_seqlens=(batch.cache_seqlens - self.prefix_tokens).clamp(min=1),
+            max_cache_seqlen=max(batch.max_cache_seqlen - self.prefix_tokens, 1))
         return self.parts.merge(*shared, *self.parts.own(q, key_blocks, value_blocks, own))
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from block_manager import to_device
-from engine.kv_cache import CachedPrefillBatch, EngineKVCache, writes_in_one_kernel
-from llama3_paged import PrefillBatch
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_cache import EngineKVCache, writes_in_one_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -85,7 +85,7 @@ class Float8Writes:
     def write_float8(self, layer: int, k, v, batch, key_slots, value_slots) -> None:
         """k, v: [T, n_kv_heads, head_dim] in the model's dtype, into rows batch.slot_mapping of
         key_slots and value_slots ([slots, n_kv_heads, head_dim], float8)."""
-        if isinstance(batch, (PrefillBatch, CachedPrefillBatch)) and not self.scaled[layer]:
+        if batch.prefills and not self.scaled[layer]:
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()  # [2], no host sync
             if self.group is not None:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
@@ -127,7 +127,7 @@ class FP8KVCache(Float8Writes, EngineKVCache):
             q, key_blocks, value_blocks, batch.block_table, batch.cache_seqlens,
             kv_scales=self.scales[layer])
 
-    def attend_after_prefix(self, layer: int, q, k, v, batch: CachedPrefillBatch) -> torch.Tensor:
+    def attend_after_prefix(self, layer: int, q, k, v, batch: AttentionMetadata) -> torch.Tensor:
         """The prompts' new tokens over their cached prefixes and themselves. The blocks they read,
         dequantized into a copy in the model's dtype: prompt r's at rows r * width .. of it, in
         order, with a block table of its own. The new tokens' fresh K/V are written over their
@@ -141,7 +141,7 @@ class FP8KVCache(Float8Writes, EngineKVCache):
             blocks.view(-1, *fresh.shape[1:]).index_copy_(0, copy_batch.slot_mapping, fresh)
         return self.attention_backend.prefill_after_prefix(q, key_blocks, value_blocks, copy_batch)
 
-    def _batch_over_a_copy(self, batch: CachedPrefillBatch):
+    def _batch_over_a_copy(self, batch: AttentionMetadata):
         """`batch` with its slots and block table in the copy: prompt r's token at position p is
         slot r * width * block_size + p there. Worked out at the first layer, kept for the rest."""
         if self._copy_of is not batch:

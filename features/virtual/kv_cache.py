@@ -7,6 +7,7 @@ layers, and each decode step's rows read once per step, not once per layer.
 import torch
 
 import llama3_virtual
+from engine.attention_metadata import AttentionMetadata, Phase
 from engine.kv_cache import left_out_of_compiled_layers
 from virtual_pages import PageManager, check, driver
 from features.virtual.mapping_ahead import BackgroundMapper, MappingAheadManager, mapping_seconds
@@ -17,8 +18,16 @@ class EngineVirtualKVCache(llama3_virtual.VirtualKVCache):
         super().__init__(*args)
         self._rows_batch = self._rows = None  # the last decode batch's rows (rows_of)
 
-    # Left out of compiled layers (engine/compiled_layers.py), as the engine's paged cache
-    attention = left_out_of_compiled_layers(llama3_virtual.VirtualKVCache.attention)
+    @left_out_of_compiled_layers  # as the engine's paged cache (engine/compiled_layers.py)
+    def attention(self, layer: int, q, k, v, batch: AttentionMetadata) -> torch.Tensor:
+        """The lesson's, told a prefill by the step's phase, not by the lesson's batch class."""
+        self.k[layer].flatten(0, 1).index_copy_(0, batch.slot_mapping, k)  # row * row_tokens + p
+        self.v[layer].flatten(0, 1).index_copy_(0, batch.slot_mapping, v)
+        if batch.phase is Phase.PREFILL:
+            return self.attention_backend.prefill(q, k, v, batch)
+        return self.decode_kernel(q[:, None], self.k[layer], self.v[layer],  # q: [B, 1, H, D]
+                                  cache_seqlens=batch.cache_seqlens,
+                                  cache_batch_idx=self.rows_of(batch), causal=True)[:, 0]
 
     def rows_of(self, batch) -> torch.Tensor:
         """The lesson's, once per step rather than once per layer (two small kernels less in
