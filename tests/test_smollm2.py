@@ -169,16 +169,17 @@ def test_greedy_tokens_match_transformers_naive_paged_and_preempted(tmp_path, ou
 # slow: transformers' tokenizer and model, read from the GGUF, load in about 35 s on 2 cores
 @pytest.mark.slow
 def test_a_short_answer_stops_at_end_of_text_as_transformers_does(ours, transformers_smollm2):
-    from llama3_paged import Llama, TorchAttention, KVCache
+    from llama3_paged import Llama, TorchAttention
     from block_manager import BlockManager
     from conftest import generate
+    from engine.kv_cache import EngineKVCache
     from plumbing.inputs import _load_gguf
     model, _ = transformers_smollm2
     prompt = ours.chat_prompt("What is the capital of France? Answer in one sentence.")
     expected = expected_tokens(model, prompt, 40, next(iter(ours.stop_ids)))
     assert 0 < len(expected) < 40, "transformers' answer ends by itself"
     llama = _load_gguf(Llama, GGUFFile(GGUF), "cpu", torch.float32, 256)
-    cache = KVCache(llama.args, 16, 16, torch.float32, "cpu", TorchAttention())
+    cache = EngineKVCache(llama.args, 16, 16, torch.float32, "cpu", TorchAttention())
     manager = BlockManager(16, 16, 1, 16, "cpu")
     g = generate(llama, cache, manager, [prompt], [40], 256, stop_ids=ours.stop_ids)
     assert g.output_tokens[0] == expected
