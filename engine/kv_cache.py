@@ -4,6 +4,7 @@ More in docs/engine-notes.md.
 """
 
 import math
+
 import torch
 import torch.nn.functional as F
 

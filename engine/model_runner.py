@@ -374,7 +374,7 @@ class ModelRunner:
             return self._choose(self.prefill_logits(rows, new_tokens), rows, lengths, logprobs)
         cu_seqlens, positions, slots = self._pass_slots(rows, new, starts)
         cu_seqlens_k = np.concatenate([[0], np.cumsum(lengths)])
-        batch = AttentionMetadata(  # prompts scored whole, nothing cached before them: a prefill
+        batch = AttentionMetadata(  # nothing cached before the prompts (scored whole): a prefill
             Phase.AFTER_PREFIX if starts.any() else Phase.PREFILL, on_device(slots),
             on_device(cu_seqlens, torch.int32), cu_seqlens.tolist(), int(new.max()),
             block_table=self.manager.block_table[on_device(rows)],
