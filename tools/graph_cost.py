@@ -31,10 +31,9 @@ import torch
 
 from block_manager import BlockManager
 from engine.kv_cache import EngineKVCache
-from engine.model_runner import ModelForward
+from engine.model_runner import ModelForward, SamplingDecoder
 from engine.request import EngineRequest
 from llama3_paged import FlashAttention
-from llama3_paged import Decoder
 from plumbing.inputs import random_model
 from llama3_paged import Llama
 from plumbing.cli import (HelpFormatter, first_paragraph, one_paragraph_errors, positive_int,
@@ -90,7 +89,7 @@ def measure(a) -> dict:
     kv_per_token = model.args.kv_bytes_per_token(torch.bfloat16)
     cache, manager = one_pool(model, max(a.batches), a.context_tokens, device)
     forward = ModelForward(model, compiled=a.compile)
-    decoder, rows = Decoder(forward, cache, manager.block_table), []
+    decoder, rows = SamplingDecoder(forward, cache, manager.block_table), []  # the engine's step
     with torch.inference_mode():
         for batch in a.batches:
             inputs = step_inputs(model, manager, batch, a.context_tokens, device)
