@@ -5,6 +5,7 @@ with the features the flags turn on (each reached through engine/seams.py), whic
 LLMEngine, tools/bench.py and tools/latency_sweep.py all build here.
 """
 
+import contextlib
 import functools
 import gc
 import math
@@ -30,7 +31,13 @@ SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says othe
 
 
 def kv_budget_bytes(run: Run) -> float:
-    budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
+    """The pool's budget, its activation peak measured with the layers eager, as a fresh process
+    measures it before its layers compile. A --find-max-batch attempt after the first finds them
+    compiled in place, where the fused SwiGLU holds one [pass tokens, ffn_dim] tensor fewer: it
+    would size a larger pool than `llama3_X.py N` then gets (docs/memory.md)."""
+    with (torch.compiler.set_stance("force_eager") if run.args.compile
+          else contextlib.nullcontext()):
+        budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
     if run.split:  # every process of a split model sizes the same pool
         budget = plug("tensor parallelism", "least_over_processes")(budget)
     return budget
