@@ -31,13 +31,7 @@ SWAP_SPACE_GB = 4.0  # host memory for swapped K/V unless --swap-space says othe
 
 
 def kv_budget_bytes(run: Run) -> float:
-    """The pool's budget, its activation peak measured with the layers eager, as a fresh process
-    measures it before its layers compile. A --find-max-batch attempt after the first finds them
-    compiled in place, where the fused SwiGLU holds one [pass tokens, ffn_dim] tensor fewer: it
-    would size a larger pool than `llama3_X.py N` then gets (docs/memory.md)."""
-    with (torch.compiler.set_stance("force_eager") if run.args.compile
-          else contextlib.nullcontext()):
-        budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
+    budget = inputs.kv_budget_bytes(run, sampling_peak_bytes(run))
     if run.split:  # every process of a split model sizes the same pool
         budget = plug("tensor parallelism", "least_over_processes")(budget)
     return budget
@@ -120,14 +114,21 @@ def allocate_naive(run: Run):
 def allocate_kv_cache(run: Run, served: bool = False):
     """The pool and block manager of the run's script, llama3_<cache>.py: where the three
     differ. The virtual script is imported for its own runs only: the others never touch CUDA's
-    virtual memory. served: a served engine's, whose requests may ask for n samples."""
-    if run.args.cache == "virtual":
-        allocate_virtual = plug("virtual memory", "allocate_kv_cache")
-        if run.kv_cache_dtype is None:
-            return allocate_virtual(run)
-        from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
-        return allocate_virtual(run, functools.partial(FP8VirtualKVCache, group=run.group))
-    return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
+    virtual memory. served: a served engine's, whose requests may ask for n samples.
+
+    Each sizes its pool by the activations' peak, measured here with the layers eager, as a
+    fresh process measures it before its layers compile: a --find-max-batch attempt after the
+    first finds them compiled in place, where the fused SwiGLU holds one [pass tokens, ffn_dim]
+    tensor fewer, and would size a larger pool than `llama3_X.py N` then gets (docs/memory.md)."""
+    with (torch.compiler.set_stance("force_eager") if run.args.compile
+          else contextlib.nullcontext()):
+        if run.args.cache == "virtual":
+            allocate_virtual = plug("virtual memory", "allocate_kv_cache")
+            if run.kv_cache_dtype is None:
+                return allocate_virtual(run)
+            from engine.fp8_virtual_cache import FP8VirtualKVCache  # where the two combine
+            return allocate_virtual(run, functools.partial(FP8VirtualKVCache, group=run.group))
+        return allocate_naive(run) if run.args.cache == "naive" else allocate_paged(run, served)
 
 
 def make_requests(run: Run) -> list[EngineRequest]:
