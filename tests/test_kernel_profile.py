@@ -58,6 +58,44 @@ def test_a_matmul_loop_is_counted_as_matmuls_and_the_classes_add_up_to_the_wall(
     assert p["seconds"]["matmul"] > 0.9 * busy
     assert sum(p["kernel_seconds"].values()) == pytest.approx(busy)  # every kernel, by name
     assert sum(p["seconds"].values()) == pytest.approx(p["wall_seconds"], rel=1e-6)
+    # One stream: its kernels and the idle gaps between them fill the span from first to last
+    idle = p["idle"]
+    assert busy + idle["idle_seconds"] == pytest.approx(idle["span_seconds"], rel=1e-3)
+    assert idle["span_seconds"] <= p["wall_seconds"]
+
+
+def test_idle_gaps_are_the_spans_between_busy_stretches_of_overlapping_kernels():
+    # (start, end, name) in microseconds, out of order; b runs inside a (two streams), so the
+    # first gap is after a, which ends last, not after b
+    kernels = [(30, 35, "c"), (0, 20, "a"), (5, 10, "b"), (60, 61, "d"), (36, 40, "e")]
+    idle = kernel_profile.idle_gaps(kernels)
+    assert idle["span_seconds"] == pytest.approx(61e-6)
+    assert idle["idle_seconds"] == pytest.approx((10 + 1 + 20) * 1e-6)
+    assert idle["largest"] == [
+        {"us": 20, "after": "e", "before": "d", "at_ms": 0.040},
+        {"us": 10, "after": "a", "before": "c", "at_ms": 0.020},
+        {"us": 1, "after": "c", "before": "e", "at_ms": 0.035}]
+    many = [(10 * i, 10 * i + 1, f"k{i}") for i in range(kernel_profile.GAPS_KEPT + 5)]
+    assert len(kernel_profile.idle_gaps(many)["largest"]) == kernel_profile.GAPS_KEPT
+
+
+def test_gaps_prints_each_runs_idle_time_and_its_largest_gaps(tmp_path, capsys):
+    idle = {"span_seconds": 0.080, "idle_seconds": 0.012,
+            "largest": [{"us": 9000.0, "after": "nvjet_gemm", "before": "rope_kernel",
+                         "at_ms": 41.5}]}
+    run = fake_profile({"nvjet_gemm": 0.068}) | {"wall_seconds": 0.1, "idle": idle}
+    path = tmp_path / "ours.json"
+    path.write_text(json.dumps({"engine": "ours", "profile": {
+        "requests": 1, "prompt_tokens": 2, "decoded_tokens": 0, "prefill": run,
+        "whole": fake_profile({"nvjet_gemm": 0.068}),  # as written before --gaps
+        "decode_seconds_per_token": dict.fromkeys(kernel_profile.CLASS_ORDER, 0.0)}}))
+    kernel_profile.main([str(path), "--gaps"])
+    out = capsys.readouterr().out
+    assert ("ours, prefill run: wall 100.0 ms; before the first kernel and after the last 20.0 ms;"
+            " idle between kernels 12.0 ms" in out)
+    assert [line.split() for line in out.splitlines() if line.startswith("  ")][-1] == [
+        "9.00", "ms", "at", "41.5", "ms", "after", "nvjet_gemm", "before", "rope_kernel"]
+    assert "ours, whole: no idle gaps in this profile" in out
 
 
 def fake_profile(kernel_seconds: dict) -> dict:

@@ -4,6 +4,7 @@
     python tools/nano_vllm_bench.py NANO_VLLM_DIR --profile nano.json
     python tools/kernel_profile.py ours.json nano.json           # the table, side by side
     python tools/kernel_profile.py ours.json nano.json --kernels 12   # and each one's largest kernels
+    python tools/kernel_profile.py ours.json nano.json --gaps         # and where the GPU waited
     python tools/bench.py paged -q fp8 --profile fp8.json    # FP8 weights, beside bf16's ours.json
 
 Each engine's profile is two runs of the same requests under torch.profiler (CUDA activities):
@@ -54,6 +55,7 @@ KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the fir
     ("copies", r"memcpy|memset|copy"),
     ("elementwise", r"elementwise|vectorized|reduce|cat_|fill|silu|swiglu|mul|add"),
 ]
+GAPS_KEPT = 10  # of each profiled run: its largest idle gaps (--gaps)
 FIRST_TOKENS = (127_000, 127_001)  # of the profiled runs' prompts: no workload's first token
 CLASS_ORDER = [name for name, _ in KERNEL_CLASSES] + ["other", "gaps"]
 
@@ -63,10 +65,32 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, name)), "other")
 
 
+def idle_gaps(kernels: list[tuple[float, float, str]]) -> dict:
+    """Where the GPU waited for the host, from its kernels' (start, end, name) in microseconds,
+    in any order: the span from the first start to the last end, the idle time inside it, and
+    its GAPS_KEPT largest gaps, each with the kernel that ended before it, the one that began
+    after it, and when (ms from the span's start). Kernels that overlap (two streams) are one
+    busy stretch. The wall time outside the span is the host's before the first launch and
+    after the last kernel."""
+    kernels = sorted(kernels)
+    first, busy_until, last_name = kernels[0]
+    gaps = []
+    for start, end, name in kernels[1:]:
+        if start > busy_until:
+            gaps.append({"us": start - busy_until, "after": last_name, "before": name,
+                         "at_ms": (busy_until - first) / 1e3})
+        if end > busy_until:
+            busy_until, last_name = end, name
+    return {"span_seconds": (busy_until - first) / 1e6,
+            "idle_seconds": sum(gap["us"] for gap in gaps) / 1e6,
+            "largest": sorted(gaps, key=lambda gap: -gap["us"])[:GAPS_KEPT]}
+
+
 def profile_seconds(run) -> dict:
     """run() under torch.profiler: GPU seconds by kernel class, "gaps" (wall time with no kernel
-    running), and the wall time."""
+    running), the wall time, and where the GPU sat idle (idle_gaps)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
@@ -82,7 +106,10 @@ def profile_seconds(run) -> dict:
         if own > 0:
             kernels[event.key] = own / 1e6
     seconds = seconds_by_class(kernels, gaps=max(wall - sum(kernels.values()), 0.0))
-    return {"seconds": seconds, "wall_seconds": wall, "kernel_seconds": kernels}
+    on_gpu = [(event.time_range.start, event.time_range.end, event.name)
+              for event in trace.events() if event.device_type == DeviceType.CUDA]
+    return {"seconds": seconds, "wall_seconds": wall, "kernel_seconds": kernels,
+            "idle": idle_gaps(on_gpu) if on_gpu else None}
 
 
 def seconds_by_class(kernel_seconds: dict, gaps: float) -> dict:
@@ -193,6 +220,26 @@ def print_largest_kernels(records: list[dict], n: int) -> None:
                       f"{kernel[:64]}")
 
 
+def print_idle_gaps(records: list[dict]) -> None:
+    """Each profiled run's idle GPU time, outside its kernels' span and inside it, and its largest
+    gaps between kernels: what the GPU waited for."""
+    for record in records:
+        name = record.get("engine", record["path"])
+        for run in ("prefill", "whole"):
+            idle = record["profile"].get(run, {}).get("idle")
+            if not idle:
+                print(f"\n{name}, {run}: no idle gaps in this profile (written before --gaps): "
+                      f"run it again to list them")
+                continue
+            wall = record["profile"][run]["wall_seconds"]
+            print(f"\n{name}, {run} run: wall {1e3 * wall:,.1f} ms; before the first kernel and "
+                  f"after the last {1e3 * (wall - idle['span_seconds']):,.1f} ms; idle between "
+                  f"kernels {1e3 * idle['idle_seconds']:,.1f} ms, the largest gaps:")
+            for gap in idle["largest"]:
+                print(f"  {gap['us'] / 1e3:>8,.2f} ms at {gap['at_ms']:>9,.1f} ms  after "
+                      f"{gap['after'][:40]:40}  before {gap['before'][:40]}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="kernel_profile.py", description=first_paragraph(__doc__),
                                 formatter_class=HelpFormatter)
@@ -200,6 +247,8 @@ def main(argv=None) -> None:
                    help="--profile JSON files of tools/bench.py or tools/nano_vllm_bench.py")
     p.add_argument("--kernels", type=positive_int, metavar="N",
                    help="also list each profile's N largest kernels by name")
+    p.add_argument("--gaps", action="store_true",
+                   help="also list where each profiled run's GPU sat idle, largest gaps first")
     a = p.parse_args(argv)
     with one_paragraph_errors("kernel_profile.py"):
         if len(a.profiles) > 4:
@@ -207,6 +256,8 @@ def main(argv=None) -> None:
         print_side_by_side(a.profiles)
         if a.kernels:
             print_largest_kernels(a.profiles, a.kernels)
+        if a.gaps:
+            print_idle_gaps(a.profiles)
 
 
 if __name__ == "__main__":
