@@ -120,6 +120,7 @@ def allocate_kv_cache(run: Run, served: bool = False):
     fresh process measures it before its layers compile: a --find-max-batch attempt after the
     first finds them compiled in place, where the fused SwiGLU holds one [pass tokens, ffn_dim]
     tensor fewer, and would size a larger pool than `llama3_X.py N` then gets (docs/memory.md)."""
+    # Only where layers compile: set_stance loads the compiler, which a plain CPU run never needs
     with (torch.compiler.set_stance("force_eager") if run.args.compile
           else contextlib.nullcontext()):
         if run.args.cache == "virtual":
