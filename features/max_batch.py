@@ -68,6 +68,9 @@ def attempt(run, num_requests: int, allocate_kv_cache, generate) -> Attempt:
         result = Attempt(num_requests, "out of memory", 0.0)
     gc.collect()  # the failed run's tensors, held by its traceback until now
     if run.device.type == "cuda":
+        # cuBLAS keeps a workspace for every stream that ran a matmul, the CUDA graphs' capture
+        # stream too (32 MiB on Hopper): a fresh process has none for it when it sizes its pool
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
     result.seconds = time.perf_counter() - start
     pool = f", pool of {result.kv_pool_blocks:,} blocks" if result.kv_pool_blocks else ""
