@@ -43,19 +43,27 @@ def apply_rope_compiled(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tenso
 
 def compile_layers(model) -> None:
     """Compile each transformer layer of `model` in place (engine/model_runner.py's ModelForward,
-    made `compiled`). The engine's caches leave the attention call out of the graphs."""
+    made `compiled`, runs them inside `compiler_settings`). The engine's caches leave the
+    attention call out of the graphs."""
     # The rotations still enter the compiled code as complex numbers, handed whole to the RoPE
     # kernel, yet inductor warns that it runs complex code slowly.
     warnings.filterwarnings("ignore", "Torchinductor does not support code generation for complex")
-    # Every layer runs the same code and differs only in its weights and its index (which
-    # layer's K/V it attends). Dynamo makes an int attribute a constant and guards it: each layer
-    # would compile again for its own index (docs/speed.md). Read as an input, one graph serves all.
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True
-    # Each other model compiled in the same process (a dtype, FP8 weights, a cache) adds graphs,
-    # and past dynamo's limit (8) it would run the layers eagerly, with one warning.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in model.layers:
         layer.compile(dynamic=True)
+
+
+def compiler_settings():
+    """Dynamo's settings for the compiled layers, in force only while they run (a context
+    manager; torch's own settings are as they were outside it)."""
+    return torch._dynamo.config.patch(
+        # Every layer runs the same code and differs only in its weights and its index (which
+        # layer's K/V it attends). Dynamo makes an int attribute a constant and guards it: each
+        # layer would compile again for its own index (docs/speed.md). Read as an input, one
+        # graph serves all.
+        allow_unspec_int_on_nn_module=True,
+        # Each other model compiled in the same process (a dtype, FP8 weights, a cache) adds
+        # graphs, and past dynamo's limit (8) it would run the layers eagerly, with one warning.
+        recompile_limit=64)
 
 
 def warm_up_prompts(compiled: bool, manager, max_seq_len: int,

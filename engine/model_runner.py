@@ -32,16 +32,19 @@ class ModelForward:
         self.shortest = {}  # the shortest pass that runs compiled, by whether it prefills
         if compiled:
             from engine.compiled_layers import (COMPILED_FROM_ROWS, COMPILED_FROM_TOKENS,
-                                                compile_layers)
+                                                compile_layers, compiler_settings)
             compile_layers(model)
             self.shortest = {True: COMPILED_FROM_TOKENS, False: COMPILED_FROM_ROWS}
+            self.compiler_settings = compiler_settings
 
     def __call__(self, tokens, positions, kv_cache, batch, logits_at=None) -> torch.Tensor:
-        if (self.compiled and not self.any_length
-                and len(tokens) < self.shortest[batch.prefills]):
+        if not self.compiled:
+            return self.model(tokens, positions, kv_cache, batch, logits_at)
+        if not self.any_length and len(tokens) < self.shortest[batch.prefills]:
             with torch.compiler.set_stance("force_eager"):
                 return self.model(tokens, positions, kv_cache, batch, logits_at)
-        return self.model(tokens, positions, kv_cache, batch, logits_at)
+        with self.compiler_settings():
+            return self.model(tokens, positions, kv_cache, batch, logits_at)
 
     @contextlib.contextmanager
     def at_any_length(self):

@@ -224,6 +224,50 @@ def test_short_passes_launched_from_python_run_eager_and_graphs_record_them_comp
     assert counter.frame_count == 2  # a larger step: compiled for its size
 
 
+def test_compiled_layers_share_one_graph_across_layers_and_leave_torchs_settings_as_they_were():
+    # ModelForward runs the compiled layers inside engine/compiled_layers.py's compiler_settings.
+    # Layers that differ only in their index (an int attribute) then share one graph; called
+    # outside those settings, dynamo guards each index as a constant and compiles again. Around
+    # the call, and after building ModelForward, dynamo's settings are what they were.
+    from torch._dynamo.testing import CompileCounter
+    from engine.model_runner import ModelForward
+    counter = CompileCounter()
+
+    class Layer(torch.nn.Module):
+        def __init__(self, index: int):
+            super().__init__()
+            self.index = index
+
+        def forward(self, x):
+            return x * self.index
+
+    class Stacked:  # compiles its own layers (counted), so ModelForward has none to compile
+        layers = []
+
+        def __init__(self):
+            self.own = [Layer(i) for i in (1, 2, 3)]
+            for layer in self.own:
+                layer.compile(backend=counter, dynamic=True)
+
+        def __call__(self, tokens, positions, kv_cache, batch, logits_at=None):
+            for layer in self.own:
+                tokens = layer(tokens)
+            return tokens
+
+    before = dict(torch._dynamo.config.get_config_copy())
+    torch._dynamo.reset()
+    forward = ModelForward(Stacked(), compiled=True)
+    assert dict(torch._dynamo.config.get_config_copy()) == before
+    decode = AttentionMetadata(Phase.DECODE, None)
+    with forward.at_any_length():
+        assert torch.equal(forward(torch.ones(4), None, None, decode), torch.full((4,), 6.0))
+    assert counter.frame_count == 1  # one graph for the three indexes
+    assert dict(torch._dynamo.config.get_config_copy()) == before
+    torch._dynamo.reset()
+    Stacked()(torch.ones(4), None, None, decode)  # the same layers, outside the settings
+    assert counter.frame_count == 1 + 3
+
+
 def test_compiled_layers_leave_short_prefill_passes_eager():
     # A pass shorter than COMPILED_FROM_TOKENS compiles nothing and gives the eager logits:
     # launching the compiled layers took longer than the eager kernels (engine/compiled_layers.py).
