@@ -228,7 +228,7 @@ class LLMEngine:
         inference mode, as the scripts' Engine.generate runs and the CUDA graphs were captured:
         no autograd, and compiled layers meet the mode they were compiled in (a step in another
         would compile the layers again, stalling a server when its batch first outgrows the
-        graphs' 512 rows: docs/serving-under-load.md)."""
+        graphs' largest: docs/serving-under-load.md)."""
         self.runner.time_next_step()
         while self.core.has_work():  # with overlap, the first step is launched, not recorded
             step = self.core.step()

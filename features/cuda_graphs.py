@@ -15,7 +15,10 @@ import torch
 
 from block_manager import to_device
 
-BUCKETS = [1, 2, 4] + list(range(8, 513, 8))  # batch sizes with a graph, as vLLM captures
+# Batch sizes with a graph: vLLM's up to 512, then every 32 up to 1,024. Up to about 1,000 rows
+# a step launched from Python is slower than its graph, the more so with float8 weights, whose
+# kernels are shorter than their launches (docs/speed.md); past that a graph buys nothing.
+BUCKETS = [1, 2, 4] + list(range(8, 513, 8)) + list(range(544, 1025, 32))
 
 
 class GraphDecoder:

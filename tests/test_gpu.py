@@ -151,6 +151,24 @@ def test_cuda_graphs_generate_the_same_tokens_as_eager_decoding():
     assert all(s.seconds > 0 for s in graphs.timeline)
 
 
+def test_cuda_graphs_past_512_rows_generate_the_eager_tokens(monkeypatch):
+    # 600 requests allowed 1 to 12 new tokens: the decode batch shrinks from some 550 through
+    # the buckets of 32 above 512 into those below, each step replayed by a graph.
+    from features.cuda_graphs import GraphDecoder
+    model = random_model(Llama, "tiny", "cuda", torch.bfloat16, MAX_SEQ_LEN, seed=2)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128_000, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 40, (600,), generator=g)]
+    budgets = torch.randint(1, 13, (600,), generator=g).tolist()
+    eager = generate_on_gpu(model, prompts, budgets, num_blocks=700, block_size=256)
+    replayed, replay = [], GraphDecoder.step
+    monkeypatch.setattr(GraphDecoder, "step", lambda self, tokens, positions, rows, slots: (
+        replayed.append(len(rows)) or replay(self, tokens, positions, rows, slots)))
+    graphs = generate_on_gpu(model, prompts, budgets, num_blocks=700, block_size=256, graphs=True)
+    assert graphs.output_tokens == eager.output_tokens
+    assert max(replayed) > 512 and len(replayed) == len(graphs.timeline)
+
+
 @pytest.mark.parametrize("script, args", [
     ("llama3_paged.py", ["--block-size", "16"]),  # flash-attn's pages are multiples of 256
     ("llama3_naive.py", ["--max-seq-len", "1000"]),  # the naive block is max_seq_len long

@@ -5,7 +5,7 @@ against the same step replayed as one CUDA graph, per batch size.
     python tools/graph_cost.py --batches 256,1024 --context-tokens 512
     python tools/graph_cost.py --compile --batches 512,640,768,1024
 
-features/cuda_graphs.py captures a graph per batch bucket up to 512 and runs larger batches
+features/cuda_graphs.py captures a graph per batch bucket up to 1,024 and runs larger batches
 eagerly; this measures whether that costs anything. Each request holds --context-tokens tokens of
 random K/V in blocks of 256. With --compile the layers are compiled (engine/compiled_layers.py,
 the default on CUDA): the graphs replay the compiled kernels, and a third column times the
