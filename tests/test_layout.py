@@ -263,7 +263,7 @@ def test_the_seam_table_of_the_docs_is_the_engines():
 
 
 def test_every_file_of_features_belongs_to_a_feature_at_a_seam():
-    # Its own row, or its folder's: features/fp8/split_k.py is FP8 weights' kernel
+    # Its own row, or its folder's: features/fp8/swiglu_quantize.py is FP8 weights' kernel
     from engine.seams import FEATURES
     declared = {f.module for f in FEATURES.values()}
     folders = {m.rsplit(".", 1)[0] for m in declared if m.count(".") == 2}

@@ -26,23 +26,16 @@ def quantize_rows(x: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tens
     return quantize(x, scale), scale
 
 
-SCALES_AFTER_MAX_ROWS = 256  # o, down, gate/up: cuBLAS's unit-scale kernel up to here
-
-
-def split_k_fits(n_in: int, n_out: int) -> bool:
-    from features.fp8.split_k import fits  # Triton: CUDA machines only, so imported when asked
-    return fits(n_in, n_out)
+SCALES_AFTER_MAX_ROWS = 256  # cuBLAS's unit-scale kernel up to here, its row-wise one above
 
 
 class Float8Linear(nn.Module):
     """y = x W^T with W in float8 and a scale per output channel; x quantized per token."""
 
-    def __init__(self, linear: nn.Linear, group=None, to_residual: bool = False):
+    def __init__(self, linear: nn.Linear, group=None):
         """group: the processes that each hold a slice of the input features (o's and down's
         under torchrun), whose outputs are parts of the sum they add up; None: one process holds
-        them all. to_residual: o and down, whose few output columns the residual add takes: at a
-        decode step's rows their sum splits over K (features/fp8/split_k.py), above them the
-        scales wait for the add."""
+        them all."""
         super().__init__()
         self.group = group
         weight, scale = quantize_rows(linear.weight.detach(), group)  # [out, in], [out, 1]
@@ -50,13 +43,6 @@ class Float8Linear(nn.Module):
         self.scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)  # [1, out]
         # _scaled_mm multiplies float8 on CUDA and writes bf16 with row-wise scales
         self.uses_scaled_mm = weight.is_cuda and linear.weight.dtype == torch.bfloat16
-        self.split_k = (to_residual and self.uses_scaled_mm and group is None
-                        and split_k_fits(linear.in_features, linear.out_features))
-        # At o's and down's 4,096 columns and a decode step's 129 to 256 rows, cuBLAS's kernel
-        # for one scale per matrix is faster than its row-wise one (down at 256 rows with the
-        # add: 34.6 against 44.8 us, docs/fp8.md): unit scales there, and the rows' scales
-        # after, which compiled layers fold into the residual add. From 512 rows it is slower.
-        self.scales_after = to_residual and self.uses_scaled_mm
         self.register_buffer("one", torch.ones((), device=weight.device),  # the unit scale
                              persistent=False)
 
@@ -66,13 +52,11 @@ class Float8Linear(nn.Module):
 
     def multiply(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype) -> torch.Tensor:
         """An input quantized per token, x8: [T, in] float8 and x_scale: [T, 1], -> [T, out]."""
-        if self.split_k:
-            from features.fp8.split_k import partial_sums, slices  # Triton: CUDA machines only
-            k_slices = slices(x8.shape[0])
-            if k_slices:  # compiled layers fold the sum and the scales into the residual add
-                sums = partial_sums(x8, self.weight, k_slices)  # [k_slices, T, out] float32
-                return (sums.sum(0) * x_scale * self.scale).to(dtype)
-        if self.scales_after and x8.shape[0] <= SCALES_AFTER_MAX_ROWS:
+        if self.uses_scaled_mm and x8.shape[0] <= SCALES_AFTER_MAX_ROWS:
+            # At a decode step's rows cuBLAS's kernel for one scale per matrix is up to 2.5x
+            # faster than its row-wise one (q/k/v at 8 rows: 6.4 against 18.4 us, docs/fp8.md):
+            # unit scales, and the rows' scales after, which compiled layers fold into the
+            # kernel that follows. From 512 rows the row-wise kernel is the faster.
             out = (self.sums(x8, dtype) * x_scale * self.scale).to(dtype)
         elif self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
@@ -126,15 +110,13 @@ def quantize_weights(model, group=None) -> tuple[int, int]:
     over (the process-group seam's; None: one), so o and down hold input slices."""
     before = sum(p.nbytes for p in model.parameters())
     for layer in model.layers:
-        # o and down write the residual stream: under torchrun their inputs are sliced, and their
-        # few output columns split K at a decode step's rows
-        for block, name, to_residual in ((layer.attention, "wqkv", False),
-                                         (layer.attention, "wo", True),
-                                         (layer.feed_forward, "w_gate_up", False),
-                                         (layer.feed_forward, "w_down", True)):
+        # o and down write the residual stream: under torchrun their inputs are sliced
+        for block, name, sliced_input in ((layer.attention, "wqkv", False),
+                                          (layer.attention, "wo", True),
+                                          (layer.feed_forward, "w_gate_up", False),
+                                          (layer.feed_forward, "w_down", True)):
             setattr(block, name, Float8Linear(getattr(block, name),
-                                              group if to_residual else None,
-                                              to_residual=to_residual))
+                                              group if sliced_input else None))
         # On CUDA SwiGLU and down's quantization in one kernel; not under torchrun, where a row
         # of down's input is sliced over the processes and its largest value is over them all
         down = layer.feed_forward.w_down
