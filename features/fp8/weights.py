@@ -79,7 +79,8 @@ class Float8FeedForward(nn.Module):
     """The lesson's FeedForward with float8 projections, on CUDA in one process: SwiGLU and down's
     per-token quantization in one kernel (features/fp8/swiglu_quantize.py), which reads gate/up's
     output once, where the compiled code made three kernels of it. Up to 256 rows gate/up runs
-    cuBLAS's unit-scale kernel, as o and down do, and the SwiGLU kernel applies its scales."""
+    cuBLAS's unit-scale kernel, as every projection does, and the SwiGLU kernel applies its
+    scales."""
 
     def __init__(self, w_gate_up: Float8Linear, w_down: Float8Linear):
         super().__init__()
