@@ -53,10 +53,11 @@ class Float8Linear(nn.Module):
     def multiply(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype) -> torch.Tensor:
         """An input quantized per token, x8: [T, in] float8 and x_scale: [T, 1], -> [T, out]."""
         if self.uses_scaled_mm and x8.shape[0] <= SCALES_AFTER_MAX_ROWS:
-            # At a decode step's rows cuBLAS's kernel for one scale per matrix is up to 2.5x
+            # At a decode step's rows cuBLAS's kernel for one scale per matrix is 2 to 3 times
             # faster than its row-wise one (q/k/v at 8 rows: 6.4 against 18.4 us, docs/fp8.md):
-            # unit scales, and the rows' scales after, which compiled layers fold into the
-            # kernel that follows. From 512 rows the row-wise kernel is the faster.
+            # unit scales, then the scales in one multiply, which compiled layers fuse with the
+            # elementwise work around it (o's and down's residual add). From 512 rows the
+            # row-wise kernel is the faster.
             out = (self.sums(x8, dtype) * x_scale * self.scale).to(dtype)
         elif self.uses_scaled_mm:
             # weight.t() is [in, out] column-major: the layout the float8 tensor cores read
