@@ -41,10 +41,10 @@ PROFILE_REQUESTS = 256  # the workload's first requests: a trace of the whole of
 PROFILE_NEW_TOKENS = 64  # new tokens per request at most, in the profiled run
 KERNEL_CLASSES = [  # (class, pattern in the kernel's name, lower case): the first match wins
     # Our own Triton kernels are named here too: paged_decode and the cascade's merge_kernel
-    # (features/), partial_sums (FP8 weights' split-K matmul, in profiles of commits before
-    # 2026-12-03), write_rows (the engine's cache
-    # write, 16-bit or float8), rope_kernel (compiled layers' RoPE, under "rope"),
-    # swiglu_quantize (down's float8 input), row_stats (log-probabilities).
+    # (features/), write_rows (the engine's cache write, 16-bit or float8), rope_kernel (compiled
+    # layers' RoPE, under "rope"), swiglu_quantize (down's float8 input), row_stats
+    # (log-probabilities), and partial_sums (FP8 weights' split-K matmul, since removed: it is in
+    # the profiles of older commits, which comparisons against them read).
     ("fused (torch.compile)", r"^triton_(poi|red|per|tem)_"),  # inductor's generated kernels
     ("collectives (NCCL)", r"nccl"),  # tensor parallelism's all-reduces and gathers
     ("attention", r"flash|fmha|paged_decode|attention|^merge_kernel"),
